@@ -1,0 +1,190 @@
+//! `GpuNode` (one per Kubernetes node: the layout the operator wants, the state the agent sees)
+//! and [`NodeInventory`], the one description of a node and its GPUs used everywhere: the
+//! `gpuslice plan --nodes` file, the emulator's seed, the placement engine's input and
+//! `GpuNode.status`.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use kube::core::Duration;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::layout::Layout;
+
+/// The GPUs of one node: the layout the operator wants on each (spec) and what the node agent
+/// observed and applied (status). Named after the node; written by the operator (spec) and the
+/// agent (status), each with its own field manager.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "gpuslice.io",
+    version = "v1alpha1",
+    kind = "GpuNode",
+    plural = "gpunodes",
+    shortname = "gnode",
+    category = "gpuslice",
+    status = "GpuNodeStatus",
+    printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.inventory.gpus[*].index"}"#,
+    printcolumn = r#"{"name":"Applied","type":"integer","jsonPath":".status.appliedGeneration"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuNodeSpec {
+    /// The desired layout of each GPU of the node that belongs to a pool.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
+    pub gpus: Vec<GpuAssignment>,
+    /// Git commit (or other revision) of the configuration this desired state came from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_revision: Option<String>,
+}
+
+/// The desired layout of one GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuAssignment {
+    /// GPU index on the node.
+    pub index: u32,
+    /// GPU UUID, when known; the agent refuses to apply when the GPU at `index` has another UUID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// The pool the GPU belongs to.
+    pub pool: String,
+    /// The window whose layout this is; empty for the pool's default layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<String>,
+    /// The layout to apply.
+    pub layout: Layout,
+    /// Minimum compute time slice for software slices on this GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_slice: Option<Duration>,
+}
+
+/// What the node agent observed and applied.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuNodeStatus {
+    /// The node's GPUs as NVML reports them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inventory: Option<NodeInventory>,
+    /// The `metadata.generation` of the spec the GPUs now match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied_generation: Option<i64>,
+    /// `Ready` and `Blocked` (a transition waits for busy instances), with reasons.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// A node and its GPUs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeInventory {
+    /// Node name.
+    pub name: String,
+    /// Node labels (what pools select on).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Allocatable CPU of the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<Quantity>,
+    /// Allocatable memory of the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Quantity>,
+    /// The node's GPUs.
+    #[serde(default)]
+    pub gpus: Vec<GpuInventory>,
+}
+
+/// One physical GPU.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuInventory {
+    /// Index on the node.
+    pub index: u32,
+    /// UUID (`GPU-…`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// Model name as NVML reports it, for example `NVIDIA H200`.
+    pub model: String,
+    /// Usable memory as NVML reports it; the catalog's figure for the model when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Quantity>,
+    /// MIG mode and instances; absent when MIG is disabled or unsupported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigState>,
+    /// Software slices currently configured on the GPU.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slices: Vec<SoftwareSliceState>,
+    /// Processes running on the whole GPU (outside MIG instances).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<GpuProcess>,
+}
+
+/// MIG mode of a GPU and its GPU instances.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigState {
+    /// Whether MIG mode is enabled.
+    pub enabled: bool,
+    /// GPU instances, each with its placement.
+    #[serde(default)]
+    pub instances: Vec<MigInstance>,
+}
+
+/// One GPU instance (with its compute instance).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigInstance {
+    /// Profile name, for example `3g.71gb`.
+    pub profile: String,
+    /// Memory slices the instance occupies.
+    pub placement: Placement,
+    /// MIG device UUID (`MIG-…`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// Processes using the instance; an instance with processes is busy and is never destroyed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<GpuProcess>,
+}
+
+/// A MIG placement: the first memory slice and how many it spans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+pub struct Placement {
+    /// First memory slice.
+    pub start: u32,
+    /// Number of memory slices.
+    pub size: u32,
+}
+
+/// A software slice configured on a GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SoftwareSliceState {
+    /// Slice id, unique on the node.
+    pub id: String,
+    /// Memory cap.
+    pub memory: Quantity,
+    /// Compute share in percent.
+    pub compute: u32,
+    /// Processes holding the slice; a slice with a claim is busy.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<GpuProcess>,
+}
+
+/// A process using GPU memory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuProcess {
+    /// Process id on the node.
+    pub pid: u32,
+    /// GPU memory the process uses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Quantity>,
+    /// Process name, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}

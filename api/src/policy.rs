@@ -1,0 +1,92 @@
+//! `GpuSlicePolicy`: what a workload asks for, referenced by name from its pod template label.
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::CustomResource;
+use serde::{Deserialize, Serialize};
+
+/// A named request for a slice of a pool's GPUs. Workloads use it by carrying the label
+/// `gpuslice.io/policy: <name>` on their pod template.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[kube(
+    group = "gpuslice.io",
+    version = "v1alpha1",
+    kind = "GpuSlicePolicy",
+    plural = "gpuslicepolicies",
+    shortname = "gsp",
+    category = "gpuslice",
+    status = "GpuSlicePolicyStatus",
+    printcolumn = r#"{"name":"Pool","type":"string","jsonPath":".spec.pool"}"#,
+    printcolumn = r#"{"name":"Memory","type":"string","jsonPath":".spec.memory"}"#,
+    printcolumn = r#"{"name":"Limit","type":"integer","jsonPath":".spec.compute.limit"}"#,
+    printcolumn = r#"{"name":"Guarantee","type":"integer","jsonPath":".spec.compute.guarantee"}"#,
+    printcolumn = r#"{"name":"Priority","type":"string","jsonPath":".spec.priority"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuSlicePolicySpec {
+    /// Name of the `GpuPool` whose slices this policy uses.
+    #[schemars(length(min = 1))]
+    pub pool: String,
+    /// GPU memory the workload needs. It is placed on the smallest slice whose memory holds this
+    /// plus the pool's `memoryHeadroom`.
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("memory must be a positive quantity such as 18Gi"))]
+    pub memory: Quantity,
+    /// Compute share in percent of a GPU: a cap, and optionally a guarantee under contention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute: Option<ComputeShare>,
+    /// Number of slices each workload (pod) gets. Default 1.
+    #[serde(default = "one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub count: u32,
+    /// `low`, `normal` or `high`, or the name of a PriorityClass. Default `normal`.
+    #[serde(default = "normal")]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$') && self.size() <= 253").message("priority must be low, normal, high or a PriorityClass name (lowercase DNS name)"))]
+    pub priority: String,
+    /// Whether higher-priority work may preempt this workload (after its checkpoint signal). Default true.
+    #[serde(default = "yes")]
+    pub preemptible: bool,
+    /// Name of the `CheckpointPolicy` for this workload; the pool's applies when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_policy: Option<String>,
+    /// Namespaces whose workloads may use this policy; every namespace when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+}
+
+fn one() -> u32 {
+    1
+}
+fn normal() -> String {
+    "normal".to_string()
+}
+fn yes() -> bool {
+    true
+}
+
+/// A compute share, in percent of one GPU's time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.guarantee) || self.guarantee <= self.limit").message("guarantee must not exceed limit"))]
+pub struct ComputeShare {
+    /// Cap: the workload never gets more than this share, even on an idle GPU (1–100).
+    #[schemars(range(min = 1, max = 100))]
+    pub limit: u32,
+    /// Floor: the share the workload gets whenever it has work queued and the GPU is contended (0–100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 100))]
+    pub guarantee: Option<u32>,
+}
+
+/// What the operator resolved for the policy.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuSlicePolicyStatus {
+    /// `Ready` (the pool and checkpoint policy exist and a slice fits) with a reason and message.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}

@@ -1,0 +1,226 @@
+//! `GpuPool`: a set of GPUs on matching nodes and how they are cut up, by time of day.
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
+use kube::core::Duration;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::layout::Layout;
+use crate::time::{ClockTime, DailyWindow, Weekday, utc};
+
+/// A pool of GPUs: which nodes and GPUs belong to it, how each GPU is cut up (MIG partitions,
+/// software slices or whole GPUs), how that changes by time of day, and how work is scheduled on it.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[kube(
+    group = "gpuslice.io",
+    version = "v1alpha1",
+    kind = "GpuPool",
+    plural = "gpupools",
+    shortname = "gpool",
+    category = "gpuslice",
+    status = "GpuPoolStatus",
+    printcolumn = r#"{"name":"Nodes","type":"integer","jsonPath":".status.nodes"}"#,
+    printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.gpus"}"#,
+    printcolumn = r#"{"name":"Slices","type":"integer","jsonPath":".status.slices.total"}"#,
+    printcolumn = r#"{"name":"Allocated","type":"integer","jsonPath":".status.slices.allocated"}"#,
+    printcolumn = r#"{"name":"Window","type":"string","jsonPath":".status.activeWindow"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuPoolSpec {
+    /// Which nodes belong to the pool. Two pools may select the same node only when their
+    /// `gpuSelector`s pick disjoint GPUs.
+    pub node_selector: LabelSelector,
+    /// Which GPUs of the selected nodes belong to the pool; all of them when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_selector: Option<GpuSelector>,
+    /// The layout of each GPU outside every window.
+    pub layout: Layout,
+    /// Time-of-day windows with a different layout (elastic slicing). Windows of one pool must not overlap.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub windows: Vec<TimeWindow>,
+    /// The shortest time a slice keeps the GPU once the compute arbiter grants it (Go duration,
+    /// 1ms–1s; default 10ms). Longer slices mean fewer context switches for compute-bound training.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1ms') && duration(self) <= duration('1s')").message("timeSlice must be between 1ms and 1s"))]
+    pub time_slice: Option<Duration>,
+    /// Memory kept back in each slice for the CUDA context and allocator overhead. A policy fits a
+    /// slice when its `memory` plus this headroom is at most the slice's memory. Default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && !quantity(string(self)).isLessThan(quantity('0'))").message("memoryHeadroom must be a quantity such as 1Gi, not negative"))]
+    pub memory_headroom: Option<Quantity>,
+    /// How queued work is ordered and whether it may preempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduling: Option<Scheduling>,
+    /// Name of the `CheckpointPolicy` for workloads whose `GpuSlicePolicy` names none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_policy: Option<String>,
+    /// Periodic repacking of slices to reduce fragmentation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compaction: Option<Compaction>,
+    /// Per-slice I/O limits and a node-local dataset cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io: Option<IoLimits>,
+    /// Isolation of GPU faults (XID errors) to the slice that caused them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault_isolation: Option<FaultIsolation>,
+}
+
+/// Selects GPUs on a node by model, index or UUID. A GPU belongs to the pool when it matches every
+/// list that is set.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuSelector {
+    /// GPU model names as NVML reports them, for example `NVIDIA H200` or `NVIDIA A100-SXM4-80GB`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
+    /// GPU indices on the node (as `nvidia-smi` numbers them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub indices: Vec<u32>,
+    /// GPU UUIDs (`GPU-…`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub uuids: Vec<String>,
+}
+
+/// A weekly time-of-day window during which the pool uses another layout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.start != self.end").message("start and end must differ (a window of zero length never opens)"))]
+pub struct TimeWindow {
+    /// Name of the window, unique in the pool; shown in status and events.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// IANA time zone in which `start`, `end` and `days` are read, for example `Asia/Shanghai`. Default UTC.
+    #[serde(default = "utc")]
+    pub time_zone: String,
+    /// Days on which the window opens (it may close on the next day). Default: every day.
+    #[serde(default = "every_day")]
+    #[schemars(length(min = 1))]
+    #[x_kube(validation = Rule::new("self.all(d, self.exists_one(e, e == d))").message("days must not repeat"))]
+    pub days: Vec<Weekday>,
+    /// When the window opens, `HH:MM`.
+    pub start: ClockTime,
+    /// When the window closes, `HH:MM`; earlier than `start` means the window crosses midnight.
+    pub end: ClockTime,
+    /// The layout in force while the window is open.
+    pub layout: Layout,
+}
+
+fn every_day() -> Vec<Weekday> {
+    Weekday::ALL.to_vec()
+}
+
+/// Queueing and preemption on the pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Scheduling {
+    /// Order of the queue: `Fifo`, `Priority`, `Fair` (fair share between namespaces) or
+    /// `PriorityFair` (priority first, fair share within a priority). Default `PriorityFair`.
+    #[serde(default)]
+    pub policy: SchedulingPolicy,
+    /// Whether higher-priority work may preempt preemptible work, after its checkpoint signal and grace period.
+    #[serde(default)]
+    pub preemption: bool,
+}
+
+/// Queue ordering of a pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum SchedulingPolicy {
+    Fifo,
+    Priority,
+    Fair,
+    #[default]
+    PriorityFair,
+}
+
+/// Periodic compaction: repack slices so that free capacity is contiguous.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Compaction {
+    /// Whether compaction runs at all.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Fragmentation (0–1, the share of free capacity that no pending request can use) above which
+    /// compaction runs. Default 0.3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub fragmentation_threshold: Option<f64>,
+    /// Daily window in which compaction may move workloads. Required when enabled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<DailyWindow>,
+}
+
+/// I/O limits per slice.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IoLimits {
+    /// Disk read/write bandwidth of each slice, bytes per second (for example `500Mi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("bandwidthPerSlice must be a positive quantity such as 500Mi"))]
+    pub bandwidth_per_slice: Option<Quantity>,
+    /// A node-local cache directory for datasets, shared read-only by the pool's workloads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_cache: Option<LocalCache>,
+}
+
+/// A node-local dataset cache.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LocalCache {
+    /// Absolute path of the cache directory on the node.
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("path must be absolute"))]
+    pub path: String,
+}
+
+/// Fault isolation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FaultIsolation {
+    /// When a GPU reports an XID error, stop only the slice that caused it and keep the others running.
+    #[serde(default)]
+    pub enabled: bool,
+}
+
+/// What the operator observed of the pool.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuPoolStatus {
+    /// `Ready`, `Progressing` and `Degraded`, each with a reason and a message saying what to change.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Name of the window in force, or empty when the default layout is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_window: Option<String>,
+    /// When the layout next changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_transition: Option<Time>,
+    /// Number of nodes the pool selects.
+    #[serde(default)]
+    pub nodes: u32,
+    /// Number of GPUs in the pool.
+    #[serde(default)]
+    pub gpus: u32,
+    /// Slices in the pool and how many are in use.
+    #[serde(default)]
+    pub slices: SliceCounts,
+}
+
+/// Slice totals of a pool.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SliceCounts {
+    /// Slices (MIG instances, software slices or whole GPUs) in the pool.
+    #[serde(default)]
+    pub total: u32,
+    /// Slices held by a workload.
+    #[serde(default)]
+    pub allocated: u32,
+}

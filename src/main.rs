@@ -1,0 +1,5 @@
+fn main() {
+    for kind in gpuslice_api::Kind::ALL {
+        println!("{}", gpuslice_api::crd::crd_yaml(kind));
+    }
+}
