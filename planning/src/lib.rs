@@ -1,0 +1,7 @@
+//! The planning core of gpuslice: pure functions over plain data, no I/O. The agent, the
+//! operator and the `gpuslice` CLI share it.
+
+pub mod catalog;
+pub mod mig;
+pub mod validate;
+pub mod windows;
