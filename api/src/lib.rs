@@ -16,6 +16,9 @@ pub mod pool;
 pub mod quantity;
 pub mod time;
 
+pub use k8s_openapi;
+pub use kube::core::Duration;
+
 pub use checkpoint::{CheckpointPolicy, CheckpointPolicySpec, CheckpointPolicyStatus, CheckpointStorage, Signal};
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{

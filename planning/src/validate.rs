@@ -1,1 +1,353 @@
+//! Whole-repository checks on typed objects: what only a view of every object at once can tell
+//! (references, unique names, fits against the GPU catalog, overlapping windows). The schema
+//! and CEL checks of single objects live in `gpuslice_api::admission`.
 
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use gpuslice_api::quantity::{bytes_of, format_bytes};
+use gpuslice_api::{CheckpointPolicy, GpuPool, GpuSlicePolicy, Kind, Layout, LayoutKind};
+use serde::Serialize;
+
+use crate::catalog::{self, GpuModel};
+use crate::mig;
+use crate::windows::{Recurrence, first_overlap};
+
+/// How bad a finding is: errors fail `gpuslice validate`, warnings do not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Error,
+    Warning,
+}
+
+/// A problem with one field of one object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finding {
+    /// The document the object came from (an index the caller chose).
+    pub doc: usize,
+    pub severity: Severity,
+    /// Dotted field path, for example `spec.layout.software.memory`.
+    pub path: String,
+    pub message: String,
+}
+
+/// An object with the document it came from and a printable location of that document.
+#[derive(Clone, Debug)]
+pub struct Located<T> {
+    pub doc: usize,
+    pub origin: String,
+    pub object: T,
+}
+
+/// A workload (Job, Deployment, …) that names a policy.
+#[derive(Clone, Debug)]
+pub struct WorkloadRef {
+    pub doc: usize,
+    /// `Kind/namespace/name` as shown to the user.
+    pub display: String,
+    pub policy: String,
+    /// Where the reference is (the label, or the annotation used by mistake).
+    pub path: String,
+    /// True when the policy is named by an annotation instead of the label.
+    pub via_annotation: bool,
+}
+
+/// Everything a repository declares, typed.
+#[derive(Clone, Debug, Default)]
+pub struct Repo {
+    pub pools: Vec<Located<GpuPool>>,
+    pub policies: Vec<Located<GpuSlicePolicy>>,
+    pub checkpoints: Vec<Located<CheckpointPolicy>>,
+    /// Names of other objects of our kinds (GpuNode), for the uniqueness check.
+    pub others: Vec<Located<(Kind, String)>>,
+    pub workloads: Vec<WorkloadRef>,
+}
+
+/// Runs every whole-repository check. `now` anchors the search for overlapping windows.
+pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
+    let mut out = Findings::default();
+    unique_names(repo, &mut out);
+    let checkpoints: BTreeMap<&str, &CheckpointPolicy> =
+        repo.checkpoints.iter().map(|c| (name_of(&c.object.metadata), &c.object)).collect();
+    let pools: BTreeMap<&str, &Located<GpuPool>> = repo.pools.iter().map(|p| (name_of(&p.object.metadata), p)).collect();
+    for pool in &repo.pools {
+        check_pool(pool, &checkpoints, now, &mut out);
+    }
+    for policy in &repo.policies {
+        check_policy(policy, &pools, &checkpoints, &mut out);
+    }
+    let policies: BTreeMap<&str, _> = repo.policies.iter().map(|p| (name_of(&p.object.metadata), p)).collect();
+    for w in &repo.workloads {
+        if w.via_annotation {
+            out.warn(w.doc, &w.path, format!(
+                "{} names its policy in an annotation; use the label {} on the pod template (spec.template.metadata.labels): the webhook selects on labels",
+                w.display,
+                gpuslice_api::POLICY_LABEL
+            ));
+        }
+        if !policies.contains_key(w.policy.as_str()) {
+            out.error(w.doc, &w.path, format!("{} uses GpuSlicePolicy {:?}, which this repository does not define", w.display, w.policy));
+        }
+    }
+    out.0
+}
+
+#[derive(Default)]
+struct Findings(Vec<Finding>);
+
+impl Findings {
+    fn push(&mut self, doc: usize, severity: Severity, path: &str, message: String) {
+        self.0.push(Finding { doc, severity, path: path.to_string(), message });
+    }
+    fn error(&mut self, doc: usize, path: &str, message: String) {
+        self.push(doc, Severity::Error, path, message);
+    }
+    fn warn(&mut self, doc: usize, path: &str, message: String) {
+        self.push(doc, Severity::Warning, path, message);
+    }
+}
+
+fn name_of(meta: &ObjectMeta) -> &str {
+    meta.name.as_deref().unwrap_or("")
+}
+
+fn unique_names(repo: &Repo, out: &mut Findings) {
+    let mut seen: BTreeMap<(Kind, &str), &str> = BTreeMap::new();
+    let all = repo
+        .pools
+        .iter()
+        .map(|p| (p.doc, &p.origin, Kind::GpuPool, name_of(&p.object.metadata)))
+        .chain(repo.policies.iter().map(|p| (p.doc, &p.origin, Kind::GpuSlicePolicy, name_of(&p.object.metadata))))
+        .chain(repo.checkpoints.iter().map(|p| (p.doc, &p.origin, Kind::CheckpointPolicy, name_of(&p.object.metadata))))
+        .chain(repo.others.iter().map(|o| (o.doc, &o.origin, o.object.0, o.object.1.as_str())));
+    for (doc, origin, kind, name) in all {
+        if let Some(first) = seen.get(&(kind, name)) {
+            out.error(doc, "metadata.name", format!("{kind} {name:?} is already defined at {first}; names of one kind must be unique"));
+        } else {
+            seen.insert((kind, name), origin);
+        }
+    }
+}
+
+/// The pool's layouts with their field paths and display names.
+fn layouts(pool: &GpuPool) -> Vec<(String, String, &Layout)> {
+    let mut out = vec![("spec.layout".to_string(), "the default layout".to_string(), &pool.spec.layout)];
+    for (i, w) in pool.spec.windows.iter().enumerate() {
+        out.push((format!("spec.windows[{i}].layout"), format!("window {:?}", w.name), &w.layout));
+    }
+    out
+}
+
+/// The catalog models a pool's GPU selector names, and the names the catalog does not know.
+fn selected_models(pool: &GpuPool) -> (Vec<(usize, &'static GpuModel)>, Vec<(usize, String)>) {
+    let mut known = Vec::new();
+    let mut unknown = Vec::new();
+    for (i, name) in pool.spec.gpu_selector.iter().flat_map(|s| s.models.iter()).enumerate() {
+        match catalog::model(name) {
+            Ok(m) => known.push((i, m)),
+            Err(_) => unknown.push((i, name.clone())),
+        }
+    }
+    (known, unknown)
+}
+
+fn headroom(pool: &GpuPool) -> u64 {
+    pool.spec.memory_headroom.as_ref().and_then(|q| bytes_of(q).ok()).unwrap_or(0)
+}
+
+fn check_pool(pool: &Located<GpuPool>, checkpoints: &BTreeMap<&str, &CheckpointPolicy>, now: DateTime<Utc>, out: &mut Findings) {
+    let doc = pool.doc;
+    let spec = &pool.object.spec;
+    let (models, unknown) = selected_models(&pool.object);
+    let any_mig = layouts(&pool.object).iter().any(|(_, _, l)| l.mig.is_some());
+    for (i, name) in &unknown {
+        let path = format!("spec.gpuSelector.models[{i}]");
+        if any_mig {
+            out.error(doc, &path, format!("{name:?} is not a MIG-capable model in the catalog, but the pool uses a MIG layout; use one of: {}", mig_model_names()));
+        } else {
+            out.warn(doc, &path, format!("{name:?} is not in the GPU catalog: memory checks are skipped (fine for GPUs without MIG; check the spelling against nvidia-smi --query-gpu=name)"));
+        }
+    }
+    let headroom = headroom(&pool.object);
+    for (path, what, layout) in layouts(&pool.object) {
+        match layout.kind() {
+            Some(LayoutKind::Software(s)) => {
+                let Ok(memory) = bytes_of(&s.memory) else { continue };
+                if memory <= headroom {
+                    out.error(doc, &format!("{path}.software.memory"), format!(
+                        "slice memory {} leaves nothing once memoryHeadroom {} is kept back; raise memory or lower memoryHeadroom",
+                        format_bytes(memory), format_bytes(headroom)
+                    ));
+                }
+                for (_, m) in &models {
+                    let total = memory.saturating_mul(u64::from(s.slices));
+                    if total > m.memory_bytes() {
+                        out.error(doc, &format!("{path}.software"), format!(
+                            "{} slices × {} = {} exceed the {} of a {}; use fewer or smaller slices",
+                            s.slices, format_bytes(memory), format_bytes(total), format_bytes(m.memory_bytes()), m.name
+                        ));
+                    }
+                }
+            }
+            Some(LayoutKind::Mig(layout)) => {
+                let candidates: Vec<&GpuModel> = if models.is_empty() {
+                    catalog::models().iter().filter(|m| m.mig.is_some()).collect()
+                } else {
+                    models.iter().map(|(_, m)| *m).collect()
+                };
+                let results: Vec<_> = candidates.iter().map(|m| (m, mig::solve(m, layout))).collect();
+                if models.is_empty() {
+                    // No model named: the layout must work on at least one MIG model.
+                    if results.iter().all(|(_, r)| r.is_err()) {
+                        let why = results.iter().filter_map(|(_, r)| r.as_ref().err()).find(|e| !matches!(e, mig::MigError::UnknownProfile { .. }));
+                        let message = match why {
+                            Some(e) => format!("{what} fits no MIG-capable GPU: {e}"),
+                            None => format!("{what} names profiles no GPU model has together; set gpuSelector.models and use that model's profile names"),
+                        };
+                        out.error(doc, &format!("{path}.mig"), message);
+                    }
+                } else {
+                    for (m, r) in results {
+                        if let Err(e) = r {
+                            out.error(doc, &format!("{path}.mig"), format!("{what} does not fit a {}: {e}", m.name));
+                        }
+                    }
+                }
+            }
+            Some(LayoutKind::Exclusive) | None => {}
+        }
+    }
+    check_windows(pool, now, out);
+    if let Some(name) = &spec.checkpoint_policy
+        && !checkpoints.contains_key(name.as_str())
+    {
+        out.error(doc, "spec.checkpointPolicy", format!("CheckpointPolicy {name:?} is not defined in this repository"));
+    }
+    if let Some(c) = &spec.compaction {
+        match &c.window {
+            Some(w) => {
+                if let Err(e) = Recurrence::of_daily(w) {
+                    out.error(doc, "spec.compaction.window", e.to_string());
+                }
+            }
+            None if c.enabled => out.error(doc, "spec.compaction.window", "compaction is enabled but has no window; add window: {start, end, timeZone}".to_string()),
+            None => {}
+        }
+    }
+}
+
+fn mig_model_names() -> String {
+    catalog::models().iter().filter(|m| m.mig.is_some()).map(|m| m.name).collect::<Vec<_>>().join(", ")
+}
+
+fn check_windows(pool: &Located<GpuPool>, now: DateTime<Utc>, out: &mut Findings) {
+    let windows = &pool.object.spec.windows;
+    let mut parsed = Vec::new();
+    for (i, w) in windows.iter().enumerate() {
+        match Recurrence::of_window(w) {
+            Ok(r) => parsed.push((i, r)),
+            Err(e @ crate::windows::WindowError::UnknownTimeZone(_)) => out.error(pool.doc, &format!("spec.windows[{i}].timeZone"), e.to_string()),
+            Err(e) => out.error(pool.doc, &format!("spec.windows[{i}]"), e.to_string()),
+        }
+    }
+    for (a, (i, ra)) in parsed.iter().enumerate() {
+        for (j, rb) in parsed.iter().skip(a + 1) {
+            // A year covers every weekday and both daylight-saving changes.
+            if let Some(at) = first_overlap(ra, rb, now, 371) {
+                out.error(pool.doc, &format!("spec.windows[{j}]"), format!(
+                    "window {:?} overlaps window {:?} (both open at {}); windows of one pool must not overlap",
+                    windows[*j].name, windows[*i].name, at.format("%a %Y-%m-%d %H:%M UTC")
+                ));
+            }
+        }
+    }
+}
+
+fn check_policy(
+    policy: &Located<GpuSlicePolicy>,
+    pools: &BTreeMap<&str, &Located<GpuPool>>,
+    checkpoints: &BTreeMap<&str, &CheckpointPolicy>,
+    out: &mut Findings,
+) {
+    let doc = policy.doc;
+    let spec = &policy.object.spec;
+    if let Some(name) = &spec.checkpoint_policy
+        && !checkpoints.contains_key(name.as_str())
+    {
+        out.error(doc, "spec.checkpointPolicy", format!("CheckpointPolicy {name:?} is not defined in this repository"));
+    }
+    let Some(pool) = pools.get(spec.pool.as_str()) else {
+        out.error(doc, "spec.pool", format!("GpuPool {:?} is not defined in this repository", spec.pool));
+        return;
+    };
+    let Ok(memory) = bytes_of(&spec.memory) else { return };
+    let headroom = headroom(&pool.object);
+    let need = memory.saturating_add(headroom);
+    let limit = spec.compute.as_ref().map(|c| c.limit);
+    let (models, _) = selected_models(&pool.object);
+    let mut fits = Vec::new();
+    let mut misfits = Vec::new();
+    for (_, what, layout) in layouts(&pool.object) {
+        let why_not = match layout.kind() {
+            Some(LayoutKind::Software(s)) => {
+                let slice = bytes_of(&s.memory).unwrap_or(0);
+                if need > slice {
+                    Some((
+                        "spec.memory",
+                        format!("{} + memoryHeadroom {} = {} does not fit the {} slices of {what}", format_bytes(memory), format_bytes(headroom), format_bytes(need), format_bytes(slice)),
+                    ))
+                } else if let Some(limit) = limit.filter(|&l| l > s.compute) {
+                    Some((
+                        "spec.compute.limit",
+                        format!("compute limit {limit}% exceeds the {}% share of each slice of {what} (guarantees on one GPU could then add up to more than 100%)", s.compute),
+                    ))
+                } else {
+                    None
+                }
+            }
+            Some(LayoutKind::Mig(m)) => {
+                let candidates: Vec<&GpuModel> = if models.is_empty() {
+                    catalog::models().iter().filter(|m| m.mig.is_some()).collect()
+                } else {
+                    models.iter().map(|(_, m)| *m).collect()
+                };
+                let largest = candidates
+                    .iter()
+                    .filter_map(|model| {
+                        let counts = mig::requested_profiles(model, m).ok()?;
+                        counts.keys().filter_map(|p| model.profile(p)).map(|p| p.memory_bytes()).max()
+                    })
+                    .max();
+                match largest {
+                    Some(largest) if need > largest => Some((
+                        "spec.memory",
+                        format!("{} + memoryHeadroom {} = {} does not fit the largest MIG instance of {what} ({})", format_bytes(memory), format_bytes(headroom), format_bytes(need), format_bytes(largest)),
+                    )),
+                    _ => None,
+                }
+            }
+            Some(LayoutKind::Exclusive) => models
+                .iter()
+                .map(|(_, m)| m.memory_bytes())
+                .min()
+                .filter(|&gpu| need > gpu)
+                .map(|gpu| ("spec.memory", format!("{} + memoryHeadroom exceeds a whole GPU ({}) in {what}", format_bytes(memory), format_bytes(gpu)))),
+            None => None,
+        };
+        match why_not {
+            None => fits.push(what),
+            Some(reason) => misfits.push((what, reason)),
+        }
+    }
+    if fits.is_empty() {
+        for (_, (path, message)) in misfits {
+            out.error(doc, path, format!("no slice of pool {:?} fits: {message}", spec.pool));
+        }
+    } else {
+        for (what, (path, message)) in misfits {
+            out.warn(doc, path, format!("cannot run during {what} of pool {:?}: {message}", spec.pool));
+        }
+    }
+}
