@@ -1,5 +1,104 @@
-fn main() {
-    for kind in gpuslice_api::Kind::ALL {
-        println!("{}", gpuslice_api::crd::crd_yaml(kind));
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use gpuslice::validate::validate_files;
+use gpuslice_api::Kind;
+use gpuslice_source::SourceSpec;
+
+/// Fine-grained GPU sharing on Kubernetes: MIG layouts and software slices declared in Git.
+#[derive(Parser)]
+#[command(name = "gpuslice", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a GitOps folder or repository: every error as file:line: Kind/name: field: reason.
+    Validate {
+        /// A folder, a YAML file, a local Git repository or a Git URL.
+        source: String,
+        /// Git branch, tag or commit to read (a local folder is read from disk when omitted).
+        #[arg(long = "ref")]
+        git_ref: Option<String>,
+        /// Sub-folder of the source to read.
+        #[arg(long)]
+        path: Option<String>,
+        /// Output format.
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// Write the CustomResourceDefinitions, generated from the API types, into a folder.
+    Crds {
+        /// Where to write them.
+        #[arg(long, default_value = "crds")]
+        dir: PathBuf,
+        /// Do not write: fail if the folder differs from the types.
+        #[arg(long)]
+        check: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Output {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Validate { source, git_ref, path, output } => {
+            let spec = SourceSpec { location: source, git_ref, sub_path: path };
+            let snapshot = gpuslice_source::load(&spec)?;
+            let mut report = validate_files(&snapshot.files, chrono::Utc::now());
+            report.revision = snapshot.revision;
+            match output {
+                Output::Text => {
+                    for p in &report.problems {
+                        println!("{p}");
+                    }
+                    println!("{}", report.summary());
+                }
+                Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+            }
+            Ok(if report.ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Command::Crds { dir, check } => {
+            let mut drifted = Vec::new();
+            for kind in Kind::ALL {
+                let file = dir.join(gpuslice_api::crd::file_name(kind));
+                let want = gpuslice_api::crd::crd_yaml(kind);
+                if check {
+                    if std::fs::read_to_string(&file).ok().as_deref() != Some(want.as_str()) {
+                        drifted.push(file.display().to_string());
+                    }
+                } else {
+                    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+                    std::fs::write(&file, want).with_context(|| format!("writing {}", file.display()))?;
+                    println!("wrote {}", file.display());
+                }
+            }
+            if drifted.is_empty() {
+                Ok(ExitCode::SUCCESS)
+            } else {
+                for f in &drifted {
+                    eprintln!("{f} differs from the API types; run `gpuslice crds` and commit the result");
+                }
+                Ok(ExitCode::FAILURE)
+            }
+        }
     }
 }

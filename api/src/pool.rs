@@ -138,8 +138,9 @@ pub enum SchedulingPolicy {
 }
 
 /// Periodic compaction: repack slices so that free capacity is contiguous.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!self.enabled || has(self.window)").message("compaction is enabled but has no window: add window {start, end, timeZone}"))]
 pub struct Compaction {
     /// Whether compaction runs at all.
     #[serde(default)]
