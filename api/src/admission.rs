@@ -261,7 +261,12 @@ impl Walker<'_> {
         if let Some(pattern) = schema.get("pattern").and_then(Value::as_str)
             && regex(pattern).is_some_and(|re| !re.is_match(s))
         {
-            self.push(path, format!("{s:?} does not match the expected format {pattern}"));
+            let expected = match pattern {
+                crate::time::CLOCK_TIME_PATTERN => "a time of day HH:MM on the 24-hour clock, such as \"20:00\"".to_string(),
+                crate::time::DURATION_PATTERN => "a duration such as 50ms, 90s, 5m or 1h30m".to_string(),
+                other => format!("text matching {other}"),
+            };
+            self.push(path, format!("{s:?} is not {expected}"));
         }
     }
 

@@ -60,6 +60,7 @@ pub struct GpuAssignment {
     pub layout: Layout,
     /// Minimum compute time slice for software slices on this GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(crate::time::DURATION_PATTERN))]
     pub time_slice: Option<Duration>,
 }
 

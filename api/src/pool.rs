@@ -47,6 +47,7 @@ pub struct GpuPoolSpec {
     /// 1ms–1s; default 10ms). Longer slices mean fewer context switches for compute-bound training.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1ms') && duration(self) <= duration('1s')").message("timeSlice must be between 1ms and 1s"))]
+    #[schemars(pattern(crate::time::DURATION_PATTERN))]
     pub time_slice: Option<Duration>,
     /// Memory kept back in each slice for the CUDA context and allocator overhead. A policy fits a
     /// slice when its `memory` plus this headroom is at most the slice's memory. Default 0.

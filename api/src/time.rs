@@ -35,6 +35,9 @@ impl Weekday {
 /// The regular expression a time of day must match (`HH:MM`, 24-hour clock).
 pub const CLOCK_TIME_PATTERN: &str = "^([01][0-9]|2[0-3]):[0-5][0-9]$";
 
+/// The regular expression a duration must match: Go's `time.ParseDuration` format, not negative.
+pub const DURATION_PATTERN: &str = "^(0|(([0-9]+(\\.[0-9]*)?|\\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+)$";
+
 /// A time of day on the 24-hour clock, `HH:MM` (for example `"20:00"`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]

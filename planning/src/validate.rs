@@ -225,16 +225,12 @@ fn check_pool(pool: &Located<GpuPool>, checkpoints: &BTreeMap<&str, &CheckpointP
     {
         out.error(doc, "spec.checkpointPolicy", format!("CheckpointPolicy {name:?} is not defined in this repository"));
     }
-    if let Some(c) = &spec.compaction {
-        match &c.window {
-            Some(w) => {
-                if let Err(e) = Recurrence::of_daily(w) {
-                    out.error(doc, "spec.compaction.window", e.to_string());
-                }
-            }
-            None if c.enabled => out.error(doc, "spec.compaction.window", "compaction is enabled but has no window; add window: {start, end, timeZone}".to_string()),
-            None => {}
-        }
+    if let Some(Err(e)) = spec.compaction.as_ref().and_then(|c| c.window.as_ref()).map(Recurrence::of_daily) {
+        let path = match e {
+            crate::windows::WindowError::UnknownTimeZone(_) => "spec.compaction.window.timeZone",
+            _ => "spec.compaction.window",
+        };
+        out.error(doc, path, e.to_string());
     }
 }
 
