@@ -60,8 +60,17 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Validate { source, git_ref, path, output } => {
-            let spec = SourceSpec { location: source, git_ref, sub_path: path };
+        Command::Validate {
+            source,
+            git_ref,
+            path,
+            output,
+        } => {
+            let spec = SourceSpec {
+                location: source,
+                git_ref,
+                sub_path: path,
+            };
             let snapshot = gpuslice_source::load(&spec)?;
             let mut report = validate_files(&snapshot.files, chrono::Utc::now());
             report.revision = snapshot.revision;
@@ -74,7 +83,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
             }
-            Ok(if report.ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if report.ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Command::Crds { dir, check } => {
             let mut drifted = Vec::new();
@@ -86,8 +99,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         drifted.push(file.display().to_string());
                     }
                 } else {
-                    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-                    std::fs::write(&file, want).with_context(|| format!("writing {}", file.display()))?;
+                    std::fs::create_dir_all(&dir)
+                        .with_context(|| format!("creating {}", dir.display()))?;
+                    std::fs::write(&file, want)
+                        .with_context(|| format!("writing {}", file.display()))?;
                     println!("wrote {}", file.display());
                 }
             }
@@ -95,7 +110,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::SUCCESS)
             } else {
                 for f in &drifted {
-                    eprintln!("{f} differs from the API types; run `gpuslice crds` and commit the result");
+                    eprintln!(
+                        "{f} differs from the API types; run `gpuslice crds` and commit the result"
+                    );
                 }
                 Ok(ExitCode::FAILURE)
             }

@@ -7,7 +7,9 @@
 use std::fmt;
 
 use chrono::{DateTime, Utc};
-use gpuslice_api::{CheckpointPolicy, GpuNode, GpuPool, GpuSlicePolicy, Kind, POLICY_LABEL, admission};
+use gpuslice_api::{
+    CheckpointPolicy, GpuNode, GpuPool, GpuSlicePolicy, Kind, POLICY_LABEL, admission,
+};
 use gpuslice_planning::validate::{self as repo_checks, Located, Repo, Severity, WorkloadRef};
 use gpuslice_source::{Document, SourceFile};
 use serde::Serialize;
@@ -97,8 +99,14 @@ struct DocRef<'a> {
 
 /// Validates files as one repository. `now` anchors the window-overlap search.
 pub fn validate_files(files: &[SourceFile], now: DateTime<Utc>) -> Report {
-    let parsed: Vec<_> = files.iter().map(|f| (f.path.as_str(), gpuslice_source::parse(&f.text))).collect();
-    let mut report = Report { files: files.len(), ..Report::default() };
+    let parsed: Vec<_> = files
+        .iter()
+        .map(|f| (f.path.as_str(), gpuslice_source::parse(&f.text)))
+        .collect();
+    let mut report = Report {
+        files: files.len(),
+        ..Report::default()
+    };
     let mut docs: Vec<DocRef> = Vec::new();
     let mut repo = Repo::default();
     for (file, parsed) in &parsed {
@@ -113,18 +121,33 @@ pub fn validate_files(files: &[SourceFile], now: DateTime<Utc>) -> Report {
                 severity: Severity::Error,
                 object: None,
                 path: String::new(),
-                message: format!("YAML syntax error at column {}: {}", e.position.column, e.message),
+                message: format!(
+                    "YAML syntax error at column {}: {}",
+                    e.position.column, e.message
+                ),
             });
         }
     }
     report.workloads = repo.workloads.len();
     for finding in repo_checks::check(&repo, now) {
         let d = &docs[finding.doc];
-        push(&mut report, d, &finding.path, finding.severity, finding.message);
+        push(
+            &mut report,
+            d,
+            &finding.path,
+            finding.severity,
+            finding.message,
+        );
     }
-    report.problems.sort_by(|a, b| (&a.file, a.line, a.column, &a.path).cmp(&(&b.file, b.line, b.column, &b.path)));
+    report.problems.sort_by(|a, b| {
+        (&a.file, a.line, a.column, &a.path).cmp(&(&b.file, b.line, b.column, &b.path))
+    });
     report.problems.dedup();
-    report.errors = report.problems.iter().filter(|p| p.severity == Severity::Error).count();
+    report.errors = report
+        .problems
+        .iter()
+        .filter(|p| p.severity == Severity::Error)
+        .count();
     report.warnings = report.problems.len() - report.errors;
     report
 }
@@ -146,13 +169,23 @@ fn str_at<'v>(value: &'v Value, pointer: &str) -> Option<&'v str> {
     value.pointer(pointer).and_then(Value::as_str)
 }
 
-fn read_document<'a>(file: &'a str, doc: &'a Document, docs: &mut Vec<DocRef<'a>>, repo: &mut Repo, report: &mut Report) {
+fn read_document<'a>(
+    file: &'a str,
+    doc: &'a Document,
+    docs: &mut Vec<DocRef<'a>>,
+    repo: &mut Repo,
+    report: &mut Report,
+) {
     let value = &doc.value;
     let api_version = str_at(value, "/apiVersion").unwrap_or_default();
     let kind = str_at(value, "/kind").unwrap_or_default();
     let name = str_at(value, "/metadata/name").unwrap_or("<unnamed>");
     let index = docs.len();
-    docs.push(DocRef { file, doc, object: (!kind.is_empty()).then(|| format!("{kind}/{name}")) });
+    docs.push(DocRef {
+        file,
+        doc,
+        object: (!kind.is_empty()).then(|| format!("{kind}/{name}")),
+    });
     let d = &docs[index];
     let Some((group, version)) = api_version.split_once('/') else {
         read_workload(index, d, kind, repo);
@@ -164,12 +197,31 @@ fn read_document<'a>(file: &'a str, doc: &'a Document, docs: &mut Vec<DocRef<'a>
     }
     let Some(our_kind) = Kind::from_kind(kind) else {
         let known: Vec<_> = Kind::ALL.iter().map(|k| k.as_str()).collect();
-        push(report, d, "kind", Severity::Error, format!("{kind:?} is not a kind of {}; use one of {}", gpuslice_api::GROUP, known.join(", ")));
+        push(
+            report,
+            d,
+            "kind",
+            Severity::Error,
+            format!(
+                "{kind:?} is not a kind of {}; use one of {}",
+                gpuslice_api::GROUP,
+                known.join(", ")
+            ),
+        );
         return;
     };
     report.objects += 1;
     if version != gpuslice_api::VERSION {
-        push(report, d, "apiVersion", Severity::Error, format!("{api_version} is not served; use {}", gpuslice_api::API_VERSION));
+        push(
+            report,
+            d,
+            "apiVersion",
+            Severity::Error,
+            format!(
+                "{api_version} is not served; use {}",
+                gpuslice_api::API_VERSION
+            ),
+        );
         return;
     }
     let errors = admission::check(our_kind, value);
@@ -181,10 +233,34 @@ fn read_document<'a>(file: &'a str, doc: &'a Document, docs: &mut Vec<DocRef<'a>
     }
     let origin = format!("{file}:{}", doc.start.line);
     let typed = match our_kind {
-        Kind::GpuPool => typed::<GpuPool>(value).map(|object| repo.pools.push(Located { doc: index, origin, object })),
-        Kind::GpuSlicePolicy => typed::<GpuSlicePolicy>(value).map(|object| repo.policies.push(Located { doc: index, origin, object })),
-        Kind::CheckpointPolicy => typed::<CheckpointPolicy>(value).map(|object| repo.checkpoints.push(Located { doc: index, origin, object })),
-        Kind::GpuNode => typed::<GpuNode>(value).map(|_| repo.others.push(Located { doc: index, origin, object: (Kind::GpuNode, name.to_string()) })),
+        Kind::GpuPool => typed::<GpuPool>(value).map(|object| {
+            repo.pools.push(Located {
+                doc: index,
+                origin,
+                object,
+            })
+        }),
+        Kind::GpuSlicePolicy => typed::<GpuSlicePolicy>(value).map(|object| {
+            repo.policies.push(Located {
+                doc: index,
+                origin,
+                object,
+            })
+        }),
+        Kind::CheckpointPolicy => typed::<CheckpointPolicy>(value).map(|object| {
+            repo.checkpoints.push(Located {
+                doc: index,
+                origin,
+                object,
+            })
+        }),
+        Kind::GpuNode => typed::<GpuNode>(value).map(|_| {
+            repo.others.push(Located {
+                doc: index,
+                origin,
+                object: (Kind::GpuNode, name.to_string()),
+            })
+        }),
     };
     if let Err((path, message)) = typed {
         push(report, d, &path, Severity::Error, message);
@@ -212,9 +288,19 @@ fn pod_template_path(kind: &str) -> Option<&'static str> {
 }
 
 fn read_workload(index: usize, d: &DocRef, kind: &str, repo: &mut Repo) {
-    let Some(template) = pod_template_path(kind) else { return };
-    let pointer = if template.is_empty() { String::new() } else { format!("/{}", template.replace('.', "/")) };
-    let meta_path = if template.is_empty() { "metadata".to_string() } else { format!("{template}.metadata") };
+    let Some(template) = pod_template_path(kind) else {
+        return;
+    };
+    let pointer = if template.is_empty() {
+        String::new()
+    } else {
+        format!("/{}", template.replace('.', "/"))
+    };
+    let meta_path = if template.is_empty() {
+        "metadata".to_string()
+    } else {
+        format!("{template}.metadata")
+    };
     let namespace = str_at(&d.doc.value, "/metadata/namespace").unwrap_or("default");
     let name = str_at(&d.doc.value, "/metadata/name").unwrap_or("<unnamed>");
     let display = format!("{kind} {namespace}/{name}");

@@ -13,7 +13,8 @@ fn crds_folder_matches_the_types() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("crds");
     for kind in Kind::ALL {
         let file = dir.join(gpuslice_api::crd::file_name(kind));
-        let on_disk = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let on_disk =
+            std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         assert!(
             on_disk == gpuslice_api::crd::crd_yaml(kind),
             "{} differs from the {kind} type: run `cargo run -- crds` and commit crds/",
@@ -21,23 +22,54 @@ fn crds_folder_matches_the_types() {
         );
     }
     let entries = std::fs::read_dir(&dir).unwrap().count();
-    assert_eq!(entries, Kind::ALL.len(), "crds/ holds exactly one file per kind");
+    assert_eq!(
+        entries,
+        Kind::ALL.len(),
+        "crds/ holds exactly one file per kind"
+    );
 }
 
 #[test]
 fn check_mode_fails_on_drift_and_passes_after_regeneration() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("crds");
-    let run = |args: &[&str]| Command::new(BIN).args(args).arg("--dir").arg(&dir).output().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(BIN)
+            .args(args)
+            .arg("--dir")
+            .arg(&dir)
+            .output()
+            .unwrap()
+    };
 
-    assert!(!run(&["crds", "--check"]).status.success(), "an empty folder is drift");
+    assert!(
+        !run(&["crds", "--check"]).status.success(),
+        "an empty folder is drift"
+    );
     assert!(run(&["crds"]).status.success());
     assert!(run(&["crds", "--check"]).status.success());
 
     let pool = dir.join("gpupools.gpuslice.io.yaml");
-    let edited = std::fs::read_to_string(&pool).unwrap().replace("slices × compute must be at most 100", "anything goes");
+    let edited = std::fs::read_to_string(&pool)
+        .unwrap()
+        .replace("slices × compute must be at most 100", "anything goes");
     std::fs::write(&pool, edited).unwrap();
     let out = run(&["crds", "--check"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("gpupools.gpuslice.io.yaml differs"));
+}
+
+/// The Helm chart installs exactly the generated CRDs.
+#[test]
+fn chart_crds_are_the_generated_ones() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for kind in gpuslice_api::Kind::ALL {
+        let name = gpuslice_api::crd::file_name(kind);
+        let chart = std::fs::read_to_string(root.join("charts/gpuslice/crds").join(&name))
+            .unwrap_or_else(|e| panic!("charts/gpuslice/crds/{name}: {e}"));
+        assert!(
+            chart == gpuslice_api::crd::crd_yaml(kind),
+            "charts/gpuslice/crds/{name} is stale: run `cargo run -- crds --dir charts/gpuslice/crds`"
+        );
+    }
 }

@@ -25,7 +25,10 @@ enum Mutation {
 }
 
 fn mutation() -> impl Strategy<Value = Mutation> {
-    let interesting = prop::sample::select(vec![':', '-', ' ', '{', '}', '[', ']', '"', '\'', '\n', '0', 'x', '#', '&', '*', '|', '>', '!', '%', '\t', '?', 'é']);
+    let interesting = prop::sample::select(vec![
+        ':', '-', ' ', '{', '}', '[', ']', '"', '\'', '\n', '0', 'x', '#', '&', '*', '|', '>', '!',
+        '%', '\t', '?', 'é',
+    ]);
     prop_oneof![
         any::<usize>().prop_map(Mutation::DropLine),
         any::<usize>().prop_map(Mutation::DuplicateLine),
@@ -57,7 +60,11 @@ fn apply(text: &str, m: &Mutation) -> String {
         Mutation::ReplaceChar(i, c) => {
             let chars: Vec<char> = text.chars().collect();
             let at = i % chars.len().max(1);
-            return chars.iter().enumerate().map(|(j, &o)| if j == at { c } else { o }).collect();
+            return chars
+                .iter()
+                .enumerate()
+                .map(|(j, &o)| if j == at { c } else { o })
+                .collect();
         }
         Mutation::Truncate(i) => {
             let chars: Vec<char> = text.chars().collect();

@@ -11,7 +11,11 @@ fn repo_path(rel: &str) -> PathBuf {
 }
 
 fn validate(args: &[&str]) -> Output {
-    Command::new(BIN).arg("validate").args(args).output().expect("gpuslice runs")
+    Command::new(BIN)
+        .arg("validate")
+        .args(args)
+        .output()
+        .expect("gpuslice runs")
 }
 
 fn stdout(out: &Output) -> String {
@@ -22,7 +26,11 @@ fn stdout(out: &Output) -> String {
 fn the_examples_pass_without_warnings() {
     let out = validate(&[repo_path("examples/gitops").to_str().unwrap()]);
     let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(text.starts_with("ok: 0 errors, 0 warnings"), "{text}");
     assert!(text.contains("6 gpuslice objects, 2 workloads"), "{text}");
 }
@@ -53,7 +61,9 @@ fn expectations(text: &str) -> Vec<(String, String)> {
     text.lines()
         .filter_map(|l| l.strip_prefix("# expect:"))
         .map(|l| {
-            let (path, message) = l.split_once('|').expect("expect lines are `path | message`");
+            let (path, message) = l
+                .split_once('|')
+                .expect("expect lines are `path | message`");
             (path.trim().to_string(), message.trim().to_string())
         })
         .collect()
@@ -77,7 +87,10 @@ struct JsonReport {
 #[test]
 fn every_broken_document_fails_with_its_field_and_reason() {
     let corpus = repo_path("tests/corpus/invalid");
-    let mut files: Vec<_> = std::fs::read_dir(&corpus).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut files: Vec<_> = std::fs::read_dir(&corpus)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     files.sort();
     assert!(files.len() >= 30, "the corpus has {} files", files.len());
     for file in files {
@@ -87,29 +100,61 @@ fn every_broken_document_fails_with_its_field_and_reason() {
         assert!(!expected.is_empty(), "{name} has no `# expect:` line");
         let tmp = with_examples(&file);
         let out = validate(&[tmp.path().to_str().unwrap(), "--output", "json"]);
-        let report: JsonReport = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{name}: {e}: {}", stdout(&out)));
+        let report: JsonReport = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{name}: {e}: {}", stdout(&out)));
         let only_warnings = expected.iter().all(|(_, m)| m.starts_with("warning:"));
-        assert_eq!(out.status.success(), only_warnings, "{name}: exit status {:?}", out.status);
+        assert_eq!(
+            out.status.success(),
+            only_warnings,
+            "{name}: exit status {:?}",
+            out.status
+        );
         assert_eq!(report.errors == 0, only_warnings, "{name}");
         let lines: Vec<&str> = text.lines().collect();
         for problem in &report.problems {
-            assert!(problem.file.ends_with(&name), "{name}: a problem outside the broken file: {} {}: {}", problem.file, problem.path, problem.message);
-            assert!((1..=lines.len()).contains(&problem.line), "{name}: line {} out of range", problem.line);
+            assert!(
+                problem.file.ends_with(&name),
+                "{name}: a problem outside the broken file: {} {}: {}",
+                problem.file,
+                problem.path,
+                problem.message
+            );
+            assert!(
+                (1..=lines.len()).contains(&problem.line),
+                "{name}: line {} out of range",
+                problem.line
+            );
         }
         for (path, message) in &expected {
             let (severity, message) = match message.strip_prefix("warning:") {
                 Some(m) => ("warning", m.trim()),
                 None => ("error", message.as_str()),
             };
-            let hit = report.problems.iter().find(|p| &p.path == path && p.message.contains(message) && p.severity == severity);
+            let hit = report
+                .problems
+                .iter()
+                .find(|p| &p.path == path && p.message.contains(message) && p.severity == severity);
             let Some(hit) = hit else {
-                let got: Vec<String> = report.problems.iter().map(|p| format!("{}: {}", p.path, p.message)).collect();
+                let got: Vec<String> = report
+                    .problems
+                    .iter()
+                    .map(|p| format!("{}: {}", p.path, p.message))
+                    .collect();
                 panic!("{name}: expected {path}: {message}; got {got:#?}");
             };
             // The line shown is where the field (or its nearest parent) is written.
-            if let Some(key) = path.rsplit('.').next().filter(|k| !k.is_empty() && !k.ends_with(']') && !hit.message.contains("missing")) {
+            if let Some(key) = path
+                .rsplit('.')
+                .next()
+                .filter(|k| !k.is_empty() && !k.ends_with(']') && !hit.message.contains("missing"))
+            {
                 let key = key.rsplit('/').next().unwrap_or(key);
-                assert!(lines[hit.line - 1].contains(key), "{name}: line {} ({:?}) does not show {key}", hit.line, lines[hit.line - 1]);
+                assert!(
+                    lines[hit.line - 1].contains(key),
+                    "{name}: line {} ({:?}) does not show {key}",
+                    hit.line,
+                    lines[hit.line - 1]
+                );
             }
         }
     }
@@ -120,15 +165,25 @@ fn all_problems_of_a_repository_are_reported_in_one_run() {
     let tmp = tempfile::tempdir().unwrap();
     copy_dir(&repo_path("examples/gitops"), &tmp.path().join("gitops"));
     let corpus = repo_path("tests/corpus/invalid");
-    for name in ["pool-unknown-time-zone.yaml", "policy-unknown-pool.yaml", "checkpoint-uncatchable-signal.yaml"] {
+    for name in [
+        "pool-unknown-time-zone.yaml",
+        "policy-unknown-pool.yaml",
+        "checkpoint-uncatchable-signal.yaml",
+    ] {
         std::fs::copy(corpus.join(name), tmp.path().join(name)).unwrap();
     }
     let out = validate(&[tmp.path().to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     let text = stdout(&out);
     assert!(text.contains("pool-unknown-time-zone.yaml:12: GpuPool/p6: spec.windows[0].timeZone: \"Mars/Olympus\" is not an IANA time zone"), "{text}");
-    assert!(text.contains("policy-unknown-pool.yaml:7: GpuSlicePolicy/g2: spec.pool:"), "{text}");
-    assert!(text.contains("checkpoint-uncatchable-signal.yaml:8: CheckpointPolicy/c2: spec.signal:"), "{text}");
+    assert!(
+        text.contains("policy-unknown-pool.yaml:7: GpuSlicePolicy/g2: spec.pool:"),
+        "{text}"
+    );
+    assert!(
+        text.contains("checkpoint-uncatchable-signal.yaml:8: CheckpointPolicy/c2: spec.signal:"),
+        "{text}"
+    );
     assert!(text.contains("FAILED: 3 errors"), "{text}");
 }
 
@@ -136,13 +191,23 @@ fn all_problems_of_a_repository_are_reported_in_one_run() {
 fn a_missing_source_is_a_usage_error() {
     let out = validate(&["/nonexistent/gitops"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/gitops: no such file, folder or Git repository"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("/nonexistent/gitops: no such file, folder or Git repository")
+    );
 }
 
 fn git(dir: &Path, args: &[&str]) {
     let status = Command::new("git")
         .current_dir(dir)
-        .args(["-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "init.defaultBranch=main"])
+        .args([
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@example.com",
+            "-c",
+            "init.defaultBranch=main",
+        ])
         .args(args)
         .status()
         .expect("git runs");
@@ -160,14 +225,26 @@ fn reads_a_ref_and_sub_folder_of_a_git_repository_locally_and_by_url() {
     git(&repo, &["commit", "-qm", "good"]);
     git(&repo, &["tag", "v1"]);
     // Break the working tree and a later commit; the tag stays good.
-    std::fs::copy(repo_path("tests/corpus/invalid/policy-unknown-pool.yaml"), repo.join("clusters/prod/broken.yaml")).unwrap();
+    std::fs::copy(
+        repo_path("tests/corpus/invalid/policy-unknown-pool.yaml"),
+        repo.join("clusters/prod/broken.yaml"),
+    )
+    .unwrap();
     git(&repo, &["add", "."]);
     git(&repo, &["commit", "-qm", "broken"]);
 
     let repo_str = repo.to_str().unwrap();
     let good = validate(&[repo_str, "--ref", "v1", "--path", "clusters/prod"]);
     assert!(good.status.success(), "{}", stdout(&good));
-    let bad = validate(&[repo_str, "--ref", "main", "--path", "clusters/prod", "--output", "json"]);
+    let bad = validate(&[
+        repo_str,
+        "--ref",
+        "main",
+        "--path",
+        "clusters/prod",
+        "--output",
+        "json",
+    ]);
     assert_eq!(bad.status.code(), Some(1));
     let report: serde_json::Value = serde_json::from_slice(&bad.stdout).unwrap();
     assert_eq!(report["problems"][0]["file"], "clusters/prod/broken.yaml");
@@ -175,7 +252,12 @@ fn reads_a_ref_and_sub_folder_of_a_git_repository_locally_and_by_url() {
 
     let url = format!("file://{repo_str}");
     let remote_good = validate(&[&url, "--ref", "v1", "--path", "clusters/prod"]);
-    assert!(remote_good.status.success(), "{}{}", stdout(&remote_good), String::from_utf8_lossy(&remote_good.stderr));
+    assert!(
+        remote_good.status.success(),
+        "{}{}",
+        stdout(&remote_good),
+        String::from_utf8_lossy(&remote_good.stderr)
+    );
     let remote_bad = validate(&[&url, "--ref", "main", "--path", "clusters/prod"]);
     assert_eq!(remote_bad.status.code(), Some(1), "{}", stdout(&remote_bad));
 

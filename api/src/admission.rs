@@ -36,7 +36,9 @@ pub fn check(kind: Kind, object: &Value) -> Vec<FieldError> {
     let schema = schema(kind);
     let mut errors = Vec::new();
     check_metadata(object, &mut errors);
-    let mut walker = Walker { errors: &mut errors };
+    let mut walker = Walker {
+        errors: &mut errors,
+    };
     // `apiVersion`, `kind` and `metadata` are checked by the API machinery, not the CRD schema.
     if let (Some(props), Some(obj)) = (schema.get("properties"), object.as_object()) {
         for (key, value) in obj {
@@ -50,7 +52,9 @@ pub fn check(kind: Kind, object: &Value) -> Vec<FieldError> {
         }
         for req in required(&schema) {
             if obj.get(req).is_none_or(Value::is_null) {
-                walker.errors.push(FieldError::new(req, "required field is missing"));
+                walker
+                    .errors
+                    .push(FieldError::new(req, "required field is missing"));
             }
         }
     }
@@ -74,14 +78,19 @@ pub fn check(kind: Kind, object: &Value) -> Vec<FieldError> {
 
 fn validator() -> std::sync::MutexGuard<'static, Validator> {
     static VALIDATOR: LazyLock<Mutex<Validator>> = LazyLock::new(|| Mutex::new(Validator::new()));
-    VALIDATOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    VALIDATOR
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 const DNS_SUBDOMAIN: &str = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
 
 fn check_metadata(object: &Value, errors: &mut Vec<FieldError>) {
     match object.pointer("/metadata/name") {
-        None | Some(Value::Null) => errors.push(FieldError::new("metadata.name", "required field is missing")),
+        None | Some(Value::Null) => errors.push(FieldError::new(
+            "metadata.name",
+            "required field is missing",
+        )),
         Some(Value::String(name)) => {
             if name.len() > 253 || !regex(DNS_SUBDOMAIN).is_some_and(|re| re.is_match(name)) {
                 errors.push(FieldError::new(
@@ -105,8 +114,11 @@ fn required(schema: &Value) -> impl Iterator<Item = &str> {
 
 /// Compiled patterns, cached: the schema has few of them and validate sees many objects.
 fn regex(pattern: &str) -> Option<regex::Regex> {
-    static CACHE: LazyLock<Mutex<BTreeMap<String, Option<regex::Regex>>>> = LazyLock::new(Default::default);
-    let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    static CACHE: LazyLock<Mutex<BTreeMap<String, Option<regex::Regex>>>> =
+        LazyLock::new(Default::default);
+    let mut cache = CACHE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     cache
         .entry(pattern.to_string())
         .or_insert_with(|| regex::Regex::new(pattern).ok())
@@ -156,7 +168,10 @@ impl Walker<'_> {
         }
         if schema.get("x-kubernetes-int-or-string") == Some(&Value::Bool(true)) {
             if !(value.is_string() || value.is_i64() || value.is_u64()) {
-                self.push(path, format!("must be an integer or a string, not {}", describe(value)));
+                self.push(
+                    path,
+                    format!("must be an integer or a string, not {}", describe(value)),
+                );
             }
             return;
         }
@@ -167,7 +182,9 @@ impl Walker<'_> {
             ("object", Value::Object(map)) => self.walk_object(schema, map, path),
             ("array", Value::Array(items)) => self.walk_array(schema, items, path),
             ("string", Value::String(s)) => self.check_string(schema, s, path),
-            ("integer", Value::Number(n)) if n.is_i64() || n.is_u64() => self.check_number(schema, value, path),
+            ("integer", Value::Number(n)) if n.is_i64() || n.is_u64() => {
+                self.check_number(schema, value, path)
+            }
             ("number", Value::Number(_)) => self.check_number(schema, value, path),
             ("boolean", Value::Bool(_)) => {}
             _ => {
@@ -207,7 +224,13 @@ impl Walker<'_> {
         if let Some(min) = schema.get("minItems").and_then(Value::as_u64)
             && (items.len() as u64) < min
         {
-            self.push(path, format!("must have at least {min} item{}", if min == 1 { "" } else { "s" }));
+            self.push(
+                path,
+                format!(
+                    "must have at least {min} item{}",
+                    if min == 1 { "" } else { "s" }
+                ),
+            );
         }
         if let Some(item_schema) = schema.get("items") {
             for (i, item) in items.iter().enumerate() {
@@ -225,11 +248,18 @@ impl Walker<'_> {
                     .collect();
                 let mut seen = HashSet::new();
                 for (i, item) in items.iter().enumerate() {
-                    let key: Vec<String> = keys.iter().map(|k| item.get(*k).map(Value::to_string).unwrap_or_default()).collect();
+                    let key: Vec<String> = keys
+                        .iter()
+                        .map(|k| item.get(*k).map(Value::to_string).unwrap_or_default())
+                        .collect();
                     if !seen.insert(key.clone()) {
                         self.push(
                             &format!("{path}[{i}]"),
-                            format!("duplicate entry with {} {}: each must be unique", keys.join("/"), key.join("/")),
+                            format!(
+                                "duplicate entry with {} {}: each must be unique",
+                                keys.join("/"),
+                                key.join("/")
+                            ),
                         );
                     }
                 }
@@ -251,7 +281,14 @@ impl Walker<'_> {
         if let Some(min) = schema.get("minLength").and_then(Value::as_u64)
             && len < min
         {
-            self.push(path, if min == 1 { "must not be empty".to_string() } else { format!("must be at least {min} characters long") });
+            self.push(
+                path,
+                if min == 1 {
+                    "must not be empty".to_string()
+                } else {
+                    format!("must be at least {min} characters long")
+                },
+            );
         }
         if let Some(max) = schema.get("maxLength").and_then(Value::as_u64)
             && len > max
@@ -262,8 +299,12 @@ impl Walker<'_> {
             && regex(pattern).is_some_and(|re| !re.is_match(s))
         {
             let expected = match pattern {
-                crate::time::CLOCK_TIME_PATTERN => "a time of day HH:MM on the 24-hour clock, such as \"20:00\"".to_string(),
-                crate::time::DURATION_PATTERN => "a duration such as 50ms, 90s, 5m or 1h30m".to_string(),
+                crate::time::CLOCK_TIME_PATTERN => {
+                    "a time of day HH:MM on the 24-hour clock, such as \"20:00\"".to_string()
+                }
+                crate::time::DURATION_PATTERN => {
+                    "a duration such as 50ms, 90s, 5m or 1h30m".to_string()
+                }
                 other => format!("text matching {other}"),
             };
             self.push(path, format!("{s:?} is not {expected}"));
@@ -273,13 +314,30 @@ impl Walker<'_> {
     fn check_number(&mut self, schema: &Value, value: &Value, path: &str) {
         let Some(v) = value.as_f64() else { return };
         let bound = |key: &str| schema.get(key).and_then(Value::as_f64);
-        let show = |b: f64| if b.fract() == 0.0 { format!("{b:.0}") } else { b.to_string() };
-        match (bound("minimum"), bound("maximum")) {
-            (Some(min), Some(max)) if v < min || v > max => {
-                self.push(path, format!("{value} is out of range: must be between {} and {}", show(min), show(max)))
+        let show = |b: f64| {
+            if b.fract() == 0.0 {
+                format!("{b:.0}")
+            } else {
+                b.to_string()
             }
-            (Some(min), None) if v < min => self.push(path, format!("{value} is too small: must be at least {}", show(min))),
-            (None, Some(max)) if v > max => self.push(path, format!("{value} is too large: must be at most {}", show(max))),
+        };
+        match (bound("minimum"), bound("maximum")) {
+            (Some(min), Some(max)) if v < min || v > max => self.push(
+                path,
+                format!(
+                    "{value} is out of range: must be between {} and {}",
+                    show(min),
+                    show(max)
+                ),
+            ),
+            (Some(min), None) if v < min => self.push(
+                path,
+                format!("{value} is too small: must be at least {}", show(min)),
+            ),
+            (None, Some(max)) if v > max => self.push(
+                path,
+                format!("{value} is too large: must be at most {}", show(max)),
+            ),
             _ => {}
         }
     }
@@ -289,7 +347,11 @@ impl Walker<'_> {
             return;
         };
         if !allowed.contains(value) {
-            let names: Vec<String> = allowed.iter().filter(|a| !a.is_null()).map(|a| a.as_str().map_or_else(|| a.to_string(), str::to_string)).collect();
+            let names: Vec<String> = allowed
+                .iter()
+                .filter(|a| !a.is_null())
+                .map(|a| a.as_str().map_or_else(|| a.to_string(), str::to_string))
+                .collect();
             self.push(path, format!("{value} is not one of: {}", names.join(", ")));
         }
     }
@@ -350,9 +412,15 @@ mod tests {
             "timeSlice": "5s",
         }));
         let errors = check(Kind::GpuPool, &obj);
-        let messages: Vec<String> = errors.iter().map(|e| format!("{}: {}", e.path, e.message)).collect();
+        let messages: Vec<String> = errors
+            .iter()
+            .map(|e| format!("{}: {}", e.path, e.message))
+            .collect();
         let has = |needle: &str| messages.iter().any(|m| m.contains(needle));
-        assert!(has("exactly one of mig, software or exclusive"), "{messages:?}");
+        assert!(
+            has("exactly one of mig, software or exclusive"),
+            "{messages:?}"
+        );
         assert!(has("slices × compute must be at most 100"), "{messages:?}");
         assert!(has("start and end must differ"), "{messages:?}");
         assert!(has("timeSlice must be between 1ms and 1s"), "{messages:?}");
@@ -363,7 +431,11 @@ mod tests {
         let obj = json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuSlicePolicy", "metadata": {"name": "x"},
             "spec": {"pool": "p", "memory": "18Gi", "compute": {"limit": 20, "guarantee": 30}}});
         let errors = check(Kind::GpuSlicePolicy, &obj);
-        assert!(errors.iter().any(|e| e.path == "spec.compute" && e.message.contains("guarantee must not exceed limit")), "{errors:?}");
+        assert!(
+            errors.iter().any(|e| e.path == "spec.compute"
+                && e.message.contains("guarantee must not exceed limit")),
+            "{errors:?}"
+        );
     }
 
     #[test]
@@ -372,7 +444,10 @@ mod tests {
             let obj = json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuSlicePolicy", "metadata": {"name": "x"},
                 "spec": {"pool": "p", "memory": memory}});
             let errors = check(Kind::GpuSlicePolicy, &obj);
-            assert!(errors.iter().any(|e| e.path == "spec.memory"), "{memory}: {errors:?}");
+            assert!(
+                errors.iter().any(|e| e.path == "spec.memory"),
+                "{memory}: {errors:?}"
+            );
         }
     }
 

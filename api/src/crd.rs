@@ -52,8 +52,14 @@ mod tests {
         for (name, prop) in props {
             let here = format!("{path}.{name}");
             // apiVersion, kind and metadata are described by Kubernetes itself.
-            let standard = path.is_empty() && ["apiVersion", "kind", "metadata"].contains(&name.as_str());
-            if !standard && prop.get("description").and_then(|d| d.as_str()).is_none_or(str::is_empty) {
+            let standard =
+                path.is_empty() && ["apiVersion", "kind", "metadata"].contains(&name.as_str());
+            if !standard
+                && prop
+                    .get("description")
+                    .and_then(|d| d.as_str())
+                    .is_none_or(str::is_empty)
+            {
                 out.push(here.clone());
             }
             undescribed(&here, prop, out);
@@ -65,7 +71,10 @@ mod tests {
         for kind in Kind::ALL {
             let mut missing = Vec::new();
             undescribed("", &schema(kind), &mut missing);
-            assert!(missing.is_empty(), "{kind}: fields without description: {missing:?}");
+            assert!(
+                missing.is_empty(),
+                "{kind}: fields without description: {missing:?}"
+            );
         }
     }
 

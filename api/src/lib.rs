@@ -19,7 +19,9 @@ pub mod time;
 pub use k8s_openapi;
 pub use kube::core::Duration;
 
-pub use checkpoint::{CheckpointPolicy, CheckpointPolicySpec, CheckpointPolicyStatus, CheckpointStorage, Signal};
+pub use checkpoint::{
+    CheckpointPolicy, CheckpointPolicySpec, CheckpointPolicyStatus, CheckpointStorage, Signal,
+};
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{
     GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess, MigInstance,

@@ -153,7 +153,9 @@ pub struct MigInstance {
 }
 
 /// A MIG placement: the first memory slice and how many it spans.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
 pub struct Placement {
     /// First memory slice.
     pub start: u32,

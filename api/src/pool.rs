@@ -2,8 +2,8 @@
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
-use kube::core::Duration;
 use kube::CustomResource;
+use kube::core::Duration;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 

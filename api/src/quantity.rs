@@ -17,7 +17,9 @@ pub fn bytes_of(q: &Quantity) -> Result<u64, QuantityError> {
     let parsed: ParsedQuantity = q
         .try_into()
         .map_err(|_| QuantityError::Malformed(q.0.clone()))?;
-    let value = parsed.to_bytes_f64().ok_or_else(|| QuantityError::NotBytes(q.0.clone()))?;
+    let value = parsed
+        .to_bytes_f64()
+        .ok_or_else(|| QuantityError::NotBytes(q.0.clone()))?;
     if !(0.0..=u64::MAX as f64).contains(&value) || value.fract() != 0.0 {
         return Err(QuantityError::NotBytes(q.0.clone()));
     }
@@ -34,7 +36,7 @@ pub fn format_bytes(bytes: u64) -> String {
         ("Ki", 1 << 10),
     ];
     for (suffix, size) in UNITS {
-        if bytes >= size && bytes % size == 0 {
+        if bytes >= size && bytes.is_multiple_of(size) {
             return format!("{}{suffix}", bytes / size);
         }
     }
@@ -62,7 +64,10 @@ mod tests {
 
     #[test]
     fn rejects_garbage_and_fractions_of_a_byte() {
-        assert!(matches!(bytes_of(&q("twenty")), Err(QuantityError::Malformed(_))));
+        assert!(matches!(
+            bytes_of(&q("twenty")),
+            Err(QuantityError::Malformed(_))
+        ));
         assert!(bytes_of(&q("1m")).is_err());
     }
 

@@ -77,7 +77,8 @@ pub fn model(name: &str) -> Result<&'static GpuModel, UnknownModel> {
     CATALOG
         .iter()
         .find(|m| {
-            m.name.eq_ignore_ascii_case(wanted) || m.aliases.iter().any(|a| a.eq_ignore_ascii_case(wanted))
+            m.name.eq_ignore_ascii_case(wanted)
+                || m.aliases.iter().any(|a| a.eq_ignore_ascii_case(wanted))
         })
         .ok_or_else(|| UnknownModel(name.to_string()))
 }
@@ -94,7 +95,11 @@ impl GpuModel {
 
     /// A profile of this model by name, ignoring case.
     pub fn profile(&self, name: &str) -> Option<&MigProfile> {
-        self.mig.as_ref()?.profiles.iter().find(|p| p.name.eq_ignore_ascii_case(name))
+        self.mig
+            .as_ref()?
+            .profiles
+            .iter()
+            .find(|p| p.name.eq_ignore_ascii_case(name))
     }
 }
 
@@ -117,7 +122,16 @@ fn eight_slice(names: [&str; 6], memory_gib: [f64; 6], sms: [u32; 6]) -> MigGeom
     let [n1, n1d, n2, n3, n4, n7] = names;
     let [m1, m1d, m2, m3, m4, m7] = memory_gib;
     let [s1, s1d, s2, s3, s4, s7] = sms;
-    let p = |name: String, nvml_index, id, compute_slices, memory_slices, mem, sms, placements: &[u32], max_count, media| MigProfile {
+    let p = |name: String,
+             nvml_index,
+             id,
+             compute_slices,
+             memory_slices,
+             mem,
+             sms,
+             placements: &[u32],
+             max_count,
+             media| MigProfile {
         name,
         nvml_index,
         id,
@@ -133,9 +147,42 @@ fn eight_slice(names: [&str; 6], memory_gib: [f64; 6], sms: [u32; 6]) -> MigGeom
         memory_slices: 8,
         compute_slices: 7,
         profiles: vec![
-            p(n1.to_string(), 0, 19, 1, 1, m1, s1, &[0, 1, 2, 3, 4, 5, 6], 7, false),
-            p(format!("{n1}+me"), 7, 20, 1, 1, m1, s1, &[0, 1, 2, 3, 4, 5, 6], 1, true),
-            p(n1d.to_string(), 9, 15, 1, 2, m1d, s1d, &[0, 2, 4, 6], 4, false),
+            p(
+                n1.to_string(),
+                0,
+                19,
+                1,
+                1,
+                m1,
+                s1,
+                &[0, 1, 2, 3, 4, 5, 6],
+                7,
+                false,
+            ),
+            p(
+                format!("{n1}+me"),
+                7,
+                20,
+                1,
+                1,
+                m1,
+                s1,
+                &[0, 1, 2, 3, 4, 5, 6],
+                1,
+                true,
+            ),
+            p(
+                n1d.to_string(),
+                9,
+                15,
+                1,
+                2,
+                m1d,
+                s1d,
+                &[0, 2, 4, 6],
+                4,
+                false,
+            ),
             p(n2.to_string(), 1, 14, 2, 2, m2, s2, &[0, 2, 4], 3, false),
             p(n3.to_string(), 2, 9, 3, 4, m3, s3, &[0, 4], 2, false),
             p(n4.to_string(), 3, 5, 4, 4, m4, s4, &[0], 1, false),
@@ -145,17 +192,19 @@ fn eight_slice(names: [&str; 6], memory_gib: [f64; 6], sms: [u32; 6]) -> MigGeom
 }
 
 fn a30() -> MigGeometry {
-    let p = |name: &str, nvml_index, id, slices, mem, sms, placements: &[u32], max_count, media| MigProfile {
-        name: name.to_string(),
-        nvml_index,
-        id,
-        compute_slices: slices,
-        memory_slices: slices,
-        memory_mib: gib(mem),
-        sms,
-        placements: placements.to_vec(),
-        max_count,
-        media,
+    let p = |name: &str, nvml_index, id, slices, mem, sms, placements: &[u32], max_count, media| {
+        MigProfile {
+            name: name.to_string(),
+            nvml_index,
+            id,
+            compute_slices: slices,
+            memory_slices: slices,
+            memory_mib: gib(mem),
+            sms,
+            placements: placements.to_vec(),
+            max_count,
+            media,
+        }
     };
     MigGeometry {
         memory_slices: 4,
@@ -173,39 +222,88 @@ fn a30() -> MigGeometry {
 static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
     let a100_40 = || {
         eight_slice(
-            ["1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"],
+            [
+                "1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb",
+            ],
             [4.75, 9.75, 9.75, 19.62, 19.62, 39.5],
             [14, 14, 28, 42, 56, 98],
         )
     };
     let a100_80 = || {
         eight_slice(
-            ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
+            [
+                "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb",
+            ],
             [9.5, 19.5, 19.5, 39.25, 39.25, 78.75],
             [14, 14, 28, 42, 56, 98],
         )
     };
     let h100_80 = |sms7| {
         eight_slice(
-            ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
+            [
+                "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb",
+            ],
             [9.75, 19.62, 19.62, 39.5, 39.5, 79.25],
             [16, 26, 32, 60, 64, sms7],
         )
     };
     vec![
-        GpuModel { name: "NVIDIA A100-SXM4-40GB", aliases: &["NVIDIA A100-PCIE-40GB", "A100-40GB", "A100"], memory_mib: 40960, sms: 108, mig: Some(a100_40()) },
-        GpuModel { name: "NVIDIA A100-SXM4-80GB", aliases: &["A100-80GB", "A100-SXM4-80GB"], memory_mib: 81920, sms: 108, mig: Some(a100_80()) },
-        GpuModel { name: "NVIDIA A100 80GB PCIe", aliases: &["A100-80GB-PCIE", "NVIDIA A100-PCIE-80GB"], memory_mib: 81920, sms: 108, mig: Some(a100_80()) },
-        GpuModel { name: "NVIDIA A30", aliases: &["A30", "A30-24GB"], memory_mib: 24576, sms: 56, mig: Some(a30()) },
-        GpuModel { name: "NVIDIA H100 80GB HBM3", aliases: &["H100", "H100-80GB", "H100-SXM5-80GB", "NVIDIA H100-SXM5-80GB"], memory_mib: 81559, sms: 132, mig: Some(h100_80(132)) },
-        GpuModel { name: "NVIDIA H100 PCIe", aliases: &["H100-PCIE", "H100-PCIE-80GB"], memory_mib: 81559, sms: 114, mig: Some(h100_80(114)) },
+        GpuModel {
+            name: "NVIDIA A100-SXM4-40GB",
+            aliases: &["NVIDIA A100-PCIE-40GB", "A100-40GB", "A100"],
+            memory_mib: 40960,
+            sms: 108,
+            mig: Some(a100_40()),
+        },
+        GpuModel {
+            name: "NVIDIA A100-SXM4-80GB",
+            aliases: &["A100-80GB", "A100-SXM4-80GB"],
+            memory_mib: 81920,
+            sms: 108,
+            mig: Some(a100_80()),
+        },
+        GpuModel {
+            name: "NVIDIA A100 80GB PCIe",
+            aliases: &["A100-80GB-PCIE", "NVIDIA A100-PCIE-80GB"],
+            memory_mib: 81920,
+            sms: 108,
+            mig: Some(a100_80()),
+        },
+        GpuModel {
+            name: "NVIDIA A30",
+            aliases: &["A30", "A30-24GB"],
+            memory_mib: 24576,
+            sms: 56,
+            mig: Some(a30()),
+        },
+        GpuModel {
+            name: "NVIDIA H100 80GB HBM3",
+            aliases: &[
+                "H100",
+                "H100-80GB",
+                "H100-SXM5-80GB",
+                "NVIDIA H100-SXM5-80GB",
+            ],
+            memory_mib: 81559,
+            sms: 132,
+            mig: Some(h100_80(132)),
+        },
+        GpuModel {
+            name: "NVIDIA H100 PCIe",
+            aliases: &["H100-PCIE", "H100-PCIE-80GB"],
+            memory_mib: 81559,
+            sms: 114,
+            mig: Some(h100_80(114)),
+        },
         GpuModel {
             name: "NVIDIA H100 NVL",
             aliases: &["H100-NVL", "H100-NVL-94GB"],
             memory_mib: 95830,
             sms: 132,
             mig: Some(eight_slice(
-                ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
+                [
+                    "1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb",
+                ],
                 [10.75, 21.75, 21.75, 46.0, 46.0, 93.0],
                 [16, 26, 32, 60, 64, 132],
             )),
@@ -216,7 +314,9 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
             memory_mib: 143771,
             sms: 132,
             mig: Some(eight_slice(
-                ["1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
+                [
+                    "1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb",
+                ],
                 [16.0, 32.25, 32.25, 69.5, 69.5, 139.75],
                 [16, 26, 32, 60, 64, 132],
             )),
@@ -234,13 +334,24 @@ mod tests {
         assert_eq!(model("h200").unwrap().name, "NVIDIA H200");
         assert_eq!(model("NVIDIA A100-SXM4-80GB").unwrap().memory_mib, 81920);
         let err = model("NVIDIA T4").unwrap_err();
-        assert!(err.to_string().contains("\"NVIDIA T4\" is not in the catalog"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("\"NVIDIA T4\" is not in the catalog"),
+            "{err}"
+        );
     }
 
     #[test]
     fn h200_profiles_match_the_brief() {
         let h200 = model("NVIDIA H200").unwrap();
-        let expect = [("1g.18gb", 19, 16.0, 16), ("1g.35gb", 15, 32.25, 26), ("2g.35gb", 14, 32.25, 32), ("3g.71gb", 9, 69.5, 60), ("4g.71gb", 5, 69.5, 64), ("7g.141gb", 0, 139.75, 132)];
+        let expect = [
+            ("1g.18gb", 19, 16.0, 16),
+            ("1g.35gb", 15, 32.25, 26),
+            ("2g.35gb", 14, 32.25, 32),
+            ("3g.71gb", 9, 69.5, 60),
+            ("4g.71gb", 5, 69.5, 64),
+            ("7g.141gb", 0, 139.75, 132),
+        ];
         for (name, id, gib_, sms) in expect {
             let p = h200.profile(name).unwrap();
             assert_eq!((p.id, p.memory_mib, p.sms), (id, gib(gib_), sms), "{name}");
@@ -253,12 +364,33 @@ mod tests {
             let g = m.mig.as_ref().unwrap();
             for p in &g.profiles {
                 assert!(p.memory_mib <= m.memory_mib, "{} {}", m.name, p.name);
-                assert!(p.compute_slices <= g.compute_slices, "{} {}", m.name, p.name);
+                assert!(
+                    p.compute_slices <= g.compute_slices,
+                    "{} {}",
+                    m.name,
+                    p.name
+                );
                 for start in &p.placements {
-                    assert!(start + p.memory_slices <= g.memory_slices, "{} {} at {start}", m.name, p.name);
-                    assert_eq!(start % p.memory_slices.min(4), 0, "{} {} aligned", m.name, p.name);
+                    assert!(
+                        start + p.memory_slices <= g.memory_slices,
+                        "{} {} at {start}",
+                        m.name,
+                        p.name
+                    );
+                    assert_eq!(
+                        start % p.memory_slices.min(4),
+                        0,
+                        "{} {} aligned",
+                        m.name,
+                        p.name
+                    );
                 }
-                assert!(p.max_count as usize <= p.placements.len(), "{} {}", m.name, p.name);
+                assert!(
+                    p.max_count as usize <= p.placements.len(),
+                    "{} {}",
+                    m.name,
+                    p.name
+                );
             }
         }
     }

@@ -23,28 +23,63 @@ pub enum MigError {
     #[error("{model} does not support MIG")]
     NotMigCapable { model: String },
     #[error("{model} has no MIG profile {profile:?} (it has: {known})")]
-    UnknownProfile { model: String, profile: String, known: String },
+    UnknownProfile {
+        model: String,
+        profile: String,
+        known: String,
+    },
     #[error("{count} × {profile} requested, but at most {max} fit on one {model}")]
-    TooMany { model: String, profile: String, count: u32, max: u32 },
+    TooMany {
+        model: String,
+        profile: String,
+        count: u32,
+        max: u32,
+    },
     #[error("the profiles need {needed} compute slices, but {model} has {available}")]
-    ComputeBudget { model: String, needed: u32, available: u32 },
+    ComputeBudget {
+        model: String,
+        needed: u32,
+        available: u32,
+    },
     #[error("the profiles need {needed} memory slices, but {model} has {available}")]
-    MemoryBudget { model: String, needed: u32, available: u32 },
+    MemoryBudget {
+        model: String,
+        needed: u32,
+        available: u32,
+    },
     #[error("at most one media-engine (+me) instance fits on a GPU, {count} requested")]
     MediaEngines { count: u32 },
-    #[error("no arrangement of {layout} fits {model}: the allowed placements collide ({placements})")]
-    NoPlacement { model: String, layout: String, placements: String },
+    #[error(
+        "no arrangement of {layout} fits {model}: the allowed placements collide ({placements})"
+    )]
+    NoPlacement {
+        model: String,
+        layout: String,
+        placements: String,
+    },
     #[error("set either profiles or preset")]
     Empty,
 }
 
 /// The profile counts a MIG layout asks for on a model (a preset expanded).
-pub fn requested_profiles(model: &GpuModel, layout: &MigLayout) -> Result<BTreeMap<String, u32>, MigError> {
-    let geometry = model.mig.as_ref().ok_or_else(|| MigError::NotMigCapable { model: model.name.to_string() })?;
+pub fn requested_profiles(
+    model: &GpuModel,
+    layout: &MigLayout,
+) -> Result<BTreeMap<String, u32>, MigError> {
+    let geometry = model.mig.as_ref().ok_or_else(|| MigError::NotMigCapable {
+        model: model.name.to_string(),
+    })?;
     if let Some(preset) = layout.preset {
-        let smallest = geometry.profiles.iter().find(|p| p.nvml_index == 0).expect("every MIG model has a 1-slice profile");
+        let smallest = geometry
+            .profiles
+            .iter()
+            .find(|p| p.nvml_index == 0)
+            .expect("every MIG model has a 1-slice profile");
         let plain = |compute: u32, memory: u32| {
-            geometry.profiles.iter().find(|p| p.compute_slices == compute && p.memory_slices == memory && !p.media)
+            geometry
+                .profiles
+                .iter()
+                .find(|p| p.compute_slices == compute && p.memory_slices == memory && !p.media)
         };
         let mut out = BTreeMap::new();
         match preset {
@@ -52,12 +87,20 @@ pub fn requested_profiles(model: &GpuModel, layout: &MigLayout) -> Result<BTreeM
                 out.insert(smallest.name.clone(), smallest.max_count);
             }
             MigPreset::Whole => {
-                let whole = geometry.profiles.iter().find(|p| p.compute_slices == geometry.compute_slices).expect("every MIG model has a full-GPU profile");
+                let whole = geometry
+                    .profiles
+                    .iter()
+                    .find(|p| p.compute_slices == geometry.compute_slices)
+                    .expect("every MIG model has a full-GPU profile");
                 out.insert(whole.name.clone(), 1);
             }
             MigPreset::Balanced => {
                 // 3g + 2g + 2×1g on 8-slice models, 2g + 2×1g on the A30's four slices.
-                let larger: &[(u32, u32)] = if geometry.memory_slices == 8 { &[(3, 4), (2, 2)] } else { &[(2, 2)] };
+                let larger: &[(u32, u32)] = if geometry.memory_slices == 8 {
+                    &[(3, 4), (2, 2)]
+                } else {
+                    &[(2, 2)]
+                };
                 for p in larger.iter().filter_map(|&(c, m)| plain(c, m)) {
                     out.insert(p.name.clone(), 1);
                 }
@@ -79,18 +122,35 @@ pub fn solve(model: &GpuModel, layout: &MigLayout) -> Result<Vec<PlacedInstance>
 }
 
 /// Solves explicit profile counts on a model.
-pub fn solve_counts(model: &GpuModel, counts: &BTreeMap<String, u32>) -> Result<Vec<PlacedInstance>, MigError> {
+pub fn solve_counts(
+    model: &GpuModel,
+    counts: &BTreeMap<String, u32>,
+) -> Result<Vec<PlacedInstance>, MigError> {
     let name = model.name.to_string();
-    let geometry = model.mig.as_ref().ok_or_else(|| MigError::NotMigCapable { model: name.clone() })?;
+    let geometry = model.mig.as_ref().ok_or_else(|| MigError::NotMigCapable {
+        model: name.clone(),
+    })?;
     let mut wanted: Vec<(&MigProfile, u32)> = Vec::new();
     for (profile, &count) in counts {
-        let p = model.profile(profile).ok_or_else(|| MigError::UnknownProfile {
-            model: name.clone(),
-            profile: profile.clone(),
-            known: geometry.profiles.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "),
-        })?;
+        let p = model
+            .profile(profile)
+            .ok_or_else(|| MigError::UnknownProfile {
+                model: name.clone(),
+                profile: profile.clone(),
+                known: geometry
+                    .profiles
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })?;
         if count > p.max_count {
-            return Err(MigError::TooMany { model: name, profile: p.name.clone(), count, max: p.max_count });
+            return Err(MigError::TooMany {
+                model: name,
+                profile: p.name.clone(),
+                count,
+                max: p.max_count,
+            });
         }
         if count > 0 {
             wanted.push((p, count));
@@ -99,35 +159,74 @@ pub fn solve_counts(model: &GpuModel, counts: &BTreeMap<String, u32>) -> Result<
     let sum = |f: fn(&MigProfile) -> u32| wanted.iter().map(|(p, n)| f(p) * n).sum::<u32>();
     let compute = sum(|p| p.compute_slices);
     if compute > geometry.compute_slices {
-        return Err(MigError::ComputeBudget { model: name, needed: compute, available: geometry.compute_slices });
+        return Err(MigError::ComputeBudget {
+            model: name,
+            needed: compute,
+            available: geometry.compute_slices,
+        });
     }
     let memory = sum(|p| p.memory_slices);
     if memory > geometry.memory_slices {
-        return Err(MigError::MemoryBudget { model: name, needed: memory, available: geometry.memory_slices });
+        return Err(MigError::MemoryBudget {
+            model: name,
+            needed: memory,
+            available: geometry.memory_slices,
+        });
     }
-    let media = wanted.iter().filter(|(p, _)| p.media).map(|(_, n)| n).sum::<u32>();
+    let media = wanted
+        .iter()
+        .filter(|(p, _)| p.media)
+        .map(|(_, n)| n)
+        .sum::<u32>();
     if media > 1 {
         return Err(MigError::MediaEngines { count: media });
     }
     // Larger first: they have the fewest placements, so dead ends show early.
-    wanted.sort_by(|(a, _), (b, _)| b.memory_slices.cmp(&a.memory_slices).then(a.name.cmp(&b.name)));
-    let instances: Vec<&MigProfile> = wanted.iter().flat_map(|(p, n)| std::iter::repeat_n(*p, *n as usize)).collect();
+    wanted.sort_by(|(a, _), (b, _)| {
+        b.memory_slices
+            .cmp(&a.memory_slices)
+            .then(a.name.cmp(&b.name))
+    });
+    let instances: Vec<&MigProfile> = wanted
+        .iter()
+        .flat_map(|(p, n)| std::iter::repeat_n(*p, *n as usize))
+        .collect();
     let mut chosen = Vec::with_capacity(instances.len());
     if place(&instances, 0, 0, &mut chosen) {
         let mut out: Vec<PlacedInstance> = instances
             .iter()
             .zip(&chosen)
-            .map(|(p, &start)| PlacedInstance { profile: p.name.clone(), placement: Placement { start, size: p.memory_slices } })
+            .map(|(p, &start)| PlacedInstance {
+                profile: p.name.clone(),
+                placement: Placement {
+                    start,
+                    size: p.memory_slices,
+                },
+            })
             .collect();
         out.sort_by_key(|i| (i.placement.start, i.profile.clone()));
         Ok(out)
     } else {
         Err(MigError::NoPlacement {
             model: name,
-            layout: wanted.iter().map(|(p, n)| format!("{n}×{}", p.name)).collect::<Vec<_>>().join(" + "),
+            layout: wanted
+                .iter()
+                .map(|(p, n)| format!("{n}×{}", p.name))
+                .collect::<Vec<_>>()
+                .join(" + "),
             placements: wanted
                 .iter()
-                .map(|(p, _)| format!("{} at {}", p.name, p.placements.iter().map(|s| format!("{s}-{}", s + p.memory_slices - 1)).collect::<Vec<_>>().join("/")))
+                .map(|(p, _)| {
+                    format!(
+                        "{} at {}",
+                        p.name,
+                        p.placements
+                            .iter()
+                            .map(|s| format!("{s}-{}", s + p.memory_slices - 1))
+                            .collect::<Vec<_>>()
+                            .join("/")
+                    )
+                })
                 .collect::<Vec<_>>()
                 .join("; "),
         })
@@ -169,10 +268,25 @@ mod tests {
     #[test]
     fn h200_balanced_mix_gets_explicit_placements() {
         let h200 = model("NVIDIA H200").unwrap();
-        let out = solve_counts(h200, &counts(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)])).unwrap();
-        let got: Vec<(&str, u32)> = out.iter().map(|i| (i.profile.as_str(), i.placement.start)).collect();
+        let out = solve_counts(
+            h200,
+            &counts(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]),
+        )
+        .unwrap();
+        let got: Vec<(&str, u32)> = out
+            .iter()
+            .map(|i| (i.profile.as_str(), i.placement.start))
+            .collect();
         // 1g may not start at slice 7, so the 3g moves to 4-7 and the rest packs 0-3.
-        assert_eq!(got, vec![("2g.35gb", 0), ("1g.18gb", 2), ("1g.18gb", 3), ("3g.71gb", 4)]);
+        assert_eq!(
+            got,
+            vec![
+                ("2g.35gb", 0),
+                ("1g.18gb", 2),
+                ("1g.18gb", 3),
+                ("3g.71gb", 4)
+            ]
+        );
         let mut used = 0u32;
         for i in &out {
             let p = h200.profile(&i.profile).unwrap();
@@ -187,9 +301,19 @@ mod tests {
     fn four_g_plus_three_g_fits_but_two_four_g_do_not() {
         let a100 = model("NVIDIA A100-SXM4-80GB").unwrap();
         assert!(solve_counts(a100, &counts(&[("4g.40gb", 1), ("3g.40gb", 1)])).is_ok());
-        assert!(matches!(solve_counts(a100, &counts(&[("4g.40gb", 2)])), Err(MigError::TooMany { .. })));
-        assert!(matches!(solve_counts(a100, &counts(&[("7g.80gb", 1), ("1g.10gb", 1)])), Err(MigError::ComputeBudget { .. })));
-        let err = solve_counts(a100, &counts(&[("3g.40gb", 1), ("2g.20gb", 1), ("4g.40gb", 1)])).unwrap_err();
+        assert!(matches!(
+            solve_counts(a100, &counts(&[("4g.40gb", 2)])),
+            Err(MigError::TooMany { .. })
+        ));
+        assert!(matches!(
+            solve_counts(a100, &counts(&[("7g.80gb", 1), ("1g.10gb", 1)])),
+            Err(MigError::ComputeBudget { .. })
+        ));
+        let err = solve_counts(
+            a100,
+            &counts(&[("3g.40gb", 1), ("2g.20gb", 1), ("4g.40gb", 1)]),
+        )
+        .unwrap_err();
         assert!(matches!(err, MigError::ComputeBudget { .. }), "{err}");
     }
 
@@ -199,23 +323,42 @@ mod tests {
         // collisions show on a geometry read from NVML that allows fewer placements.
         let mut narrow = model("H100").unwrap().clone();
         let geometry = narrow.mig.as_mut().unwrap();
-        geometry.profiles.iter_mut().find(|p| p.name == "3g.40gb").unwrap().placements = vec![0];
+        geometry
+            .profiles
+            .iter_mut()
+            .find(|p| p.name == "3g.40gb")
+            .unwrap()
+            .placements = vec![0];
         let err = solve_counts(&narrow, &counts(&[("3g.40gb", 1), ("4g.40gb", 1)])).unwrap_err();
         assert!(matches!(err, MigError::NoPlacement { .. }), "{err}");
-        assert!(err.to_string().contains("3g.40gb at 0-3; 4g.40gb at 0-3"), "{err}");
+        assert!(
+            err.to_string().contains("3g.40gb at 0-3; 4g.40gb at 0-3"),
+            "{err}"
+        );
     }
 
     #[test]
     fn presets_expand_per_model() {
         for m in models() {
             for preset in [MigPreset::All1g, MigPreset::Balanced, MigPreset::Whole] {
-                let layout = MigLayout { profiles: BTreeMap::new(), preset: Some(preset) };
-                let out = solve(m, &layout).unwrap_or_else(|e| panic!("{} {preset:?}: {e}", m.name));
+                let layout = MigLayout {
+                    profiles: BTreeMap::new(),
+                    preset: Some(preset),
+                };
+                let out =
+                    solve(m, &layout).unwrap_or_else(|e| panic!("{} {preset:?}: {e}", m.name));
                 assert!(!out.is_empty());
             }
         }
         let a30 = model("A30").unwrap();
-        let all = solve(a30, &MigLayout { profiles: BTreeMap::new(), preset: Some(MigPreset::All1g) }).unwrap();
+        let all = solve(
+            a30,
+            &MigLayout {
+                profiles: BTreeMap::new(),
+                preset: Some(MigPreset::All1g),
+            },
+        )
+        .unwrap();
         assert_eq!(all.len(), 4);
     }
 }

@@ -69,16 +69,27 @@ pub struct Repo {
 pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
     let mut out = Findings::default();
     unique_names(repo, &mut out);
-    let checkpoints: BTreeMap<&str, &CheckpointPolicy> =
-        repo.checkpoints.iter().map(|c| (name_of(&c.object.metadata), &c.object)).collect();
-    let pools: BTreeMap<&str, &Located<GpuPool>> = repo.pools.iter().map(|p| (name_of(&p.object.metadata), p)).collect();
+    let checkpoints: BTreeMap<&str, &CheckpointPolicy> = repo
+        .checkpoints
+        .iter()
+        .map(|c| (name_of(&c.object.metadata), &c.object))
+        .collect();
+    let pools: BTreeMap<&str, &Located<GpuPool>> = repo
+        .pools
+        .iter()
+        .map(|p| (name_of(&p.object.metadata), p))
+        .collect();
     for pool in &repo.pools {
         check_pool(pool, &checkpoints, now, &mut out);
     }
     for policy in &repo.policies {
         check_policy(policy, &pools, &checkpoints, &mut out);
     }
-    let policies: BTreeMap<&str, _> = repo.policies.iter().map(|p| (name_of(&p.object.metadata), p)).collect();
+    let policies: BTreeMap<&str, _> = repo
+        .policies
+        .iter()
+        .map(|p| (name_of(&p.object.metadata), p))
+        .collect();
     for w in &repo.workloads {
         if w.via_annotation {
             out.warn(w.doc, &w.path, format!(
@@ -88,7 +99,14 @@ pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
             ));
         }
         if !policies.contains_key(w.policy.as_str()) {
-            out.error(w.doc, &w.path, format!("{} uses GpuSlicePolicy {:?}, which this repository does not define", w.display, w.policy));
+            out.error(
+                w.doc,
+                &w.path,
+                format!(
+                    "{} uses GpuSlicePolicy {:?}, which this repository does not define",
+                    w.display, w.policy
+                ),
+            );
         }
     }
     out.0
@@ -99,7 +117,12 @@ struct Findings(Vec<Finding>);
 
 impl Findings {
     fn push(&mut self, doc: usize, severity: Severity, path: &str, message: String) {
-        self.0.push(Finding { doc, severity, path: path.to_string(), message });
+        self.0.push(Finding {
+            doc,
+            severity,
+            path: path.to_string(),
+            message,
+        });
     }
     fn error(&mut self, doc: usize, path: &str, message: String) {
         self.push(doc, Severity::Error, path, message);
@@ -119,9 +142,27 @@ fn unique_names(repo: &Repo, out: &mut Findings) {
         .pools
         .iter()
         .map(|p| (p.doc, &p.origin, Kind::GpuPool, name_of(&p.object.metadata)))
-        .chain(repo.policies.iter().map(|p| (p.doc, &p.origin, Kind::GpuSlicePolicy, name_of(&p.object.metadata))))
-        .chain(repo.checkpoints.iter().map(|p| (p.doc, &p.origin, Kind::CheckpointPolicy, name_of(&p.object.metadata))))
-        .chain(repo.others.iter().map(|o| (o.doc, &o.origin, o.object.0, o.object.1.as_str())));
+        .chain(repo.policies.iter().map(|p| {
+            (
+                p.doc,
+                &p.origin,
+                Kind::GpuSlicePolicy,
+                name_of(&p.object.metadata),
+            )
+        }))
+        .chain(repo.checkpoints.iter().map(|p| {
+            (
+                p.doc,
+                &p.origin,
+                Kind::CheckpointPolicy,
+                name_of(&p.object.metadata),
+            )
+        }))
+        .chain(
+            repo.others
+                .iter()
+                .map(|o| (o.doc, &o.origin, o.object.0, o.object.1.as_str())),
+        );
     for (doc, origin, kind, name) in all {
         if let Some(first) = seen.get(&(kind, name)) {
             out.error(doc, "metadata.name", format!("{kind} {name:?} is already defined at {first}; names of one kind must be unique"));
@@ -133,35 +174,82 @@ fn unique_names(repo: &Repo, out: &mut Findings) {
 
 /// The pool's layouts with their field paths and display names.
 fn layouts(pool: &GpuPool) -> Vec<(String, String, &Layout)> {
-    let mut out = vec![("spec.layout".to_string(), "the default layout".to_string(), &pool.spec.layout)];
+    let mut out = vec![(
+        "spec.layout".to_string(),
+        "the default layout".to_string(),
+        &pool.spec.layout,
+    )];
     for (i, w) in pool.spec.windows.iter().enumerate() {
-        out.push((format!("spec.windows[{i}].layout"), format!("window {:?}", w.name), &w.layout));
+        out.push((
+            format!("spec.windows[{i}].layout"),
+            format!("window {:?}", w.name),
+            &w.layout,
+        ));
     }
     out
 }
 
-/// The catalog models a pool's GPU selector names, and the names the catalog does not know.
-fn selected_models(pool: &GpuPool) -> (Vec<(usize, &'static GpuModel)>, Vec<(usize, String)>) {
-    let mut known = Vec::new();
-    let mut unknown = Vec::new();
-    for (i, name) in pool.spec.gpu_selector.iter().flat_map(|s| s.models.iter()).enumerate() {
+/// The GPU models a pool's selector names: those in the catalog, and (by index) those not.
+struct SelectedModels {
+    known: Vec<&'static GpuModel>,
+    unknown: Vec<(usize, String)>,
+}
+
+fn selected_models(pool: &GpuPool) -> SelectedModels {
+    let mut selected = SelectedModels {
+        known: Vec::new(),
+        unknown: Vec::new(),
+    };
+    for (i, name) in pool
+        .spec
+        .gpu_selector
+        .iter()
+        .flat_map(|s| s.models.iter())
+        .enumerate()
+    {
         match catalog::model(name) {
-            Ok(m) => known.push((i, m)),
-            Err(_) => unknown.push((i, name.clone())),
+            Ok(m) => selected.known.push(m),
+            Err(_) => selected.unknown.push((i, name.clone())),
         }
     }
-    (known, unknown)
+    selected
+}
+
+/// The models a MIG layout must fit: those selected, or every MIG model when none is named.
+fn mig_candidates(models: &[&'static GpuModel]) -> Vec<&'static GpuModel> {
+    if models.is_empty() {
+        catalog::models()
+            .iter()
+            .filter(|m| m.mig.is_some())
+            .collect()
+    } else {
+        models.to_vec()
+    }
 }
 
 fn headroom(pool: &GpuPool) -> u64 {
-    pool.spec.memory_headroom.as_ref().and_then(|q| bytes_of(q).ok()).unwrap_or(0)
+    pool.spec
+        .memory_headroom
+        .as_ref()
+        .and_then(|q| bytes_of(q).ok())
+        .unwrap_or(0)
 }
 
-fn check_pool(pool: &Located<GpuPool>, checkpoints: &BTreeMap<&str, &CheckpointPolicy>, now: DateTime<Utc>, out: &mut Findings) {
+fn check_pool(
+    pool: &Located<GpuPool>,
+    checkpoints: &BTreeMap<&str, &CheckpointPolicy>,
+    now: DateTime<Utc>,
+    out: &mut Findings,
+) {
     let doc = pool.doc;
     let spec = &pool.object.spec;
-    let (models, unknown) = selected_models(&pool.object);
-    let any_mig = layouts(&pool.object).iter().any(|(_, _, l)| l.mig.is_some());
+    let SelectedModels {
+        known: models,
+        unknown,
+    } = selected_models(&pool.object);
+    let any_mig = layouts(&pool.object)
+        .iter()
+        .any(|(_, _, l)| l.mig.is_some());
     for (i, name) in &unknown {
         let path = format!("spec.gpuSelector.models[{i}]");
         if any_mig {
@@ -174,14 +262,16 @@ fn check_pool(pool: &Located<GpuPool>, checkpoints: &BTreeMap<&str, &CheckpointP
     for (path, what, layout) in layouts(&pool.object) {
         match layout.kind() {
             Some(LayoutKind::Software(s)) => {
-                let Ok(memory) = bytes_of(&s.memory) else { continue };
+                let Ok(memory) = bytes_of(&s.memory) else {
+                    continue;
+                };
                 if memory <= headroom {
                     out.error(doc, &format!("{path}.software.memory"), format!(
                         "slice memory {} leaves nothing once memoryHeadroom {} is kept back; raise memory or lower memoryHeadroom",
                         format_bytes(memory), format_bytes(headroom)
                     ));
                 }
-                for (_, m) in &models {
+                for m in &models {
                     let total = memory.saturating_mul(u64::from(s.slices));
                     if total > m.memory_bytes() {
                         out.error(doc, &format!("{path}.software"), format!(
@@ -192,26 +282,34 @@ fn check_pool(pool: &Located<GpuPool>, checkpoints: &BTreeMap<&str, &CheckpointP
                 }
             }
             Some(LayoutKind::Mig(layout)) => {
-                let candidates: Vec<&GpuModel> = if models.is_empty() {
-                    catalog::models().iter().filter(|m| m.mig.is_some()).collect()
-                } else {
-                    models.iter().map(|(_, m)| *m).collect()
-                };
-                let results: Vec<_> = candidates.iter().map(|m| (m, mig::solve(m, layout))).collect();
+                let candidates = mig_candidates(&models);
+                let results: Vec<_> = candidates
+                    .iter()
+                    .map(|m| (m, mig::solve(m, layout)))
+                    .collect();
                 if models.is_empty() {
                     // No model named: the layout must work on at least one MIG model.
                     if results.iter().all(|(_, r)| r.is_err()) {
-                        let why = results.iter().filter_map(|(_, r)| r.as_ref().err()).find(|e| !matches!(e, mig::MigError::UnknownProfile { .. }));
+                        let why = results
+                            .iter()
+                            .filter_map(|(_, r)| r.as_ref().err())
+                            .find(|e| !matches!(e, mig::MigError::UnknownProfile { .. }));
                         let message = match why {
                             Some(e) => format!("{what} fits no MIG-capable GPU: {e}"),
-                            None => format!("{what} names profiles no GPU model has together; set gpuSelector.models and use that model's profile names"),
+                            None => format!(
+                                "{what} names profiles no GPU model has together; set gpuSelector.models and use that model's profile names"
+                            ),
                         };
                         out.error(doc, &format!("{path}.mig"), message);
                     }
                 } else {
                     for (m, r) in results {
                         if let Err(e) = r {
-                            out.error(doc, &format!("{path}.mig"), format!("{what} does not fit a {}: {e}", m.name));
+                            out.error(
+                                doc,
+                                &format!("{path}.mig"),
+                                format!("{what} does not fit a {}: {e}", m.name),
+                            );
                         }
                     }
                 }
@@ -223,9 +321,18 @@ fn check_pool(pool: &Located<GpuPool>, checkpoints: &BTreeMap<&str, &CheckpointP
     if let Some(name) = &spec.checkpoint_policy
         && !checkpoints.contains_key(name.as_str())
     {
-        out.error(doc, "spec.checkpointPolicy", format!("CheckpointPolicy {name:?} is not defined in this repository"));
+        out.error(
+            doc,
+            "spec.checkpointPolicy",
+            format!("CheckpointPolicy {name:?} is not defined in this repository"),
+        );
     }
-    if let Some(Err(e)) = spec.compaction.as_ref().and_then(|c| c.window.as_ref()).map(Recurrence::of_daily) {
+    if let Some(Err(e)) = spec
+        .compaction
+        .as_ref()
+        .and_then(|c| c.window.as_ref())
+        .map(Recurrence::of_daily)
+    {
         let path = match e {
             crate::windows::WindowError::UnknownTimeZone(_) => "spec.compaction.window.timeZone",
             _ => "spec.compaction.window",
@@ -235,7 +342,12 @@ fn check_pool(pool: &Located<GpuPool>, checkpoints: &BTreeMap<&str, &CheckpointP
 }
 
 fn mig_model_names() -> String {
-    catalog::models().iter().filter(|m| m.mig.is_some()).map(|m| m.name).collect::<Vec<_>>().join(", ")
+    catalog::models()
+        .iter()
+        .filter(|m| m.mig.is_some())
+        .map(|m| m.name)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn check_windows(pool: &Located<GpuPool>, now: DateTime<Utc>, out: &mut Findings) {
@@ -244,7 +356,11 @@ fn check_windows(pool: &Located<GpuPool>, now: DateTime<Utc>, out: &mut Findings
     for (i, w) in windows.iter().enumerate() {
         match Recurrence::of_window(w) {
             Ok(r) => parsed.push((i, r)),
-            Err(e @ crate::windows::WindowError::UnknownTimeZone(_)) => out.error(pool.doc, &format!("spec.windows[{i}].timeZone"), e.to_string()),
+            Err(e @ crate::windows::WindowError::UnknownTimeZone(_)) => out.error(
+                pool.doc,
+                &format!("spec.windows[{i}].timeZone"),
+                e.to_string(),
+            ),
             Err(e) => out.error(pool.doc, &format!("spec.windows[{i}]"), e.to_string()),
         }
     }
@@ -272,17 +388,27 @@ fn check_policy(
     if let Some(name) = &spec.checkpoint_policy
         && !checkpoints.contains_key(name.as_str())
     {
-        out.error(doc, "spec.checkpointPolicy", format!("CheckpointPolicy {name:?} is not defined in this repository"));
+        out.error(
+            doc,
+            "spec.checkpointPolicy",
+            format!("CheckpointPolicy {name:?} is not defined in this repository"),
+        );
     }
     let Some(pool) = pools.get(spec.pool.as_str()) else {
-        out.error(doc, "spec.pool", format!("GpuPool {:?} is not defined in this repository", spec.pool));
+        out.error(
+            doc,
+            "spec.pool",
+            format!("GpuPool {:?} is not defined in this repository", spec.pool),
+        );
         return;
     };
-    let Ok(memory) = bytes_of(&spec.memory) else { return };
+    let Ok(memory) = bytes_of(&spec.memory) else {
+        return;
+    };
     let headroom = headroom(&pool.object);
     let need = memory.saturating_add(headroom);
     let limit = spec.compute.as_ref().map(|c| c.limit);
-    let (models, _) = selected_models(&pool.object);
+    let models = selected_models(&pool.object).known;
     let mut fits = Vec::new();
     let mut misfits = Vec::new();
     for (_, what, layout) in layouts(&pool.object) {
@@ -292,44 +418,68 @@ fn check_policy(
                 if need > slice {
                     Some((
                         "spec.memory",
-                        format!("{} + memoryHeadroom {} = {} does not fit the {} slices of {what}", format_bytes(memory), format_bytes(headroom), format_bytes(need), format_bytes(slice)),
-                    ))
-                } else if let Some(limit) = limit.filter(|&l| l > s.compute) {
-                    Some((
-                        "spec.compute.limit",
-                        format!("compute limit {limit}% exceeds the {}% share of each slice of {what} (guarantees on one GPU could then add up to more than 100%)", s.compute),
+                        format!(
+                            "{} + memoryHeadroom {} = {} does not fit the {} slices of {what}",
+                            format_bytes(memory),
+                            format_bytes(headroom),
+                            format_bytes(need),
+                            format_bytes(slice)
+                        ),
                     ))
                 } else {
-                    None
+                    limit.filter(|&l| l > s.compute).map(|limit| {
+                        (
+                            "spec.compute.limit",
+                            format!(
+                                "compute limit {limit}% exceeds the {}% share of each slice of {what} (guarantees on one GPU could then add up to more than 100%)",
+                                s.compute
+                            ),
+                        )
+                    })
                 }
             }
             Some(LayoutKind::Mig(m)) => {
-                let candidates: Vec<&GpuModel> = if models.is_empty() {
-                    catalog::models().iter().filter(|m| m.mig.is_some()).collect()
-                } else {
-                    models.iter().map(|(_, m)| *m).collect()
-                };
+                let candidates = mig_candidates(&models);
                 let largest = candidates
                     .iter()
                     .filter_map(|model| {
                         let counts = mig::requested_profiles(model, m).ok()?;
-                        counts.keys().filter_map(|p| model.profile(p)).map(|p| p.memory_bytes()).max()
+                        counts
+                            .keys()
+                            .filter_map(|p| model.profile(p))
+                            .map(|p| p.memory_bytes())
+                            .max()
                     })
                     .max();
                 match largest {
                     Some(largest) if need > largest => Some((
                         "spec.memory",
-                        format!("{} + memoryHeadroom {} = {} does not fit the largest MIG instance of {what} ({})", format_bytes(memory), format_bytes(headroom), format_bytes(need), format_bytes(largest)),
+                        format!(
+                            "{} + memoryHeadroom {} = {} does not fit the largest MIG instance of {what} ({})",
+                            format_bytes(memory),
+                            format_bytes(headroom),
+                            format_bytes(need),
+                            format_bytes(largest)
+                        ),
                     )),
                     _ => None,
                 }
             }
             Some(LayoutKind::Exclusive) => models
                 .iter()
-                .map(|(_, m)| m.memory_bytes())
+                .map(|m| m.memory_bytes())
                 .min()
                 .filter(|&gpu| need > gpu)
-                .map(|gpu| ("spec.memory", format!("{} + memoryHeadroom exceeds a whole GPU ({}) in {what}", format_bytes(memory), format_bytes(gpu)))),
+                .map(|gpu| {
+                    (
+                        "spec.memory",
+                        format!(
+                            "{} + memoryHeadroom exceeds a whole GPU ({}) in {what}",
+                            format_bytes(memory),
+                            format_bytes(gpu)
+                        ),
+                    )
+                }),
             None => None,
         };
         match why_not {
@@ -339,11 +489,22 @@ fn check_policy(
     }
     if fits.is_empty() {
         for (_, (path, message)) in misfits {
-            out.error(doc, path, format!("no slice of pool {:?} fits: {message}", spec.pool));
+            out.error(
+                doc,
+                path,
+                format!("no slice of pool {:?} fits: {message}", spec.pool),
+            );
         }
     } else {
         for (what, (path, message)) in misfits {
-            out.warn(doc, path, format!("cannot run during {what} of pool {:?}: {message}", spec.pool));
+            out.warn(
+                doc,
+                path,
+                format!(
+                    "cannot run during {what} of pool {:?}: {message}",
+                    spec.pool
+                ),
+            );
         }
     }
 }

@@ -5,7 +5,9 @@
 //! local times that happen twice (fall-back) take the first, so a window neither vanishes nor
 //! opens twice on a daylight-saving day.
 
-use chrono::{DateTime, Datelike, Duration, LocalResult, NaiveDate, NaiveDateTime, NaiveTime, TimeZone, Utc};
+use chrono::{
+    DateTime, Datelike, Duration, LocalResult, NaiveDate, NaiveDateTime, NaiveTime, TimeZone, Utc,
+};
 use chrono_tz::Tz;
 use gpuslice_api::{ClockTime, DailyWindow, TimeWindow, Weekday};
 
@@ -40,7 +42,8 @@ pub struct Interval {
 
 /// Looks up an IANA time zone.
 pub fn time_zone(name: &str) -> Result<Tz, WindowError> {
-    name.parse::<Tz>().map_err(|_| WindowError::UnknownTimeZone(name.to_string()))
+    name.parse::<Tz>()
+        .map_err(|_| WindowError::UnknownTimeZone(name.to_string()))
 }
 
 fn minutes(t: &ClockTime) -> Result<u32, WindowError> {
@@ -48,12 +51,22 @@ fn minutes(t: &ClockTime) -> Result<u32, WindowError> {
 }
 
 impl Recurrence {
-    pub fn new(tz: &str, days: &[Weekday], start: &ClockTime, end: &ClockTime) -> Result<Self, WindowError> {
+    pub fn new(
+        tz: &str,
+        days: &[Weekday],
+        start: &ClockTime,
+        end: &ClockTime,
+    ) -> Result<Self, WindowError> {
         let (start_min, end_min) = (minutes(start)?, minutes(end)?);
         if start_min == end_min {
             return Err(WindowError::Empty(start.0.clone()));
         }
-        Ok(Recurrence { tz: time_zone(tz)?, days: days.to_vec(), start: start_min, end: end_min })
+        Ok(Recurrence {
+            tz: time_zone(tz)?,
+            days: days.to_vec(),
+            start: start_min,
+            end: end_min,
+        })
     }
 
     pub fn of_window(w: &TimeWindow) -> Result<Self, WindowError> {
@@ -71,9 +84,20 @@ impl Recurrence {
         let mut out = Vec::new();
         let mut day = first;
         while day <= last {
-            if self.days.iter().any(|d| d.index() == day.weekday().num_days_from_monday()) {
-                let end_day = if self.end <= self.start { day + Duration::days(1) } else { day };
-                let interval = Interval { start: self.instant(day, self.start), end: self.instant(end_day, self.end) };
+            if self
+                .days
+                .iter()
+                .any(|d| d.index() == day.weekday().num_days_from_monday())
+            {
+                let end_day = if self.end <= self.start {
+                    day + Duration::days(1)
+                } else {
+                    day
+                };
+                let interval = Interval {
+                    start: self.instant(day, self.start),
+                    end: self.instant(end_day, self.end),
+                };
                 if interval.end > from && interval.start < to && interval.start < interval.end {
                     out.push(interval);
                 }
@@ -85,7 +109,8 @@ impl Recurrence {
 
     /// The UTC instant of a local date and minute, resolving gaps and repeats.
     fn instant(&self, day: NaiveDate, minute: u32) -> DateTime<Utc> {
-        let time = NaiveTime::from_hms_opt(minute / 60, minute % 60, 0).expect("minute of day < 1440");
+        let time =
+            NaiveTime::from_hms_opt(minute / 60, minute % 60, 0).expect("minute of day < 1440");
         let mut local: NaiveDateTime = day.and_time(time);
         // Gaps are at most a few hours (usually one); step to the first local time that exists.
         for _ in 0..=24 * 60 {
@@ -100,7 +125,12 @@ impl Recurrence {
 }
 
 /// The first instant at which two recurrences are both open, searching `days` days from `from`.
-pub fn first_overlap(a: &Recurrence, b: &Recurrence, from: DateTime<Utc>, days: i64) -> Option<DateTime<Utc>> {
+pub fn first_overlap(
+    a: &Recurrence,
+    b: &Recurrence,
+    from: DateTime<Utc>,
+    days: i64,
+) -> Option<DateTime<Utc>> {
     let to = from + Duration::days(days);
     let (xs, ys) = (a.occurrences(from, to), b.occurrences(from, to));
     let mut best: Option<DateTime<Utc>> = None;
@@ -114,7 +144,10 @@ pub fn first_overlap(a: &Recurrence, b: &Recurrence, from: DateTime<Utc>, days: 
 }
 
 /// Which of `windows` is open at `at` (the first, if several), and when that next changes.
-pub fn active_at(windows: &[Recurrence], at: DateTime<Utc>) -> (Option<usize>, Option<DateTime<Utc>>) {
+pub fn active_at(
+    windows: &[Recurrence],
+    at: DateTime<Utc>,
+) -> (Option<usize>, Option<DateTime<Utc>>) {
     let horizon = at + Duration::days(8);
     let mut active = None;
     let mut next: Option<DateTime<Utc>> = None;
@@ -149,7 +182,10 @@ mod tests {
     fn night_window_crosses_midnight_in_shanghai() {
         let night = every_day("Asia/Shanghai", "20:00", "08:00");
         // 13:00 UTC = 21:00 in Shanghai: open; 02:00 UTC = 10:00: closed.
-        assert_eq!(active_at(std::slice::from_ref(&night), utc("2026-12-02T13:00:00Z")).0, Some(0));
+        assert_eq!(
+            active_at(std::slice::from_ref(&night), utc("2026-12-02T13:00:00Z")).0,
+            Some(0)
+        );
         let (active, next) = active_at(std::slice::from_ref(&night), utc("2026-12-02T02:00:00Z"));
         assert_eq!(active, None);
         assert_eq!(next, Some(utc("2026-12-02T12:00:00Z")));
@@ -160,7 +196,13 @@ mod tests {
         // Europe/Berlin skips 02:00-03:00 on 2026-03-29.
         let w = every_day("Europe/Berlin", "02:30", "04:00");
         let occ = w.occurrences(utc("2026-03-28T12:00:00Z"), utc("2026-03-29T12:00:00Z"));
-        assert_eq!(occ, vec![Interval { start: utc("2026-03-29T01:00:00Z"), end: utc("2026-03-29T02:00:00Z") }]);
+        assert_eq!(
+            occ,
+            vec![Interval {
+                start: utc("2026-03-29T01:00:00Z"),
+                end: utc("2026-03-29T02:00:00Z")
+            }]
+        );
     }
 
     #[test]
@@ -179,21 +221,42 @@ mod tests {
         let b = every_day("Asia/Shanghai", "21:00", "22:00"); // 13:00-14:00 UTC
         let c = every_day("Asia/Shanghai", "23:00", "01:00"); // 15:00-17:00 UTC
         let from = utc("2026-12-02T00:00:00Z");
-        assert_eq!(first_overlap(&a, &b, from, 7), Some(utc("2026-12-02T13:00:00Z")));
+        assert_eq!(
+            first_overlap(&a, &b, from, 7),
+            Some(utc("2026-12-02T13:00:00Z"))
+        );
         assert_eq!(first_overlap(&a, &c, from, 7), None);
     }
 
     #[test]
     fn weekday_windows_only_open_on_their_days() {
-        let w = Recurrence::new("UTC", &[Weekday::Sat, Weekday::Sun], &"00:00".into(), &"23:59".into()).unwrap();
+        let w = Recurrence::new(
+            "UTC",
+            &[Weekday::Sat, Weekday::Sun],
+            &"00:00".into(),
+            &"23:59".into(),
+        )
+        .unwrap();
         // 2026-12-02 is a Wednesday.
-        assert_eq!(active_at(std::slice::from_ref(&w), utc("2026-12-02T10:00:00Z")).0, None);
-        assert_eq!(active_at(std::slice::from_ref(&w), utc("2026-12-05T10:00:00Z")).0, Some(0));
+        assert_eq!(
+            active_at(std::slice::from_ref(&w), utc("2026-12-02T10:00:00Z")).0,
+            None
+        );
+        assert_eq!(
+            active_at(std::slice::from_ref(&w), utc("2026-12-05T10:00:00Z")).0,
+            Some(0)
+        );
     }
 
     #[test]
     fn bad_inputs_name_the_problem() {
-        assert_eq!(time_zone("Mars/Olympus"), Err(WindowError::UnknownTimeZone("Mars/Olympus".into())));
-        assert!(matches!(Recurrence::new("UTC", &Weekday::ALL, &"08:00".into(), &"08:00".into()), Err(WindowError::Empty(_))));
+        assert_eq!(
+            time_zone("Mars/Olympus"),
+            Err(WindowError::UnknownTimeZone("Mars/Olympus".into()))
+        );
+        assert!(matches!(
+            Recurrence::new("UTC", &Weekday::ALL, &"08:00".into(), &"08:00".into()),
+            Err(WindowError::Empty(_))
+        ));
     }
 }

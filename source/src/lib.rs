@@ -42,23 +42,34 @@ pub enum SourceError {
     #[error("{0}: no such file, folder or Git repository")]
     NotFound(String),
     #[error("{path}: cannot read: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: not UTF-8 text")]
     NotText { path: String },
     #[error("{location}: {message}")]
     Git { location: String, message: String },
     #[error("{location}: ref {git_ref:?} not found ({message})")]
-    UnknownRef { location: String, git_ref: String, message: String },
+    UnknownRef {
+        location: String,
+        git_ref: String,
+        message: String,
+    },
     #[error("{location}: sub-folder {sub_path:?} does not exist")]
     NoSubPath { location: String, sub_path: String },
 }
 
 fn is_yaml(path: &Path) -> bool {
-    matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("yaml" | "yml")
+    )
 }
 
 fn looks_like_url(location: &str) -> bool {
-    location.contains("://") || (location.contains('@') && location.contains(':') && !Path::new(location).exists())
+    location.contains("://")
+        || (location.contains('@') && location.contains(':') && !Path::new(location).exists())
 }
 
 /// Reads every YAML file of a source, sorted by path.
@@ -72,11 +83,18 @@ pub fn load(spec: &SourceSpec) -> Result<Snapshot, SourceError> {
         }
         if root.is_file() {
             let text = read_text(&root)?;
-            return Ok(Snapshot { files: vec![SourceFile { path: spec.location.clone(), text }], revision: None });
+            return Ok(Snapshot {
+                files: vec![SourceFile {
+                    path: spec.location.clone(),
+                    text,
+                }],
+                revision: None,
+            });
         }
         match &spec.git_ref {
             Some(git_ref) => {
-                let repo = git2::Repository::open(&root).map_err(|e| git_error(&spec.location, e))?;
+                let repo =
+                    git2::Repository::open(&root).map_err(|e| git_error(&spec.location, e))?;
                 load_tree(&repo, spec, git_ref)?
             }
             None => load_folder(&root, spec)?,
@@ -87,8 +105,13 @@ pub fn load(spec: &SourceSpec) -> Result<Snapshot, SourceError> {
 }
 
 fn read_text(path: &Path) -> Result<String, SourceError> {
-    let bytes = std::fs::read(path).map_err(|source| SourceError::Io { path: path.display().to_string(), source })?;
-    String::from_utf8(bytes).map_err(|_| SourceError::NotText { path: path.display().to_string() })
+    let bytes = std::fs::read(path).map_err(|source| SourceError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    String::from_utf8(bytes).map_err(|_| SourceError::NotText {
+        path: path.display().to_string(),
+    })
 }
 
 fn load_folder(root: &Path, spec: &SourceSpec) -> Result<Snapshot, SourceError> {
@@ -96,7 +119,10 @@ fn load_folder(root: &Path, spec: &SourceSpec) -> Result<Snapshot, SourceError> 
         Some(sub) => {
             let base = root.join(sub);
             if !base.is_dir() {
-                return Err(SourceError::NoSubPath { location: spec.location.clone(), sub_path: sub.clone() });
+                return Err(SourceError::NoSubPath {
+                    location: spec.location.clone(),
+                    sub_path: sub.clone(),
+                });
             }
             base
         }
@@ -109,24 +135,40 @@ fn load_folder(root: &Path, spec: &SourceSpec) -> Result<Snapshot, SourceError> 
         .filter_entry(|e| e.depth() == 0 || !e.file_name().to_string_lossy().starts_with('.'));
     for entry in walker {
         let entry = entry.map_err(|e| SourceError::Io {
-            path: e.path().map_or_else(|| base.display().to_string(), |p| p.display().to_string()),
-            source: e.into_io_error().unwrap_or_else(|| std::io::Error::other("filesystem loop")),
+            path: e
+                .path()
+                .map_or_else(|| base.display().to_string(), |p| p.display().to_string()),
+            source: e
+                .into_io_error()
+                .unwrap_or_else(|| std::io::Error::other("filesystem loop")),
         })?;
         if entry.file_type().is_file() && is_yaml(entry.path()) {
             let shown = entry.path().strip_prefix(root).unwrap_or(entry.path());
             let path = Path::new(&spec.location).join(shown).display().to_string();
-            files.push(SourceFile { path, text: read_text(entry.path())? });
+            files.push(SourceFile {
+                path,
+                text: read_text(entry.path())?,
+            });
         }
     }
-    Ok(Snapshot { files, revision: None })
+    Ok(Snapshot {
+        files,
+        revision: None,
+    })
 }
 
 fn git_error(location: &str, e: git2::Error) -> SourceError {
-    SourceError::Git { location: location.to_string(), message: e.message().to_string() }
+    SourceError::Git {
+        location: location.to_string(),
+        message: e.message().to_string(),
+    }
 }
 
 fn load_remote(spec: &SourceSpec) -> Result<Snapshot, SourceError> {
-    let dir = tempfile::tempdir().map_err(|source| SourceError::Io { path: "temporary directory".into(), source })?;
+    let dir = tempfile::tempdir().map_err(|source| SourceError::Io {
+        path: "temporary directory".into(),
+        source,
+    })?;
     let repo = git2::build::RepoBuilder::new()
         .bare(true)
         .clone(&spec.location, dir.path())
@@ -139,24 +181,40 @@ fn load_remote(spec: &SourceSpec) -> Result<Snapshot, SourceError> {
     })
 }
 
-fn load_tree(repo: &git2::Repository, spec: &SourceSpec, git_ref: &str) -> Result<Snapshot, SourceError> {
+fn load_tree(
+    repo: &git2::Repository,
+    spec: &SourceSpec,
+    git_ref: &str,
+) -> Result<Snapshot, SourceError> {
     let unknown = |e: git2::Error| SourceError::UnknownRef {
         location: spec.location.clone(),
         git_ref: git_ref.to_string(),
         message: e.message().to_string(),
     };
-    let commit = repo.revparse_single(git_ref).and_then(|o| o.peel_to_commit()).map_err(unknown)?;
+    let commit = repo
+        .revparse_single(git_ref)
+        .and_then(|o| o.peel_to_commit())
+        .map_err(unknown)?;
     let mut tree = commit.tree().map_err(|e| git_error(&spec.location, e))?;
-    let prefix = spec.sub_path.as_deref().map(|s| s.trim_matches('/')).filter(|s| !s.is_empty());
+    let prefix = spec
+        .sub_path
+        .as_deref()
+        .map(|s| s.trim_matches('/'))
+        .filter(|s| !s.is_empty());
     if let Some(sub) = prefix {
-        let entry = tree.get_path(Path::new(sub)).map_err(|_| SourceError::NoSubPath {
-            location: spec.location.clone(),
-            sub_path: sub.to_string(),
-        })?;
+        let entry = tree
+            .get_path(Path::new(sub))
+            .map_err(|_| SourceError::NoSubPath {
+                location: spec.location.clone(),
+                sub_path: sub.to_string(),
+            })?;
         tree = entry
             .to_object(repo)
             .and_then(|o| o.peel_to_tree())
-            .map_err(|_| SourceError::NoSubPath { location: spec.location.clone(), sub_path: sub.to_string() })?;
+            .map_err(|_| SourceError::NoSubPath {
+                location: spec.location.clone(),
+                sub_path: sub.to_string(),
+            })?;
     }
     let mut files = Vec::new();
     let mut failure = None;
@@ -165,9 +223,15 @@ fn load_tree(repo: &git2::Repository, spec: &SourceSpec, git_ref: &str) -> Resul
         if name.starts_with('.') {
             return git2::TreeWalkResult::Skip;
         }
-        let rel = format!("{}{dir}{name}", prefix.map(|p| format!("{p}/")).unwrap_or_default());
+        let rel = format!(
+            "{}{dir}{name}",
+            prefix.map(|p| format!("{p}/")).unwrap_or_default()
+        );
         if entry.kind() == Some(git2::ObjectType::Blob) && is_yaml(Path::new(name)) {
-            match entry.to_object(repo).map(|o| o.peel_to_blob().map(|b| b.content().to_vec())) {
+            match entry
+                .to_object(repo)
+                .map(|o| o.peel_to_blob().map(|b| b.content().to_vec()))
+            {
                 Ok(Ok(bytes)) => match String::from_utf8(bytes) {
                     Ok(text) => files.push(SourceFile { path: rel, text }),
                     Err(_) => {
@@ -183,9 +247,16 @@ fn load_tree(repo: &git2::Repository, spec: &SourceSpec, git_ref: &str) -> Resul
         }
         git2::TreeWalkResult::Ok
     })
-    .map_err(|e| failure.take().unwrap_or_else(|| git_error(&spec.location, e)))?;
+    .map_err(|e| {
+        failure
+            .take()
+            .unwrap_or_else(|| git_error(&spec.location, e))
+    })?;
     if let Some(e) = failure {
         return Err(e);
     }
-    Ok(Snapshot { files, revision: Some(commit.id().to_string()) })
+    Ok(Snapshot {
+        files,
+        revision: Some(commit.id().to_string()),
+    })
 }

@@ -66,10 +66,20 @@ pub fn parse(text: &str) -> ParsedFile {
         let (start, positions) = maps.next().unwrap_or_default();
         match serde_json::Value::deserialize(doc) {
             Ok(serde_json::Value::Null) => {}
-            Ok(value) => out.documents.push(Document { start, value, positions }),
+            Ok(value) => out.documents.push(Document {
+                start,
+                value,
+                positions,
+            }),
             Err(e) => {
-                let position = e.location().map_or(start, |l| Position { line: l.line(), column: l.column() });
-                out.syntax_error = Some(SyntaxError { position, message: clean(&e.to_string()) });
+                let position = e.location().map_or(start, |l| Position {
+                    line: l.line(),
+                    column: l.column(),
+                });
+                out.syntax_error = Some(SyntaxError {
+                    position,
+                    message: clean(&e.to_string()),
+                });
                 break;
             }
         }
@@ -78,7 +88,13 @@ pub fn parse(text: &str) -> ParsedFile {
         && let Err(e) = scan
     {
         let m = e.marker();
-        out.syntax_error = Some(SyntaxError { position: Position { line: m.line(), column: m.col() + 1 }, message: e.info().to_string() });
+        out.syntax_error = Some(SyntaxError {
+            position: Position {
+                line: m.line(),
+                column: m.col() + 1,
+            },
+            message: e.info().to_string(),
+        });
     }
     out
 }
@@ -111,7 +127,10 @@ impl Default for Position {
 }
 
 fn position(mark: Marker) -> Position {
-    Position { line: mark.line(), column: mark.col() + 1 }
+    Position {
+        line: mark.line(),
+        column: mark.col() + 1,
+    }
 }
 
 impl Recorder {
@@ -121,7 +140,11 @@ impl Recorder {
             None => Some(String::new()),
             Some(Frame::Mapping { path, key }) => {
                 let key = key.take()?;
-                Some(if path.is_empty() { key } else { format!("{path}.{key}") })
+                Some(if path.is_empty() {
+                    key
+                } else {
+                    format!("{path}.{key}")
+                })
             }
             Some(Frame::Sequence { path, index }) => {
                 let here = format!("{path}[{index}]");
@@ -142,11 +165,20 @@ impl MarkedEventReceiver for Recorder {
                 self.stack.clear();
             }
             Event::DocumentEnd => {
-                self.documents.push((self.start, std::mem::take(&mut self.current)));
+                self.documents
+                    .push((self.start, std::mem::take(&mut self.current)));
             }
             Event::Scalar(text, ..) => {
-                if let Some(Frame::Mapping { path, key: key @ None }) = self.stack.last_mut() {
-                    let full = if path.is_empty() { text.clone() } else { format!("{path}.{text}") };
+                if let Some(Frame::Mapping {
+                    path,
+                    key: key @ None,
+                }) = self.stack.last_mut()
+                {
+                    let full = if path.is_empty() {
+                        text.clone()
+                    } else {
+                        format!("{path}.{text}")
+                    };
                     self.current.insert(full, position(mark));
                     *key = Some(text);
                 } else {
@@ -199,7 +231,10 @@ spec: {gracePeriod: 2m}
         assert_eq!(parsed.syntax_error, None);
         assert_eq!(parsed.documents.len(), 2);
         let first = &parsed.documents[0];
-        assert_eq!(first.position_of("metadata.name"), Position { line: 5, column: 3 });
+        assert_eq!(
+            first.position_of("metadata.name"),
+            Position { line: 5, column: 3 }
+        );
         assert_eq!(first.position_of("spec.windows[1].start").line, 11);
         assert_eq!(first.position_of("spec.windows[0]").line, 8);
         // A missing field points at its nearest parent.
