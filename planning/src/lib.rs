@@ -3,5 +3,6 @@
 
 pub mod catalog;
 pub mod mig;
+pub mod transition;
 pub mod validate;
 pub mod windows;

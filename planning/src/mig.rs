@@ -121,11 +121,12 @@ pub fn solve(model: &GpuModel, layout: &MigLayout) -> Result<Vec<PlacedInstance>
     solve_counts(model, &counts)
 }
 
-/// Solves explicit profile counts on a model.
-pub fn solve_counts(
-    model: &GpuModel,
+/// Checks profile counts against a model (names, count limits, slice budgets) and resolves the
+/// names to the model's profiles.
+pub fn resolve_counts<'m>(
+    model: &'m GpuModel,
     counts: &BTreeMap<String, u32>,
-) -> Result<Vec<PlacedInstance>, MigError> {
+) -> Result<Vec<(&'m MigProfile, u32)>, MigError> {
     let name = model.name.to_string();
     let geometry = model.mig.as_ref().ok_or_else(|| MigError::NotMigCapable {
         model: name.clone(),
@@ -181,30 +182,17 @@ pub fn solve_counts(
     if media > 1 {
         return Err(MigError::MediaEngines { count: media });
     }
-    // Larger first: they have the fewest placements, so dead ends show early.
-    wanted.sort_by(|(a, _), (b, _)| {
-        b.memory_slices
-            .cmp(&a.memory_slices)
-            .then(a.name.cmp(&b.name))
-    });
-    let instances: Vec<&MigProfile> = wanted
-        .iter()
-        .flat_map(|(p, n)| std::iter::repeat_n(*p, *n as usize))
-        .collect();
-    let mut chosen = Vec::with_capacity(instances.len());
-    if place(&instances, 0, 0, &mut chosen) {
-        let mut out: Vec<PlacedInstance> = instances
-            .iter()
-            .zip(&chosen)
-            .map(|(p, &start)| PlacedInstance {
-                profile: p.name.clone(),
-                placement: Placement {
-                    start,
-                    size: p.memory_slices,
-                },
-            })
-            .collect();
-        out.sort_by_key(|i| (i.placement.start, i.profile.clone()));
+    Ok(wanted)
+}
+
+/// Solves explicit profile counts on a model.
+pub fn solve_counts(
+    model: &GpuModel,
+    counts: &BTreeMap<String, u32>,
+) -> Result<Vec<PlacedInstance>, MigError> {
+    let wanted = resolve_counts(model, counts)?;
+    let name = model.name.to_string();
+    if let Some(out) = place_around(&wanted, 0) {
         Ok(out)
     } else {
         Err(MigError::NoPlacement {
@@ -233,6 +221,47 @@ pub fn solve_counts(
     }
 }
 
+/// Places profile counts in the memory slices left free by `occupied` (a bit mask), or `None`.
+/// Counts and budgets are the caller's to check.
+pub fn place_around(wanted: &[(&MigProfile, u32)], occupied: u32) -> Option<Vec<PlacedInstance>> {
+    let mut wanted = wanted.to_vec();
+    // Larger first: they have the fewest placements, so dead ends show early.
+    wanted.sort_by(|(a, _), (b, _)| {
+        b.memory_slices
+            .cmp(&a.memory_slices)
+            .then(a.name.cmp(&b.name))
+    });
+    let instances: Vec<&MigProfile> = wanted
+        .iter()
+        .flat_map(|(p, n)| std::iter::repeat_n(*p, *n as usize))
+        .collect();
+    let mut chosen = Vec::with_capacity(instances.len());
+    if !place(&instances, 0, occupied, &mut chosen) {
+        return None;
+    }
+    let mut out: Vec<PlacedInstance> = instances
+        .iter()
+        .zip(&chosen)
+        .map(|(p, &start)| PlacedInstance {
+            profile: p.name.clone(),
+            placement: Placement {
+                start,
+                size: p.memory_slices,
+            },
+        })
+        .collect();
+    out.sort_by_key(|i| (i.placement.start, i.profile.clone()));
+    Some(out)
+}
+
+/// The bit mask of the memory slices a placement covers.
+pub fn mask(placement: Placement) -> u32 {
+    if placement.size >= 32 || placement.start >= 32 {
+        return u32::MAX;
+    }
+    ((1u32 << placement.size) - 1) << placement.start
+}
+
 /// Depth-first search over placements; `used` is a bit mask of occupied memory slices.
 fn place(instances: &[&MigProfile], i: usize, used: u32, chosen: &mut Vec<u32>) -> bool {
     let Some(profile) = instances.get(i) else {
@@ -244,10 +273,10 @@ fn place(instances: &[&MigProfile], i: usize, used: u32, chosen: &mut Vec<u32>) 
         _ => 0,
     };
     for &start in profile.placements.iter().filter(|&&s| s >= min_start) {
-        let mask = ((1u32 << profile.memory_slices) - 1) << start;
-        if used & mask == 0 {
+        let m = mask(Placement { start, size: profile.memory_slices });
+        if used & m == 0 {
             chosen.push(start);
-            if place(instances, i + 1, used | mask, chosen) {
+            if place(instances, i + 1, used | m, chosen) {
                 return true;
             }
             chosen.pop();

@@ -1,0 +1,503 @@
+//! Transition plans: from a GPU's current state to a desired layout, as an ordered list of
+//! operations that keeps every instance already in a usable place and never destroys a busy one.
+//!
+//! When reaching the target needs a busy instance (or busy software slices, or the processes of an
+//! exclusive GPU) to go, the plan is *blocked* and names them; the agent drains them per the
+//! CheckpointPolicy and plans again.
+
+use std::collections::BTreeMap;
+
+use gpuslice_api::quantity::{bytes_of, format_bytes};
+use gpuslice_api::{GpuInventory, Layout, LayoutKind, Placement};
+use serde::Serialize;
+
+use crate::catalog::GpuModel;
+use crate::mig::{self, MigError};
+
+/// A MIG instance on a GPU now.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct Instance {
+    pub profile: String,
+    pub placement: Placement,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// Has processes: never destroyed by a plan.
+    pub busy: bool,
+}
+
+/// A software slice table: `slices` slices of `memory` bytes and `compute` percent each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SliceTable {
+    pub slices: u32,
+    pub memory: u64,
+    pub compute: u32,
+}
+
+impl std::fmt::Display for SliceTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} × {} / {}% compute", self.slices, format_bytes(self.memory), self.compute)
+    }
+}
+
+/// What a GPU looks like now.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct GpuState {
+    pub mig_enabled: bool,
+    pub instances: Vec<Instance>,
+    /// The software slice table, when one is configured.
+    pub slices: Option<SliceTable>,
+    /// Ids of software slices held by a workload.
+    pub busy_slices: Vec<String>,
+    /// Processes on the whole GPU (exclusive use, outside MIG and slices).
+    pub busy_gpu: bool,
+}
+
+impl GpuState {
+    /// The state an inventory entry describes. A slice table whose slices differ in size is
+    /// recorded by its first slice; any change rewrites it whole.
+    pub fn from_inventory(gpu: &GpuInventory) -> Self {
+        let mig = gpu.mig.as_ref();
+        let slices = gpu.slices.first().map(|first| SliceTable {
+            slices: gpu.slices.len() as u32,
+            memory: bytes_of(&first.memory).unwrap_or(0),
+            compute: first.compute,
+        });
+        GpuState {
+            mig_enabled: mig.is_some_and(|m| m.enabled),
+            instances: mig
+                .map(|m| {
+                    m.instances
+                        .iter()
+                        .map(|i| Instance {
+                            profile: i.profile.clone(),
+                            placement: i.placement,
+                            uuid: i.uuid.clone(),
+                            busy: !i.processes.is_empty(),
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            slices,
+            busy_slices: gpu.slices.iter().filter(|s| !s.processes.is_empty()).map(|s| s.id.clone()).collect(),
+            busy_gpu: !gpu.processes.is_empty(),
+        }
+    }
+}
+
+/// The layout a GPU should have, resolved for its model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Desired {
+    /// Profile name → count.
+    Mig(BTreeMap<String, u32>),
+    Software(SliceTable),
+    Exclusive,
+}
+
+impl std::fmt::Display for Desired {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Desired::Mig(counts) => {
+                let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{n} × {p}")).collect();
+                write!(f, "MIG {}", parts.join(" + "))
+            }
+            Desired::Software(t) => write!(f, "software {t}"),
+            Desired::Exclusive => f.write_str("exclusive"),
+        }
+    }
+}
+
+/// Why a layout cannot be resolved for a GPU.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DesiredError {
+    #[error(transparent)]
+    Mig(#[from] MigError),
+    #[error("model {0:?} is not in the catalog, so its MIG profiles are unknown")]
+    UnknownMigModel(String),
+    #[error("slice memory {0:?} is not a size")]
+    Memory(String),
+    #[error("the layout sets none or several of mig, software, exclusive")]
+    NoKind,
+}
+
+impl Desired {
+    /// Resolves a pool layout for a GPU of `model` (`None` when the catalog does not know it).
+    pub fn of(layout: &Layout, model: Option<&GpuModel>, model_name: &str) -> Result<Desired, DesiredError> {
+        match layout.kind().ok_or(DesiredError::NoKind)? {
+            LayoutKind::Mig(m) => {
+                let model = model.ok_or_else(|| DesiredError::UnknownMigModel(model_name.to_string()))?;
+                let counts = mig::requested_profiles(model, m)?;
+                // Canonical profile names, and a layout that fits at all.
+                mig::solve_counts(model, &counts)?;
+                let canonical = counts
+                    .into_iter()
+                    .filter(|(_, n)| *n > 0)
+                    .map(|(p, n)| (model.profile(&p).map_or(p, |pr| pr.name.clone()), n))
+                    .collect();
+                Ok(Desired::Mig(canonical))
+            }
+            LayoutKind::Software(s) => Ok(Desired::Software(SliceTable {
+                slices: s.slices,
+                memory: bytes_of(&s.memory).map_err(|_| DesiredError::Memory(s.memory.0.clone()))?,
+                compute: s.compute,
+            })),
+            LayoutKind::Exclusive => Ok(Desired::Exclusive),
+        }
+    }
+}
+
+/// One step of a transition, in the order the agent runs them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "op", rename_all = "camelCase")]
+pub enum Op {
+    /// Turn MIG mode on (needs an idle GPU).
+    EnableMig,
+    /// Turn MIG mode off (needs no instances).
+    DisableMig,
+    DestroyInstance {
+        profile: String,
+        placement: Placement,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        uuid: Option<String>,
+    },
+    CreateInstance { profile: String, placement: Placement },
+    /// Write the software slice table.
+    WriteSlices { table: SliceTable },
+    /// Remove the software slice table.
+    ClearSlices,
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let slices = |p: &Placement| format!("slices {}-{}", p.start, p.start + p.size.max(1) - 1);
+        match self {
+            Op::EnableMig => f.write_str("enable MIG mode"),
+            Op::DisableMig => f.write_str("disable MIG mode"),
+            Op::DestroyInstance { profile, placement, uuid } => {
+                write!(f, "destroy {profile} at {}", slices(placement))?;
+                if let Some(u) = uuid {
+                    write!(f, " ({u})")?;
+                }
+                Ok(())
+            }
+            Op::CreateInstance { profile, placement } => write!(f, "create {profile} at {}", slices(placement)),
+            Op::WriteSlices { table } => write!(f, "write slice table: {table}"),
+            Op::ClearSlices => f.write_str("remove the software slice table"),
+        }
+    }
+}
+
+/// Something busy that stands in the way of a transition.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "camelCase")]
+pub enum Blocker {
+    Instance {
+        profile: String,
+        placement: Placement,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        uuid: Option<String>,
+    },
+    Slices { ids: Vec<String> },
+    /// Processes using the whole GPU.
+    Gpu,
+}
+
+impl std::fmt::Display for Blocker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Blocker::Instance { profile, placement, uuid } => {
+                write!(f, "busy {profile} at slices {}-{}", placement.start, placement.start + placement.size.max(1) - 1)?;
+                if let Some(u) = uuid {
+                    write!(f, " ({u})")?;
+                }
+                Ok(())
+            }
+            Blocker::Slices { ids } => write!(f, "busy software slices {}", ids.join(", ")),
+            Blocker::Gpu => f.write_str("processes using the whole GPU"),
+        }
+    }
+}
+
+/// A transition: the operations that reach the desired layout once `blocked_by` is empty.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Plan {
+    pub ops: Vec<Op>,
+    /// Instances that stay as they are.
+    pub kept: Vec<Instance>,
+    /// Busy things the plan would have to take; the agent must drain them first.
+    pub blocked_by: Vec<Blocker>,
+}
+
+impl Plan {
+    pub fn is_blocked(&self) -> bool {
+        !self.blocked_by.is_empty()
+    }
+}
+
+/// Plans the transition of one GPU. `model` is needed for MIG targets.
+pub fn plan(model: Option<&GpuModel>, current: &GpuState, desired: &Desired) -> Result<Plan, DesiredError> {
+    let mut plan = Plan::default();
+    match desired {
+        Desired::Mig(counts) => {
+            let model = model.ok_or_else(|| DesiredError::UnknownMigModel(String::new()))?;
+            let wanted = mig::resolve_counts(model, counts)?;
+            if !current.mig_enabled {
+                leave_software(current, &mut plan);
+                plan.ops.push(Op::EnableMig);
+                create(&mut plan, mig::place_around(&wanted, 0));
+            } else {
+                reshape_mig(model, current, &wanted, &mut plan);
+            }
+        }
+        Desired::Software(table) => {
+            leave_mig(current, &mut plan);
+            if current.mig_enabled || current.slices != Some(*table) {
+                block_slices(current, &mut plan);
+                if current.slices.is_none() && current.busy_gpu {
+                    plan.blocked_by.push(Blocker::Gpu);
+                }
+                plan.ops.push(Op::WriteSlices { table: *table });
+            }
+        }
+        Desired::Exclusive => {
+            leave_mig(current, &mut plan);
+            if current.slices.is_some() {
+                block_slices(current, &mut plan);
+                plan.ops.push(Op::ClearSlices);
+            }
+        }
+    }
+    Ok(plan)
+}
+
+fn block_slices(current: &GpuState, plan: &mut Plan) {
+    if !current.busy_slices.is_empty() {
+        plan.blocked_by.push(Blocker::Slices { ids: current.busy_slices.clone() });
+    }
+}
+
+/// From a non-MIG GPU towards MIG: the slice table and whole-GPU processes must go.
+fn leave_software(current: &GpuState, plan: &mut Plan) {
+    if current.slices.is_some() {
+        block_slices(current, plan);
+        plan.ops.push(Op::ClearSlices);
+    } else if current.busy_gpu {
+        plan.blocked_by.push(Blocker::Gpu);
+    }
+}
+
+/// From MIG towards a non-MIG layout: every instance goes, then MIG mode.
+fn leave_mig(current: &GpuState, plan: &mut Plan) {
+    if !current.mig_enabled {
+        return;
+    }
+    for i in &current.instances {
+        destroy(plan, i);
+    }
+    plan.ops.push(Op::DisableMig);
+}
+
+fn destroy(plan: &mut Plan, i: &Instance) {
+    if i.busy {
+        plan.blocked_by.push(Blocker::Instance { profile: i.profile.clone(), placement: i.placement, uuid: i.uuid.clone() });
+    }
+    plan.ops.push(Op::DestroyInstance { profile: i.profile.clone(), placement: i.placement, uuid: i.uuid.clone() });
+}
+
+fn create(plan: &mut Plan, placed: Option<Vec<mig::PlacedInstance>>) {
+    for p in placed.into_iter().flatten() {
+        plan.ops.push(Op::CreateInstance { profile: p.profile, placement: p.placement });
+    }
+}
+
+/// MIG to MIG: keep the best subset of the instances that already have a wanted profile (fewest
+/// busy instances destroyed, then most kept), place the rest around them.
+fn reshape_mig(model: &GpuModel, current: &GpuState, wanted: &[(&crate::catalog::MigProfile, u32)], plan: &mut Plan) {
+    let canonical = |name: &str| model.profile(name).map(|p| p.name.clone());
+    let desired: BTreeMap<&str, u32> = wanted.iter().map(|(p, n)| (p.name.as_str(), *n)).collect();
+    // Instances whose profile is wanted may stay; at most 16 are considered (GPUs have ≤ 7).
+    let candidates: Vec<&Instance> = current
+        .instances
+        .iter()
+        .filter(|i| canonical(&i.profile).is_some_and(|p| desired.contains_key(p.as_str())))
+        .take(16)
+        .collect();
+    let mut subsets: Vec<(usize, usize, u32)> = (0u32..(1 << candidates.len()))
+        .filter_map(|bits| {
+            let mut used = 0u32;
+            let mut per_profile: BTreeMap<String, u32> = BTreeMap::new();
+            for (_, inst) in candidates.iter().enumerate().filter(|(k, _)| bits & (1 << k) != 0) {
+                let m = mig::mask(inst.placement);
+                if used & m != 0 {
+                    return None;
+                }
+                used |= m;
+                *per_profile.entry(canonical(&inst.profile)?).or_default() += 1;
+            }
+            if per_profile.iter().any(|(p, n)| *n > desired.get(p.as_str()).copied().unwrap_or(0)) {
+                return None;
+            }
+            let busy_dropped = candidates.iter().enumerate().filter(|(k, i)| i.busy && bits & (1 << k) == 0).count();
+            Some((busy_dropped, candidates.len() - bits.count_ones() as usize, bits))
+        })
+        .collect();
+    subsets.sort();
+    for (_, _, bits) in subsets {
+        let kept: Vec<&Instance> = candidates.iter().enumerate().filter(|(k, _)| bits & (1 << k) != 0).map(|(_, i)| *i).collect();
+        let occupied = kept.iter().fold(0, |m, i| m | mig::mask(i.placement));
+        let remaining: Vec<(&crate::catalog::MigProfile, u32)> = wanted
+            .iter()
+            .map(|(p, n)| (*p, n - kept.iter().filter(|i| canonical(&i.profile).as_deref() == Some(p.name.as_str())).count() as u32))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        if let Some(placed) = mig::place_around(&remaining, occupied) {
+            let mut going: Vec<&Instance> = current.instances.iter().filter(|i| !kept.contains(i)).collect();
+            going.sort_by_key(|i| (i.busy, i.placement));
+            for i in going {
+                destroy(plan, i);
+            }
+            create(plan, Some(placed));
+            plan.kept = kept.into_iter().cloned().collect();
+            plan.kept.sort();
+            return;
+        }
+    }
+    // Unreachable for a layout that solves on an empty GPU (the empty subset), kept for safety:
+    // destroy everything and place from scratch.
+    for i in &current.instances {
+        destroy(plan, i);
+    }
+    create(plan, mig::place_around(wanted, 0));
+}
+
+/// The state after running a plan's operations (what the agent's re-read should show).
+pub fn apply(current: &GpuState, ops: &[Op]) -> GpuState {
+    let mut s = current.clone();
+    for op in ops {
+        match op {
+            Op::EnableMig => s.mig_enabled = true,
+            Op::DisableMig => s.mig_enabled = false,
+            Op::DestroyInstance { placement, .. } => s.instances.retain(|i| i.placement != *placement),
+            Op::CreateInstance { profile, placement } => {
+                s.instances.push(Instance { profile: profile.clone(), placement: *placement, uuid: None, busy: false })
+            }
+            Op::WriteSlices { table } => {
+                s.slices = Some(*table);
+                s.busy_slices.clear();
+            }
+            Op::ClearSlices => {
+                s.slices = None;
+                s.busy_slices.clear();
+            }
+        }
+    }
+    s
+}
+
+/// Whether a GPU state has exactly the desired layout.
+pub fn satisfies(model: Option<&GpuModel>, state: &GpuState, desired: &Desired) -> bool {
+    match desired {
+        Desired::Mig(counts) => {
+            let mut have: BTreeMap<String, u32> = BTreeMap::new();
+            for i in &state.instances {
+                let name = model.and_then(|m| m.profile(&i.profile)).map_or_else(|| i.profile.clone(), |p| p.name.clone());
+                *have.entry(name).or_default() += 1;
+            }
+            let overlap_free = state.instances.iter().try_fold(0u32, |used, i| {
+                let m = mig::mask(i.placement);
+                (used & m == 0).then_some(used | m)
+            });
+            state.mig_enabled && state.slices.is_none() && &have == counts && overlap_free.is_some()
+        }
+        Desired::Software(t) => !state.mig_enabled && state.instances.is_empty() && state.slices == Some(*t),
+        Desired::Exclusive => !state.mig_enabled && state.instances.is_empty() && state.slices.is_none(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::model;
+
+    fn inst(profile: &str, start: u32, size: u32, busy: bool) -> Instance {
+        Instance { profile: profile.into(), placement: Placement { start, size }, uuid: None, busy }
+    }
+
+    fn mig_state(instances: Vec<Instance>) -> GpuState {
+        GpuState { mig_enabled: true, instances, ..GpuState::default() }
+    }
+
+    fn counts(pairs: &[(&str, u32)]) -> Desired {
+        Desired::Mig(pairs.iter().map(|(p, n)| (p.to_string(), *n)).collect())
+    }
+
+    #[test]
+    fn matching_instances_are_kept_and_only_the_difference_changes() {
+        let h200 = model("NVIDIA H200").unwrap();
+        // Now: 3g at 4-7 (busy), 1g at 0, 1g at 1, 1g at 2, 1g at 3. Want: 3g + 2g + 2 × 1g.
+        let now = mig_state(vec![
+            inst("3g.71gb", 4, 4, true),
+            inst("1g.18gb", 0, 1, false),
+            inst("1g.18gb", 1, 1, false),
+            inst("1g.18gb", 2, 1, false),
+            inst("1g.18gb", 3, 1, false),
+        ]);
+        let want = counts(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]);
+        let p = plan(Some(h200), &now, &want).unwrap();
+        assert!(!p.is_blocked(), "{p:?}");
+        assert_eq!(
+            p.ops,
+            vec![
+                Op::DestroyInstance { profile: "1g.18gb".into(), placement: Placement { start: 2, size: 1 }, uuid: None },
+                Op::DestroyInstance { profile: "1g.18gb".into(), placement: Placement { start: 3, size: 1 }, uuid: None },
+                Op::CreateInstance { profile: "2g.35gb".into(), placement: Placement { start: 2, size: 2 } },
+            ]
+        );
+        assert!(satisfies(Some(h200), &apply(&now, &p.ops), &want));
+    }
+
+    #[test]
+    fn a_busy_instance_in_the_way_blocks_and_is_named() {
+        let h100 = model("H100").unwrap();
+        let now = mig_state(vec![inst("3g.40gb", 0, 4, true), inst("3g.40gb", 4, 4, false)]);
+        let p = plan(Some(h100), &now, &counts(&[("7g.80gb", 1)])).unwrap();
+        assert_eq!(p.blocked_by, vec![Blocker::Instance { profile: "3g.40gb".into(), placement: Placement { start: 0, size: 4 }, uuid: None }]);
+        // The plan still says what will happen once the instance is drained.
+        assert_eq!(p.ops.len(), 3);
+    }
+
+    #[test]
+    fn a_layout_already_in_place_needs_nothing() {
+        let a100 = model("A100-80GB").unwrap();
+        let now = mig_state(vec![inst("4g.40gb", 0, 4, true), inst("3g.40gb", 4, 4, true)]);
+        let p = plan(Some(a100), &now, &counts(&[("3g.40gb", 1), ("4g.40gb", 1)])).unwrap();
+        assert_eq!(p.ops, vec![]);
+        assert_eq!(p.kept.len(), 2);
+    }
+
+    #[test]
+    fn software_to_mig_and_back() {
+        let a30 = model("A30").unwrap();
+        let table = SliceTable { slices: 2, memory: 12 << 30, compute: 50 };
+        let soft = GpuState { slices: Some(table), ..GpuState::default() };
+        let p = plan(Some(a30), &soft, &counts(&[("2g.12gb", 2)])).unwrap();
+        assert_eq!(p.ops[..2], [Op::ClearSlices, Op::EnableMig]);
+        let migged = apply(&soft, &p.ops);
+        assert!(satisfies(Some(a30), &migged, &counts(&[("2g.12gb", 2)])));
+        let back = plan(Some(a30), &migged, &Desired::Software(table)).unwrap();
+        assert_eq!(back.ops.last(), Some(&Op::WriteSlices { table }));
+        assert!(back.ops.contains(&Op::DisableMig));
+        assert!(satisfies(Some(a30), &apply(&migged, &back.ops), &Desired::Software(table)));
+    }
+
+    #[test]
+    fn busy_software_slices_block_a_reslice_but_not_an_identical_table() {
+        let table = SliceTable { slices: 4, memory: 20 << 30, compute: 25 };
+        let now = GpuState { slices: Some(table), busy_slices: vec!["s1".into()], ..GpuState::default() };
+        assert_eq!(plan(None, &now, &Desired::Software(table)).unwrap(), Plan::default());
+        let night = SliceTable { slices: 2, memory: 40 << 30, compute: 50 };
+        let p = plan(None, &now, &Desired::Software(night)).unwrap();
+        assert_eq!(p.blocked_by, vec![Blocker::Slices { ids: vec!["s1".into()] }]);
+    }
+}
