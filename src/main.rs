@@ -3,7 +3,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use gpuslice::validate::validate_files;
+use gpuslice::validate::{read_repository, validate_files};
 use gpuslice_api::Kind;
 use gpuslice_source::SourceSpec;
 
@@ -28,6 +28,23 @@ enum Command {
         #[arg(long)]
         path: Option<String>,
         /// Output format.
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
+    /// Plan every GPU of an inventory against the pools of a source: layout now, operations, next change.
+    Plan {
+        /// A folder, a YAML file, a local Git repository or a Git URL (as for validate).
+        source: String,
+        /// YAML list of nodes (NodeInventory): name, labels, GPUs with model and current state.
+        #[arg(long)]
+        nodes: PathBuf,
+        /// The instant to plan for (RFC 3339, e.g. 2026-12-02T21:00:00+08:00); now by default.
+        #[arg(long)]
+        at: Option<chrono::DateTime<chrono::FixedOffset>>,
+        #[arg(long = "ref")]
+        git_ref: Option<String>,
+        #[arg(long)]
+        path: Option<String>,
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
@@ -88,6 +105,28 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::FAILURE
             })
+        }
+        Command::Plan { source, nodes, at, git_ref, path, output } => {
+            let at = at.map_or_else(chrono::Utc::now, |t| t.with_timezone(&chrono::Utc));
+            let spec = SourceSpec { location: source, git_ref, sub_path: path };
+            let snapshot = gpuslice_source::load(&spec)?;
+            let (report, repo) = read_repository(&snapshot.files, at);
+            if !report.ok() {
+                for p in &report.problems {
+                    eprintln!("{p}");
+                }
+                eprintln!("{}; fix the source before planning", report.summary());
+                return Ok(ExitCode::FAILURE);
+            }
+            let text = std::fs::read_to_string(&nodes).with_context(|| format!("reading {}", nodes.display()))?;
+            let inventory = gpuslice::plan::parse_inventory(&nodes.display().to_string(), &text)?;
+            let pools: Vec<_> = repo.pools.into_iter().map(|p| p.object).collect();
+            let plan = gpuslice_planning::cluster::plan_cluster(&pools, &inventory, at);
+            match output {
+                Output::Text => print!("{}", gpuslice::plan::render(&plan)),
+                Output::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
+            }
+            Ok(if gpuslice::plan::has_errors(&plan) { ExitCode::FAILURE } else { ExitCode::SUCCESS })
         }
         Command::Crds { dir, check } => {
             let mut drifted = Vec::new();

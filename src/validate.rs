@@ -99,6 +99,11 @@ struct DocRef<'a> {
 
 /// Validates files as one repository. `now` anchors the window-overlap search.
 pub fn validate_files(files: &[SourceFile], now: DateTime<Utc>) -> Report {
+    read_repository(files, now).0
+}
+
+/// Validates files as one repository and returns its valid objects too.
+pub fn read_repository(files: &[SourceFile], now: DateTime<Utc>) -> (Report, Repo) {
     let parsed: Vec<_> = files
         .iter()
         .map(|f| (f.path.as_str(), gpuslice_source::parse(&f.text)))
@@ -149,7 +154,7 @@ pub fn validate_files(files: &[SourceFile], now: DateTime<Utc>) -> Report {
         .filter(|p| p.severity == Severity::Error)
         .count();
     report.warnings = report.problems.len() - report.errors;
-    report
+    (report, repo)
 }
 
 fn push(report: &mut Report, d: &DocRef, path: &str, severity: Severity, message: String) {

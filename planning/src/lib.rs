@@ -2,6 +2,7 @@
 //! operator and the `gpuslice` CLI share it.
 
 pub mod catalog;
+pub mod cluster;
 pub mod mig;
 pub mod transition;
 pub mod validate;

@@ -169,7 +169,7 @@ pub enum Op {
 
 impl std::fmt::Display for Op {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let slices = |p: &Placement| format!("slices {}-{}", p.start, p.start + p.size.max(1) - 1);
+        let slices = |p: &Placement| slice_range(*p);
         match self {
             Op::EnableMig => f.write_str("enable MIG mode"),
             Op::DisableMig => f.write_str("disable MIG mode"),
@@ -184,6 +184,15 @@ impl std::fmt::Display for Op {
             Op::WriteSlices { table } => write!(f, "write slice table: {table}"),
             Op::ClearSlices => f.write_str("remove the software slice table"),
         }
+    }
+}
+
+/// `slice 3` or `slices 4-7`.
+fn slice_range(p: Placement) -> String {
+    if p.size <= 1 {
+        format!("slice {}", p.start)
+    } else {
+        format!("slices {}-{}", p.start, p.start + p.size - 1)
     }
 }
 
@@ -206,7 +215,7 @@ impl std::fmt::Display for Blocker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Blocker::Instance { profile, placement, uuid } => {
-                write!(f, "busy {profile} at slices {}-{}", placement.start, placement.start + placement.size.max(1) - 1)?;
+                write!(f, "busy {profile} at {}", slice_range(*placement))?;
                 if let Some(u) = uuid {
                     write!(f, " ({u})")?;
                 }
