@@ -3,6 +3,7 @@
 
 pub mod catalog;
 pub mod cluster;
+pub mod fit;
 pub mod mig;
 pub mod transition;
 pub mod validate;

@@ -1,0 +1,105 @@
+//! Matching a policy's request to a slice: the smallest slice that holds the request plus the
+//! pool's headroom, and whether the guarantees placed on one GPU can all be honoured.
+
+use crate::catalog::GpuModel;
+use crate::transition::Desired;
+
+/// The slice a request lands on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SliceChoice {
+    /// A software slice of the layout (`memory` bytes, `compute` %).
+    Software { memory: u64, compute: u32 },
+    /// A MIG instance of this profile.
+    Mig { profile: String, memory: u64 },
+    /// A whole GPU.
+    Whole { memory: u64 },
+}
+
+impl SliceChoice {
+    pub fn memory(&self) -> u64 {
+        match self {
+            SliceChoice::Software { memory, .. } | SliceChoice::Mig { memory, .. } | SliceChoice::Whole { memory } => *memory,
+        }
+    }
+}
+
+/// The smallest slice of `layout` that holds `request + headroom` bytes, with at least
+/// `compute_limit` percent for software slices. Among MIG profiles of equal memory the one with
+/// fewer compute slices wins. `gpu_memory` is the whole GPU's memory for exclusive layouts.
+pub fn smallest_fitting(
+    layout: &Desired,
+    model: Option<&GpuModel>,
+    gpu_memory: Option<u64>,
+    request: u64,
+    headroom: u64,
+    compute_limit: Option<u32>,
+) -> Option<SliceChoice> {
+    let need = request.saturating_add(headroom);
+    match layout {
+        Desired::Software(t) => (t.memory >= need && compute_limit.is_none_or(|c| c <= t.compute))
+            .then_some(SliceChoice::Software { memory: t.memory, compute: t.compute }),
+        Desired::Mig(counts) => {
+            let model = model?;
+            counts
+                .keys()
+                .filter_map(|name| model.profile(name))
+                .filter(|p| p.memory_bytes() >= need)
+                .min_by_key(|p| (p.memory_bytes(), p.compute_slices, p.name.clone()))
+                .map(|p| SliceChoice::Mig { profile: p.name.clone(), memory: p.memory_bytes() })
+        }
+        Desired::Exclusive => {
+            let memory = gpu_memory.or_else(|| model.map(GpuModel::memory_bytes))?;
+            (memory >= need).then_some(SliceChoice::Whole { memory })
+        }
+    }
+}
+
+/// Whether compute guarantees (percent) placed together on one GPU can all be honoured.
+pub fn guarantees_fit(guarantees: impl IntoIterator<Item = u32>) -> bool {
+    guarantees.into_iter().map(u64::from).sum::<u64>() <= 100
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::model;
+    use crate::transition::SliceTable;
+
+    const GI: u64 = 1 << 30;
+
+    #[test]
+    fn eighteen_gib_lands_on_a_twenty_gib_slice_with_one_gib_headroom() {
+        let day = Desired::Software(SliceTable { slices: 4, memory: 20 * GI, compute: 25 });
+        assert_eq!(
+            smallest_fitting(&day, None, None, 18 * GI, GI, Some(25)),
+            Some(SliceChoice::Software { memory: 20 * GI, compute: 25 })
+        );
+        assert_eq!(smallest_fitting(&day, None, None, 19 * GI + 1, GI, None), None, "headroom counts");
+        assert_eq!(smallest_fitting(&day, None, None, 8 * GI, 0, Some(30)), None, "a cap above the slice share");
+    }
+
+    #[test]
+    fn mig_picks_the_smallest_instance_that_holds_the_request() {
+        let h200 = model("NVIDIA H200").unwrap();
+        let layout = Desired::Mig([("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)].map(|(p, n)| (p.to_string(), n)).into());
+        let pick = |gib| smallest_fitting(&layout, Some(h200), None, gib * GI, GI, None).map(|c| match c {
+            SliceChoice::Mig { profile, .. } => profile,
+            other => panic!("{other:?}"),
+        });
+        assert_eq!(pick(12).as_deref(), Some("1g.18gb"));
+        assert_eq!(pick(18).as_deref(), Some("2g.35gb"));
+        assert_eq!(pick(40).as_deref(), Some("3g.71gb"));
+        assert_eq!(pick(80), None);
+        // With the double-memory 1g in the layout, 18 GiB takes it rather than the 2g.
+        let with_1g35 = Desired::Mig([("1g.35gb", 1), ("2g.35gb", 1)].map(|(p, n)| (p.to_string(), n)).into());
+        let choice = smallest_fitting(&with_1g35, Some(h200), None, 18 * GI, GI, None).unwrap();
+        assert_eq!(choice, SliceChoice::Mig { profile: "1g.35gb".into(), memory: h200.profile("1g.35gb").unwrap().memory_bytes() });
+    }
+
+    #[test]
+    fn guarantees_on_a_gpu_sum_to_at_most_100() {
+        assert!(guarantees_fit([20, 20, 20, 40]));
+        assert!(!guarantees_fit([50, 30, 30]));
+        assert!(guarantees_fit([]));
+    }
+}
