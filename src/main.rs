@@ -106,9 +106,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
-        Command::Plan { source, nodes, at, git_ref, path, output } => {
+        Command::Plan {
+            source,
+            nodes,
+            at,
+            git_ref,
+            path,
+            output,
+        } => {
             let at = at.map_or_else(chrono::Utc::now, |t| t.with_timezone(&chrono::Utc));
-            let spec = SourceSpec { location: source, git_ref, sub_path: path };
+            let spec = SourceSpec {
+                location: source,
+                git_ref,
+                sub_path: path,
+            };
             let snapshot = gpuslice_source::load(&spec)?;
             let (report, repo) = read_repository(&snapshot.files, at);
             if !report.ok() {
@@ -118,7 +129,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 eprintln!("{}; fix the source before planning", report.summary());
                 return Ok(ExitCode::FAILURE);
             }
-            let text = std::fs::read_to_string(&nodes).with_context(|| format!("reading {}", nodes.display()))?;
+            let text = std::fs::read_to_string(&nodes)
+                .with_context(|| format!("reading {}", nodes.display()))?;
             let inventory = gpuslice::plan::parse_inventory(&nodes.display().to_string(), &text)?;
             let pools: Vec<_> = repo.pools.into_iter().map(|p| p.object).collect();
             let plan = gpuslice_planning::cluster::plan_cluster(&pools, &inventory, at);
@@ -126,7 +138,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Output::Text => print!("{}", gpuslice::plan::render(&plan)),
                 Output::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
             }
-            Ok(if gpuslice::plan::has_errors(&plan) { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+            Ok(if gpuslice::plan::has_errors(&plan) {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            })
         }
         Command::Crds { dir, check } => {
             let mut drifted = Vec::new();

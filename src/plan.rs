@@ -10,7 +10,11 @@ use gpuslice_planning::cluster::ClusterPlan;
 #[derive(Debug, thiserror::Error)]
 pub enum InventoryError {
     #[error("{file}: {path}: {message}")]
-    Invalid { file: String, path: String, message: String },
+    Invalid {
+        file: String,
+        path: String,
+        message: String,
+    },
 }
 
 /// Reads a YAML list of nodes.
@@ -26,10 +30,18 @@ pub fn parse_inventory(file: &str, text: &str) -> Result<Vec<NodeInventory>, Inv
 /// The plan for people.
 pub fn render(plan: &ClusterPlan) -> String {
     let mut out = String::new();
-    let when = |t: &Option<chrono::DateTime<chrono::Utc>>| t.map_or_else(|| "with no change ahead".to_string(), |t| format!("until {}", t.format("%Y-%m-%d %H:%M UTC")));
+    let when = |t: &Option<chrono::DateTime<chrono::Utc>>| {
+        t.map_or_else(
+            || "with no change ahead".to_string(),
+            |t| format!("until {}", t.format("%Y-%m-%d %H:%M UTC")),
+        )
+    };
     let _ = writeln!(out, "plan at {}", plan.at.format("%Y-%m-%d %H:%M UTC"));
     for p in &plan.pools {
-        let layout = p.window.as_ref().map_or_else(|| "default layout".to_string(), |w| format!("window {w:?}"));
+        let layout = p
+            .window
+            .as_ref()
+            .map_or_else(|| "default layout".to_string(), |w| format!("window {w:?}"));
         let _ = writeln!(out, "pool {}: {layout} {}", p.pool, when(&p.next_change));
     }
     let (mut gpus, mut changing, mut blocked, mut errors) = (0, 0, 0, 0);
@@ -57,10 +69,17 @@ pub fn render(plan: &ClusterPlan) -> String {
             } else if !g.blocked_by.is_empty() {
                 blocked += 1;
                 let names: Vec<String> = g.blocked_by.iter().map(ToString::to_string).collect();
-                format!("BLOCKED by {}: drained per the CheckpointPolicy first", names.join(", "))
+                format!(
+                    "BLOCKED by {}: drained per the CheckpointPolicy first",
+                    names.join(", ")
+                )
             } else {
                 changing += 1;
-                format!("{} operation{}", g.ops.len(), if g.ops.len() == 1 { "" } else { "s" })
+                format!(
+                    "{} operation{}",
+                    g.ops.len(),
+                    if g.ops.len() == 1 { "" } else { "s" }
+                )
             };
             let _ = writeln!(out, ": {status}");
             for op in &g.ops {
@@ -68,11 +87,17 @@ pub fn render(plan: &ClusterPlan) -> String {
             }
         }
     }
-    let _ = writeln!(out, "\n{gpus} GPUs: {changing} to change, {blocked} blocked, {errors} with errors");
+    let _ = writeln!(
+        out,
+        "\n{gpus} GPUs: {changing} to change, {blocked} blocked, {errors} with errors"
+    );
     out
 }
 
 /// Whether any GPU could not be planned.
 pub fn has_errors(plan: &ClusterPlan) -> bool {
-    plan.nodes.iter().flat_map(|n| &n.gpus).any(|g| g.error.is_some())
+    plan.nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .any(|g| g.error.is_some())
 }

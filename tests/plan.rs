@@ -11,10 +11,25 @@ const BIN: &str = env!("CARGO_BIN_EXE_gpuslice");
 fn plan(at: &str, inventory: &Path) -> (Option<i32>, Value) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(BIN)
-        .args(["plan", root.join("examples/gitops").to_str().unwrap(), "--nodes", inventory.to_str().unwrap(), "--at", at, "--output", "json"])
+        .args([
+            "plan",
+            root.join("examples/gitops").to_str().unwrap(),
+            "--nodes",
+            inventory.to_str().unwrap(),
+            "--at",
+            at,
+            "--output",
+            "json",
+        ])
         .output()
         .unwrap();
-    let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)));
+    let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
     (out.status.code(), json)
 }
 
@@ -23,7 +38,12 @@ fn example_inventory() -> std::path::PathBuf {
 }
 
 fn gpu<'a>(plan: &'a Value, node: &str, index: u64) -> &'a Value {
-    plan["nodes"].as_array().unwrap().iter().find(|n| n["node"] == node).unwrap()["gpus"]
+    plan["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node"] == node)
+        .unwrap()["gpus"]
         .as_array()
         .unwrap()
         .iter()
@@ -38,13 +58,22 @@ fn by_day_the_default_layouts_apply_and_matching_instances_stay() {
     // Already in the desired layout: nothing to do.
     assert_eq!(gpu(&plan, "h200-node-1", 0)["ops"], Value::Array(vec![]));
     // Four 1g + one 3g → keep the 3g and two 1g, replace two 1g with a 2g.
-    let ops = gpu(&plan, "h200-node-1", 1)["ops"].as_array().unwrap().clone();
+    let ops = gpu(&plan, "h200-node-1", 1)["ops"]
+        .as_array()
+        .unwrap()
+        .clone();
     assert_eq!(ops.len(), 3, "{ops:?}");
-    assert!(ops.iter().all(|o| o["profile"] != "3g.71gb"), "the 3g instance is kept: {ops:?}");
+    assert!(
+        ops.iter().all(|o| o["profile"] != "3g.71gb"),
+        "the 3g instance is kept: {ops:?}"
+    );
     // A busy whole-GPU instance blocks and is named.
     let blocked = gpu(&plan, "h200-node-2", 1);
     assert_eq!(blocked["blockedBy"][0]["profile"], "7g.141gb");
-    assert_eq!(gpu(&plan, "a100-node-1", 0)["desired"]["software"]["slices"], 4);
+    assert_eq!(
+        gpu(&plan, "a100-node-1", 0)["desired"]["software"]["slices"],
+        4
+    );
     assert_eq!(gpu(&plan, "a100-node-1", 0)["ops"], Value::Array(vec![]));
     assert!(gpu(&plan, "t4-node-1", 0).get("pool").is_none());
 }
@@ -79,26 +108,57 @@ fn a_gpu_in_two_pools_is_an_error_naming_both() {
     let repo = tmp.path().join("repo");
     std::fs::create_dir(&repo).unwrap();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    std::fs::copy(root.join("examples/gitops/pools/shared-a100.yaml"), repo.join("a.yaml")).unwrap();
-    std::fs::copy(root.join("examples/gitops/policies/checkpoint-standard.yaml"), repo.join("c.yaml")).unwrap();
+    std::fs::copy(
+        root.join("examples/gitops/pools/shared-a100.yaml"),
+        repo.join("a.yaml"),
+    )
+    .unwrap();
+    std::fs::copy(
+        root.join("examples/gitops/policies/checkpoint-standard.yaml"),
+        repo.join("c.yaml"),
+    )
+    .unwrap();
     std::fs::write(
         repo.join("b.yaml"),
         "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: greedy}\nspec:\n  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}\n  layout: {exclusive: {}}\n",
     )
     .unwrap();
-    let out = Command::new(BIN).args(["plan", repo.to_str().unwrap(), "--nodes", inventory.to_str().unwrap()]).output().unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "plan",
+            repo.to_str().unwrap(),
+            "--nodes",
+            inventory.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(text.contains("GPU 0 is selected by pools greedy and shared-a100"), "{text}");
+    assert!(
+        text.contains("GPU 0 is selected by pools greedy and shared-a100"),
+        "{text}"
+    );
 }
 
 #[test]
 fn a_broken_inventory_names_the_field() {
     let tmp = tempfile::tempdir().unwrap();
     let inventory = tmp.path().join("nodes.yaml");
-    std::fs::write(&inventory, "- name: n\n  gpus:\n  - index: zero\n    model: NVIDIA H200\n").unwrap();
+    std::fs::write(
+        &inventory,
+        "- name: n\n  gpus:\n  - index: zero\n    model: NVIDIA H200\n",
+    )
+    .unwrap();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(BIN).args(["plan", root.join("examples/gitops").to_str().unwrap(), "--nodes", inventory.to_str().unwrap()]).output().unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "plan",
+            root.join("examples/gitops").to_str().unwrap(),
+            "--nodes",
+            inventory.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("[0].gpus[0].index"), "{err}");

@@ -362,11 +362,43 @@ mod tests {
     #[test]
     fn table_of_every_model() {
         let table = [
-            ("NVIDIA A100-SXM4-40GB", 40960, 8, "1g.5gb", 7, "7g.40gb", 98),
-            ("NVIDIA A100-SXM4-80GB", 81920, 8, "1g.10gb", 7, "7g.80gb", 98),
-            ("NVIDIA A100 80GB PCIe", 81920, 8, "1g.10gb", 7, "7g.80gb", 98),
+            (
+                "NVIDIA A100-SXM4-40GB",
+                40960,
+                8,
+                "1g.5gb",
+                7,
+                "7g.40gb",
+                98,
+            ),
+            (
+                "NVIDIA A100-SXM4-80GB",
+                81920,
+                8,
+                "1g.10gb",
+                7,
+                "7g.80gb",
+                98,
+            ),
+            (
+                "NVIDIA A100 80GB PCIe",
+                81920,
+                8,
+                "1g.10gb",
+                7,
+                "7g.80gb",
+                98,
+            ),
             ("NVIDIA A30", 24576, 4, "1g.6gb", 4, "4g.24gb", 56),
-            ("NVIDIA H100 80GB HBM3", 81559, 8, "1g.10gb", 7, "7g.80gb", 132),
+            (
+                "NVIDIA H100 80GB HBM3",
+                81559,
+                8,
+                "1g.10gb",
+                7,
+                "7g.80gb",
+                132,
+            ),
             ("NVIDIA H100 PCIe", 81559, 8, "1g.10gb", 7, "7g.80gb", 114),
             ("NVIDIA H100 NVL", 95830, 8, "1g.12gb", 7, "7g.94gb", 132),
             ("NVIDIA H200", 143771, 8, "1g.18gb", 7, "7g.141gb", 132),
@@ -377,10 +409,25 @@ mod tests {
             let g = m.mig.as_ref().unwrap();
             assert_eq!((m.memory_mib, g.memory_slices), (memory, slices), "{name}");
             let small = g.profiles.iter().find(|p| p.nvml_index == 0).unwrap();
-            assert_eq!((small.name.as_str(), small.max_count), (smallest, max_small), "{name}");
-            let full = g.profiles.iter().find(|p| p.compute_slices == g.compute_slices).unwrap();
-            assert_eq!((full.name.as_str(), full.sms, full.memory_slices), (whole, whole_sms, slices), "{name}");
-            assert!(full.memory_mib < m.memory_mib, "{name}: MIG keeps some memory back");
+            assert_eq!(
+                (small.name.as_str(), small.max_count),
+                (smallest, max_small),
+                "{name}"
+            );
+            let full = g
+                .profiles
+                .iter()
+                .find(|p| p.compute_slices == g.compute_slices)
+                .unwrap();
+            assert_eq!(
+                (full.name.as_str(), full.sms, full.memory_slices),
+                (whole, whole_sms, slices),
+                "{name}"
+            );
+            assert!(
+                full.memory_mib < m.memory_mib,
+                "{name}: MIG keeps some memory back"
+            );
         }
     }
 

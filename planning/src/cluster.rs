@@ -15,7 +15,11 @@ use crate::windows::{Recurrence, active_at};
 /// Whether a label selector selects a set of labels (Kubernetes semantics; an empty selector
 /// selects everything).
 pub fn selects(selector: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
-    let labels_match = selector.match_labels.iter().flatten().all(|(k, v)| labels.get(k) == Some(v));
+    let labels_match = selector
+        .match_labels
+        .iter()
+        .flatten()
+        .all(|(k, v)| labels.get(k) == Some(v));
     let expressions_match = selector.match_expressions.iter().flatten().all(|e| {
         let values = e.values.as_deref().unwrap_or_default();
         let value = labels.get(&e.key);
@@ -33,7 +37,12 @@ pub fn selects(selector: &LabelSelector, labels: &BTreeMap<String, String>) -> b
 /// Whether a GPU selector picks a GPU: it must match every list that is set.
 pub fn picks(selector: Option<&GpuSelector>, gpu: &GpuInventory) -> bool {
     let Some(s) = selector else { return true };
-    let canonical = |name: &str| catalog::model(name).map_or_else(|_| name.to_ascii_lowercase(), |m| m.name.to_ascii_lowercase());
+    let canonical = |name: &str| {
+        catalog::model(name).map_or_else(
+            |_| name.to_ascii_lowercase(),
+            |m| m.name.to_ascii_lowercase(),
+        )
+    };
     let gpu_model = canonical(&gpu.model);
     (s.models.is_empty() || s.models.iter().any(|m| canonical(m) == gpu_model))
         && (s.indices.is_empty() || s.indices.contains(&gpu.index))
@@ -112,26 +121,45 @@ pub struct ClusterPlan {
 
 /// Plans every GPU of every node against the pools.
 pub fn plan_cluster(pools: &[GpuPool], nodes: &[NodeInventory], at: DateTime<Utc>) -> ClusterPlan {
-    let timings: Vec<(Option<usize>, PoolTiming)> = pools.iter().map(|p| pool_timing(p, at)).collect();
+    let timings: Vec<(Option<usize>, PoolTiming)> =
+        pools.iter().map(|p| pool_timing(p, at)).collect();
     let nodes = nodes
         .iter()
         .map(|node| {
-            let on_node: Vec<usize> = (0..pools.len()).filter(|&i| selects(&pools[i].spec.node_selector, &node.labels)).collect();
+            let on_node: Vec<usize> = (0..pools.len())
+                .filter(|&i| selects(&pools[i].spec.node_selector, &node.labels))
+                .collect();
             let gpus = node
                 .gpus
                 .iter()
                 .map(|gpu| {
-                    let claiming: Vec<usize> = on_node.iter().copied().filter(|&i| picks(pools[i].spec.gpu_selector.as_ref(), gpu)).collect();
+                    let claiming: Vec<usize> = on_node
+                        .iter()
+                        .copied()
+                        .filter(|&i| picks(pools[i].spec.gpu_selector.as_ref(), gpu))
+                        .collect();
                     plan_gpu(pools, &timings, &claiming, gpu)
                 })
                 .collect();
-            NodePlan { node: node.name.clone(), gpus }
+            NodePlan {
+                node: node.name.clone(),
+                gpus,
+            }
         })
         .collect();
-    ClusterPlan { at, pools: timings.into_iter().map(|(_, t)| t).collect(), nodes }
+    ClusterPlan {
+        at,
+        pools: timings.into_iter().map(|(_, t)| t).collect(),
+        nodes,
+    }
 }
 
-fn plan_gpu(pools: &[GpuPool], timings: &[(Option<usize>, PoolTiming)], claiming: &[usize], gpu: &GpuInventory) -> GpuPlan {
+fn plan_gpu(
+    pools: &[GpuPool],
+    timings: &[(Option<usize>, PoolTiming)],
+    claiming: &[usize],
+    gpu: &GpuInventory,
+) -> GpuPlan {
     let mut out = GpuPlan {
         index: gpu.index,
         uuid: gpu.uuid.clone(),
@@ -145,7 +173,10 @@ fn plan_gpu(pools: &[GpuPool], timings: &[(Option<usize>, PoolTiming)], claiming
     };
     let &[pool_index] = claiming else {
         if claiming.len() > 1 {
-            let mut names: Vec<&str> = claiming.iter().map(|&i| timings[i].1.pool.as_str()).collect();
+            let mut names: Vec<&str> = claiming
+                .iter()
+                .map(|&i| timings[i].1.pool.as_str())
+                .collect();
             names.sort();
             out.error = Some(format!(
                 "GPU {} is selected by pools {}: pools that share a node must select disjoint GPUs (gpuSelector indices or UUIDs)",
@@ -182,14 +213,20 @@ mod tests {
     use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn label_selectors_follow_kubernetes_semantics() {
         let l = labels(&[("pool", "a"), ("zone", "z1")]);
         assert!(selects(&LabelSelector::default(), &l));
-        let by_label = LabelSelector { match_labels: Some(labels(&[("pool", "a")])), ..Default::default() };
+        let by_label = LabelSelector {
+            match_labels: Some(labels(&[("pool", "a")])),
+            ..Default::default()
+        };
         assert!(selects(&by_label, &l));
         let expr = |op: &str, values: &[&str]| LabelSelector {
             match_expressions: Some(vec![LabelSelectorRequirement {
@@ -207,11 +244,41 @@ mod tests {
 
     #[test]
     fn gpu_selectors_match_models_by_catalog_name_and_alias() {
-        let gpu = GpuInventory { index: 3, model: "NVIDIA H200".into(), uuid: Some("GPU-1".into()), ..Default::default() };
+        let gpu = GpuInventory {
+            index: 3,
+            model: "NVIDIA H200".into(),
+            uuid: Some("GPU-1".into()),
+            ..Default::default()
+        };
         assert!(picks(None, &gpu));
-        assert!(picks(Some(&GpuSelector { models: vec!["h200".into()], ..Default::default() }), &gpu));
-        assert!(!picks(Some(&GpuSelector { models: vec!["A30".into()], ..Default::default() }), &gpu));
-        assert!(picks(Some(&GpuSelector { indices: vec![3], uuids: vec!["GPU-1".into()], ..Default::default() }), &gpu));
-        assert!(!picks(Some(&GpuSelector { indices: vec![0], ..Default::default() }), &gpu));
+        assert!(picks(
+            Some(&GpuSelector {
+                models: vec!["h200".into()],
+                ..Default::default()
+            }),
+            &gpu
+        ));
+        assert!(!picks(
+            Some(&GpuSelector {
+                models: vec!["A30".into()],
+                ..Default::default()
+            }),
+            &gpu
+        ));
+        assert!(picks(
+            Some(&GpuSelector {
+                indices: vec![3],
+                uuids: vec!["GPU-1".into()],
+                ..Default::default()
+            }),
+            &gpu
+        ));
+        assert!(!picks(
+            Some(&GpuSelector {
+                indices: vec![0],
+                ..Default::default()
+            }),
+            &gpu
+        ));
     }
 }

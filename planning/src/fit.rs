@@ -18,7 +18,9 @@ pub enum SliceChoice {
 impl SliceChoice {
     pub fn memory(&self) -> u64 {
         match self {
-            SliceChoice::Software { memory, .. } | SliceChoice::Mig { memory, .. } | SliceChoice::Whole { memory } => *memory,
+            SliceChoice::Software { memory, .. }
+            | SliceChoice::Mig { memory, .. }
+            | SliceChoice::Whole { memory } => *memory,
         }
     }
 }
@@ -37,7 +39,10 @@ pub fn smallest_fitting(
     let need = request.saturating_add(headroom);
     match layout {
         Desired::Software(t) => (t.memory >= need && compute_limit.is_none_or(|c| c <= t.compute))
-            .then_some(SliceChoice::Software { memory: t.memory, compute: t.compute }),
+            .then_some(SliceChoice::Software {
+                memory: t.memory,
+                compute: t.compute,
+            }),
         Desired::Mig(counts) => {
             let model = model?;
             counts
@@ -45,7 +50,10 @@ pub fn smallest_fitting(
                 .filter_map(|name| model.profile(name))
                 .filter(|p| p.memory_bytes() >= need)
                 .min_by_key(|p| (p.memory_bytes(), p.compute_slices, p.name.clone()))
-                .map(|p| SliceChoice::Mig { profile: p.name.clone(), memory: p.memory_bytes() })
+                .map(|p| SliceChoice::Mig {
+                    profile: p.name.clone(),
+                    memory: p.memory_bytes(),
+                })
         }
         Desired::Exclusive => {
             let memory = gpu_memory.or_else(|| model.map(GpuModel::memory_bytes))?;
@@ -69,31 +77,62 @@ mod tests {
 
     #[test]
     fn eighteen_gib_lands_on_a_twenty_gib_slice_with_one_gib_headroom() {
-        let day = Desired::Software(SliceTable { slices: 4, memory: 20 * GI, compute: 25 });
+        let day = Desired::Software(SliceTable {
+            slices: 4,
+            memory: 20 * GI,
+            compute: 25,
+        });
         assert_eq!(
             smallest_fitting(&day, None, None, 18 * GI, GI, Some(25)),
-            Some(SliceChoice::Software { memory: 20 * GI, compute: 25 })
+            Some(SliceChoice::Software {
+                memory: 20 * GI,
+                compute: 25
+            })
         );
-        assert_eq!(smallest_fitting(&day, None, None, 19 * GI + 1, GI, None), None, "headroom counts");
-        assert_eq!(smallest_fitting(&day, None, None, 8 * GI, 0, Some(30)), None, "a cap above the slice share");
+        assert_eq!(
+            smallest_fitting(&day, None, None, 19 * GI + 1, GI, None),
+            None,
+            "headroom counts"
+        );
+        assert_eq!(
+            smallest_fitting(&day, None, None, 8 * GI, 0, Some(30)),
+            None,
+            "a cap above the slice share"
+        );
     }
 
     #[test]
     fn mig_picks_the_smallest_instance_that_holds_the_request() {
         let h200 = model("NVIDIA H200").unwrap();
-        let layout = Desired::Mig([("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)].map(|(p, n)| (p.to_string(), n)).into());
-        let pick = |gib| smallest_fitting(&layout, Some(h200), None, gib * GI, GI, None).map(|c| match c {
-            SliceChoice::Mig { profile, .. } => profile,
-            other => panic!("{other:?}"),
-        });
+        let layout = Desired::Mig(
+            [("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]
+                .map(|(p, n)| (p.to_string(), n))
+                .into(),
+        );
+        let pick = |gib| {
+            smallest_fitting(&layout, Some(h200), None, gib * GI, GI, None).map(|c| match c {
+                SliceChoice::Mig { profile, .. } => profile,
+                other => panic!("{other:?}"),
+            })
+        };
         assert_eq!(pick(12).as_deref(), Some("1g.18gb"));
         assert_eq!(pick(18).as_deref(), Some("2g.35gb"));
         assert_eq!(pick(40).as_deref(), Some("3g.71gb"));
         assert_eq!(pick(80), None);
         // With the double-memory 1g in the layout, 18 GiB takes it rather than the 2g.
-        let with_1g35 = Desired::Mig([("1g.35gb", 1), ("2g.35gb", 1)].map(|(p, n)| (p.to_string(), n)).into());
+        let with_1g35 = Desired::Mig(
+            [("1g.35gb", 1), ("2g.35gb", 1)]
+                .map(|(p, n)| (p.to_string(), n))
+                .into(),
+        );
         let choice = smallest_fitting(&with_1g35, Some(h200), None, 18 * GI, GI, None).unwrap();
-        assert_eq!(choice, SliceChoice::Mig { profile: "1g.35gb".into(), memory: h200.profile("1g.35gb").unwrap().memory_bytes() });
+        assert_eq!(
+            choice,
+            SliceChoice::Mig {
+                profile: "1g.35gb".into(),
+                memory: h200.profile("1g.35gb").unwrap().memory_bytes()
+            }
+        );
     }
 
     #[test]

@@ -273,7 +273,10 @@ fn place(instances: &[&MigProfile], i: usize, used: u32, chosen: &mut Vec<u32>) 
         _ => 0,
     };
     for &start in profile.placements.iter().filter(|&&s| s >= min_start) {
-        let m = mask(Placement { start, size: profile.memory_slices });
+        let m = mask(Placement {
+            start,
+            size: profile.memory_slices,
+        });
         if used & m == 0 {
             chosen.push(start);
             if place(instances, i + 1, used | m, chosen) {

@@ -35,7 +35,13 @@ pub struct SliceTable {
 
 impl std::fmt::Display for SliceTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} × {} / {}% compute", self.slices, format_bytes(self.memory), self.compute)
+        write!(
+            f,
+            "{} × {} / {}% compute",
+            self.slices,
+            format_bytes(self.memory),
+            self.compute
+        )
     }
 }
 
@@ -78,7 +84,12 @@ impl GpuState {
                 })
                 .unwrap_or_default(),
             slices,
-            busy_slices: gpu.slices.iter().filter(|s| !s.processes.is_empty()).map(|s| s.id.clone()).collect(),
+            busy_slices: gpu
+                .slices
+                .iter()
+                .filter(|s| !s.processes.is_empty())
+                .map(|s| s.id.clone())
+                .collect(),
             busy_gpu: !gpu.processes.is_empty(),
         }
     }
@@ -122,10 +133,15 @@ pub enum DesiredError {
 
 impl Desired {
     /// Resolves a pool layout for a GPU of `model` (`None` when the catalog does not know it).
-    pub fn of(layout: &Layout, model: Option<&GpuModel>, model_name: &str) -> Result<Desired, DesiredError> {
+    pub fn of(
+        layout: &Layout,
+        model: Option<&GpuModel>,
+        model_name: &str,
+    ) -> Result<Desired, DesiredError> {
         match layout.kind().ok_or(DesiredError::NoKind)? {
             LayoutKind::Mig(m) => {
-                let model = model.ok_or_else(|| DesiredError::UnknownMigModel(model_name.to_string()))?;
+                let model =
+                    model.ok_or_else(|| DesiredError::UnknownMigModel(model_name.to_string()))?;
                 let counts = mig::requested_profiles(model, m)?;
                 // Canonical profile names, and a layout that fits at all.
                 mig::solve_counts(model, &counts)?;
@@ -138,7 +154,8 @@ impl Desired {
             }
             LayoutKind::Software(s) => Ok(Desired::Software(SliceTable {
                 slices: s.slices,
-                memory: bytes_of(&s.memory).map_err(|_| DesiredError::Memory(s.memory.0.clone()))?,
+                memory: bytes_of(&s.memory)
+                    .map_err(|_| DesiredError::Memory(s.memory.0.clone()))?,
                 compute: s.compute,
             })),
             LayoutKind::Exclusive => Ok(Desired::Exclusive),
@@ -160,7 +177,10 @@ pub enum Op {
         #[serde(skip_serializing_if = "Option::is_none")]
         uuid: Option<String>,
     },
-    CreateInstance { profile: String, placement: Placement },
+    CreateInstance {
+        profile: String,
+        placement: Placement,
+    },
     /// Write the software slice table.
     WriteSlices { table: SliceTable },
     /// Remove the software slice table.
@@ -173,14 +193,20 @@ impl std::fmt::Display for Op {
         match self {
             Op::EnableMig => f.write_str("enable MIG mode"),
             Op::DisableMig => f.write_str("disable MIG mode"),
-            Op::DestroyInstance { profile, placement, uuid } => {
+            Op::DestroyInstance {
+                profile,
+                placement,
+                uuid,
+            } => {
                 write!(f, "destroy {profile} at {}", slices(placement))?;
                 if let Some(u) = uuid {
                     write!(f, " ({u})")?;
                 }
                 Ok(())
             }
-            Op::CreateInstance { profile, placement } => write!(f, "create {profile} at {}", slices(placement)),
+            Op::CreateInstance { profile, placement } => {
+                write!(f, "create {profile} at {}", slices(placement))
+            }
             Op::WriteSlices { table } => write!(f, "write slice table: {table}"),
             Op::ClearSlices => f.write_str("remove the software slice table"),
         }
@@ -206,7 +232,9 @@ pub enum Blocker {
         #[serde(skip_serializing_if = "Option::is_none")]
         uuid: Option<String>,
     },
-    Slices { ids: Vec<String> },
+    Slices {
+        ids: Vec<String>,
+    },
     /// Processes using the whole GPU.
     Gpu,
 }
@@ -214,7 +242,11 @@ pub enum Blocker {
 impl std::fmt::Display for Blocker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Blocker::Instance { profile, placement, uuid } => {
+            Blocker::Instance {
+                profile,
+                placement,
+                uuid,
+            } => {
                 write!(f, "busy {profile} at {}", slice_range(*placement))?;
                 if let Some(u) = uuid {
                     write!(f, " ({u})")?;
@@ -245,7 +277,11 @@ impl Plan {
 }
 
 /// Plans the transition of one GPU. `model` is needed for MIG targets.
-pub fn plan(model: Option<&GpuModel>, current: &GpuState, desired: &Desired) -> Result<Plan, DesiredError> {
+pub fn plan(
+    model: Option<&GpuModel>,
+    current: &GpuState,
+    desired: &Desired,
+) -> Result<Plan, DesiredError> {
     let mut plan = Plan::default();
     match desired {
         Desired::Mig(counts) => {
@@ -282,7 +318,9 @@ pub fn plan(model: Option<&GpuModel>, current: &GpuState, desired: &Desired) -> 
 
 fn block_slices(current: &GpuState, plan: &mut Plan) {
     if !current.busy_slices.is_empty() {
-        plan.blocked_by.push(Blocker::Slices { ids: current.busy_slices.clone() });
+        plan.blocked_by.push(Blocker::Slices {
+            ids: current.busy_slices.clone(),
+        });
     }
 }
 
@@ -309,65 +347,123 @@ fn leave_mig(current: &GpuState, plan: &mut Plan) {
 
 fn destroy(plan: &mut Plan, i: &Instance) {
     if i.busy {
-        plan.blocked_by.push(Blocker::Instance { profile: i.profile.clone(), placement: i.placement, uuid: i.uuid.clone() });
+        plan.blocked_by.push(Blocker::Instance {
+            profile: i.profile.clone(),
+            placement: i.placement,
+            uuid: i.uuid.clone(),
+        });
     }
-    plan.ops.push(Op::DestroyInstance { profile: i.profile.clone(), placement: i.placement, uuid: i.uuid.clone() });
+    plan.ops.push(Op::DestroyInstance {
+        profile: i.profile.clone(),
+        placement: i.placement,
+        uuid: i.uuid.clone(),
+    });
 }
 
 fn create(plan: &mut Plan, placed: Option<Vec<mig::PlacedInstance>>) {
     for p in placed.into_iter().flatten() {
-        plan.ops.push(Op::CreateInstance { profile: p.profile, placement: p.placement });
+        plan.ops.push(Op::CreateInstance {
+            profile: p.profile,
+            placement: p.placement,
+        });
     }
 }
 
 /// MIG to MIG: keep the best subset of the instances that already have a wanted profile (fewest
 /// busy instances destroyed, then most kept), place the rest around them.
-fn reshape_mig(model: &GpuModel, current: &GpuState, wanted: &[(&crate::catalog::MigProfile, u32)], plan: &mut Plan) {
-    let canonical = |name: &str| model.profile(name).map(|p| p.name.clone());
-    let desired: BTreeMap<&str, u32> = wanted.iter().map(|(p, n)| (p.name.as_str(), *n)).collect();
-    // Instances whose profile is wanted may stay; at most 16 are considered (GPUs have ≤ 7).
-    let candidates: Vec<&Instance> = current
+fn reshape_mig(
+    model: &GpuModel,
+    current: &GpuState,
+    wanted: &[(&crate::catalog::MigProfile, u32)],
+    plan: &mut Plan,
+) {
+    // Each candidate (an instance whose profile is wanted) as (instance, index into `wanted`).
+    // At most 16 are considered; GPUs have at most 7 instances.
+    let candidates: Vec<(&Instance, usize)> = current
         .instances
         .iter()
-        .filter(|i| canonical(&i.profile).is_some_and(|p| desired.contains_key(p.as_str())))
+        .filter_map(|i| {
+            let p = model.profile(&i.profile)?;
+            wanted
+                .iter()
+                .position(|(w, _)| w.name == p.name)
+                .map(|k| (i, k))
+        })
         .take(16)
         .collect();
     let mut subsets: Vec<(usize, usize, u32)> = (0u32..(1 << candidates.len()))
         .filter_map(|bits| {
             let mut used = 0u32;
-            let mut per_profile: BTreeMap<String, u32> = BTreeMap::new();
-            for (_, inst) in candidates.iter().enumerate().filter(|(k, _)| bits & (1 << k) != 0) {
+            let mut per_profile = [0u32; 16];
+            for (k, (inst, w)) in candidates.iter().enumerate() {
+                if bits & (1 << k) == 0 {
+                    continue;
+                }
                 let m = mig::mask(inst.placement);
                 if used & m != 0 {
                     return None;
                 }
                 used |= m;
-                *per_profile.entry(canonical(&inst.profile)?).or_default() += 1;
+                per_profile[*w % 16] += 1;
+                if per_profile[*w % 16] > wanted[*w].1 {
+                    return None;
+                }
             }
-            if per_profile.iter().any(|(p, n)| *n > desired.get(p.as_str()).copied().unwrap_or(0)) {
-                return None;
-            }
-            let busy_dropped = candidates.iter().enumerate().filter(|(k, i)| i.busy && bits & (1 << k) == 0).count();
-            Some((busy_dropped, candidates.len() - bits.count_ones() as usize, bits))
+            let busy_dropped = candidates
+                .iter()
+                .enumerate()
+                .filter(|(k, (i, _))| i.busy && bits & (1 << k) == 0)
+                .count();
+            Some((
+                busy_dropped,
+                candidates.len() - bits.count_ones() as usize,
+                bits,
+            ))
         })
         .collect();
-    subsets.sort();
+    subsets.sort_unstable();
     for (_, _, bits) in subsets {
-        let kept: Vec<&Instance> = candidates.iter().enumerate().filter(|(k, _)| bits & (1 << k) != 0).map(|(_, i)| *i).collect();
-        let occupied = kept.iter().fold(0, |m, i| m | mig::mask(i.placement));
+        let kept = |k: usize| bits & (1 << k) != 0;
+        let occupied = candidates
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| kept(*k))
+            .fold(0, |m, (_, (i, _))| m | mig::mask(i.placement));
         let remaining: Vec<(&crate::catalog::MigProfile, u32)> = wanted
             .iter()
-            .map(|(p, n)| (*p, n - kept.iter().filter(|i| canonical(&i.profile).as_deref() == Some(p.name.as_str())).count() as u32))
+            .enumerate()
+            .map(|(w, (p, n))| {
+                (
+                    *p,
+                    n - candidates
+                        .iter()
+                        .enumerate()
+                        .filter(|(k, (_, cw))| kept(*k) && *cw == w)
+                        .count() as u32,
+                )
+            })
             .filter(|(_, n)| *n > 0)
             .collect();
         if let Some(placed) = mig::place_around(&remaining, occupied) {
-            let mut going: Vec<&Instance> = current.instances.iter().filter(|i| !kept.contains(i)).collect();
+            let stays = |i: &Instance| {
+                candidates
+                    .iter()
+                    .enumerate()
+                    .any(|(k, (c, _))| kept(k) && std::ptr::eq(*c, i))
+            };
+            let mut going: Vec<&Instance> =
+                current.instances.iter().filter(|i| !stays(i)).collect();
             going.sort_by_key(|i| (i.busy, i.placement));
             for i in going {
                 destroy(plan, i);
             }
             create(plan, Some(placed));
-            plan.kept = kept.into_iter().cloned().collect();
+            plan.kept = current
+                .instances
+                .iter()
+                .filter(|i| stays(i))
+                .cloned()
+                .collect();
             plan.kept.sort();
             return;
         }
@@ -387,10 +483,15 @@ pub fn apply(current: &GpuState, ops: &[Op]) -> GpuState {
         match op {
             Op::EnableMig => s.mig_enabled = true,
             Op::DisableMig => s.mig_enabled = false,
-            Op::DestroyInstance { placement, .. } => s.instances.retain(|i| i.placement != *placement),
-            Op::CreateInstance { profile, placement } => {
-                s.instances.push(Instance { profile: profile.clone(), placement: *placement, uuid: None, busy: false })
+            Op::DestroyInstance { placement, .. } => {
+                s.instances.retain(|i| i.placement != *placement)
             }
+            Op::CreateInstance { profile, placement } => s.instances.push(Instance {
+                profile: profile.clone(),
+                placement: *placement,
+                uuid: None,
+                busy: false,
+            }),
             Op::WriteSlices { table } => {
                 s.slices = Some(*table);
                 s.busy_slices.clear();
@@ -410,7 +511,9 @@ pub fn satisfies(model: Option<&GpuModel>, state: &GpuState, desired: &Desired) 
         Desired::Mig(counts) => {
             let mut have: BTreeMap<String, u32> = BTreeMap::new();
             for i in &state.instances {
-                let name = model.and_then(|m| m.profile(&i.profile)).map_or_else(|| i.profile.clone(), |p| p.name.clone());
+                let name = model
+                    .and_then(|m| m.profile(&i.profile))
+                    .map_or_else(|| i.profile.clone(), |p| p.name.clone());
                 *have.entry(name).or_default() += 1;
             }
             let overlap_free = state.instances.iter().try_fold(0u32, |used, i| {
@@ -419,8 +522,12 @@ pub fn satisfies(model: Option<&GpuModel>, state: &GpuState, desired: &Desired) 
             });
             state.mig_enabled && state.slices.is_none() && &have == counts && overlap_free.is_some()
         }
-        Desired::Software(t) => !state.mig_enabled && state.instances.is_empty() && state.slices == Some(*t),
-        Desired::Exclusive => !state.mig_enabled && state.instances.is_empty() && state.slices.is_none(),
+        Desired::Software(t) => {
+            !state.mig_enabled && state.instances.is_empty() && state.slices == Some(*t)
+        }
+        Desired::Exclusive => {
+            !state.mig_enabled && state.instances.is_empty() && state.slices.is_none()
+        }
     }
 }
 
@@ -430,11 +537,20 @@ mod tests {
     use crate::catalog::model;
 
     fn inst(profile: &str, start: u32, size: u32, busy: bool) -> Instance {
-        Instance { profile: profile.into(), placement: Placement { start, size }, uuid: None, busy }
+        Instance {
+            profile: profile.into(),
+            placement: Placement { start, size },
+            uuid: None,
+            busy,
+        }
     }
 
     fn mig_state(instances: Vec<Instance>) -> GpuState {
-        GpuState { mig_enabled: true, instances, ..GpuState::default() }
+        GpuState {
+            mig_enabled: true,
+            instances,
+            ..GpuState::default()
+        }
     }
 
     fn counts(pairs: &[(&str, u32)]) -> Desired {
@@ -458,9 +574,20 @@ mod tests {
         assert_eq!(
             p.ops,
             vec![
-                Op::DestroyInstance { profile: "1g.18gb".into(), placement: Placement { start: 2, size: 1 }, uuid: None },
-                Op::DestroyInstance { profile: "1g.18gb".into(), placement: Placement { start: 3, size: 1 }, uuid: None },
-                Op::CreateInstance { profile: "2g.35gb".into(), placement: Placement { start: 2, size: 2 } },
+                Op::DestroyInstance {
+                    profile: "1g.18gb".into(),
+                    placement: Placement { start: 2, size: 1 },
+                    uuid: None
+                },
+                Op::DestroyInstance {
+                    profile: "1g.18gb".into(),
+                    placement: Placement { start: 3, size: 1 },
+                    uuid: None
+                },
+                Op::CreateInstance {
+                    profile: "2g.35gb".into(),
+                    placement: Placement { start: 2, size: 2 }
+                },
             ]
         );
         assert!(satisfies(Some(h200), &apply(&now, &p.ops), &want));
@@ -469,9 +596,19 @@ mod tests {
     #[test]
     fn a_busy_instance_in_the_way_blocks_and_is_named() {
         let h100 = model("H100").unwrap();
-        let now = mig_state(vec![inst("3g.40gb", 0, 4, true), inst("3g.40gb", 4, 4, false)]);
+        let now = mig_state(vec![
+            inst("3g.40gb", 0, 4, true),
+            inst("3g.40gb", 4, 4, false),
+        ]);
         let p = plan(Some(h100), &now, &counts(&[("7g.80gb", 1)])).unwrap();
-        assert_eq!(p.blocked_by, vec![Blocker::Instance { profile: "3g.40gb".into(), placement: Placement { start: 0, size: 4 }, uuid: None }]);
+        assert_eq!(
+            p.blocked_by,
+            vec![Blocker::Instance {
+                profile: "3g.40gb".into(),
+                placement: Placement { start: 0, size: 4 },
+                uuid: None
+            }]
+        );
         // The plan still says what will happen once the instance is drained.
         assert_eq!(p.ops.len(), 3);
     }
@@ -479,7 +616,10 @@ mod tests {
     #[test]
     fn a_layout_already_in_place_needs_nothing() {
         let a100 = model("A100-80GB").unwrap();
-        let now = mig_state(vec![inst("4g.40gb", 0, 4, true), inst("3g.40gb", 4, 4, true)]);
+        let now = mig_state(vec![
+            inst("4g.40gb", 0, 4, true),
+            inst("3g.40gb", 4, 4, true),
+        ]);
         let p = plan(Some(a100), &now, &counts(&[("3g.40gb", 1), ("4g.40gb", 1)])).unwrap();
         assert_eq!(p.ops, vec![]);
         assert_eq!(p.kept.len(), 2);
@@ -488,8 +628,15 @@ mod tests {
     #[test]
     fn software_to_mig_and_back() {
         let a30 = model("A30").unwrap();
-        let table = SliceTable { slices: 2, memory: 12 << 30, compute: 50 };
-        let soft = GpuState { slices: Some(table), ..GpuState::default() };
+        let table = SliceTable {
+            slices: 2,
+            memory: 12 << 30,
+            compute: 50,
+        };
+        let soft = GpuState {
+            slices: Some(table),
+            ..GpuState::default()
+        };
         let p = plan(Some(a30), &soft, &counts(&[("2g.12gb", 2)])).unwrap();
         assert_eq!(p.ops[..2], [Op::ClearSlices, Op::EnableMig]);
         let migged = apply(&soft, &p.ops);
@@ -497,16 +644,40 @@ mod tests {
         let back = plan(Some(a30), &migged, &Desired::Software(table)).unwrap();
         assert_eq!(back.ops.last(), Some(&Op::WriteSlices { table }));
         assert!(back.ops.contains(&Op::DisableMig));
-        assert!(satisfies(Some(a30), &apply(&migged, &back.ops), &Desired::Software(table)));
+        assert!(satisfies(
+            Some(a30),
+            &apply(&migged, &back.ops),
+            &Desired::Software(table)
+        ));
     }
 
     #[test]
     fn busy_software_slices_block_a_reslice_but_not_an_identical_table() {
-        let table = SliceTable { slices: 4, memory: 20 << 30, compute: 25 };
-        let now = GpuState { slices: Some(table), busy_slices: vec!["s1".into()], ..GpuState::default() };
-        assert_eq!(plan(None, &now, &Desired::Software(table)).unwrap(), Plan::default());
-        let night = SliceTable { slices: 2, memory: 40 << 30, compute: 50 };
+        let table = SliceTable {
+            slices: 4,
+            memory: 20 << 30,
+            compute: 25,
+        };
+        let now = GpuState {
+            slices: Some(table),
+            busy_slices: vec!["s1".into()],
+            ..GpuState::default()
+        };
+        assert_eq!(
+            plan(None, &now, &Desired::Software(table)).unwrap(),
+            Plan::default()
+        );
+        let night = SliceTable {
+            slices: 2,
+            memory: 40 << 30,
+            compute: 50,
+        };
         let p = plan(None, &now, &Desired::Software(night)).unwrap();
-        assert_eq!(p.blocked_by, vec![Blocker::Slices { ids: vec!["s1".into()] }]);
+        assert_eq!(
+            p.blocked_by,
+            vec![Blocker::Slices {
+                ids: vec!["s1".into()]
+            }]
+        );
     }
 }

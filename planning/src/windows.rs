@@ -254,31 +254,93 @@ mod tests {
     fn dst_edge_cases_in_berlin_and_new_york() {
         let table = [
             // zone, start, end, a UTC instant on the local day before, expected open, expected close
-            ("Europe/Berlin", "02:30", "04:00", "2026-03-28T12:00:00Z", "2026-03-29T01:00:00Z", "2026-03-29T02:00:00Z"), // spring gap: opens at 03:00 CEST
-            ("Europe/Berlin", "02:00", "02:59", "2026-03-28T12:00:00Z", "2026-03-29T01:00:00Z", "2026-03-29T01:00:00Z"), // entirely in the gap: vanishes to nothing, not twice
-            ("Europe/Berlin", "02:30", "04:00", "2026-10-24T12:00:00Z", "2026-10-25T00:30:00Z", "2026-10-25T03:00:00Z"), // fall repeat: first 02:30 (CEST)
-            ("Europe/Berlin", "22:00", "06:00", "2026-10-24T12:00:00Z", "2026-10-24T20:00:00Z", "2026-10-25T05:00:00Z"), // night crossing the change: 9 h
-            ("America/New_York", "02:30", "05:00", "2026-03-07T12:00:00Z", "2026-03-08T07:00:00Z", "2026-03-08T09:00:00Z"), // spring gap: opens at 03:00 EDT
-            ("America/New_York", "20:00", "08:00", "2026-03-07T12:00:00Z", "2026-03-08T01:00:00Z", "2026-03-08T12:00:00Z"), // night crossing the change: 11 h
-            ("America/New_York", "01:30", "03:00", "2026-10-31T12:00:00Z", "2026-11-01T05:30:00Z", "2026-11-01T08:00:00Z"), // fall repeat: first 01:30 (EDT)
+            (
+                "Europe/Berlin",
+                "02:30",
+                "04:00",
+                "2026-03-28T12:00:00Z",
+                "2026-03-29T01:00:00Z",
+                "2026-03-29T02:00:00Z",
+            ), // spring gap: opens at 03:00 CEST
+            (
+                "Europe/Berlin",
+                "02:00",
+                "02:59",
+                "2026-03-28T12:00:00Z",
+                "2026-03-29T01:00:00Z",
+                "2026-03-29T01:00:00Z",
+            ), // entirely in the gap: vanishes to nothing, not twice
+            (
+                "Europe/Berlin",
+                "02:30",
+                "04:00",
+                "2026-10-24T12:00:00Z",
+                "2026-10-25T00:30:00Z",
+                "2026-10-25T03:00:00Z",
+            ), // fall repeat: first 02:30 (CEST)
+            (
+                "Europe/Berlin",
+                "22:00",
+                "06:00",
+                "2026-10-24T12:00:00Z",
+                "2026-10-24T20:00:00Z",
+                "2026-10-25T05:00:00Z",
+            ), // night crossing the change: 9 h
+            (
+                "America/New_York",
+                "02:30",
+                "05:00",
+                "2026-03-07T12:00:00Z",
+                "2026-03-08T07:00:00Z",
+                "2026-03-08T09:00:00Z",
+            ), // spring gap: opens at 03:00 EDT
+            (
+                "America/New_York",
+                "20:00",
+                "08:00",
+                "2026-03-07T12:00:00Z",
+                "2026-03-08T01:00:00Z",
+                "2026-03-08T12:00:00Z",
+            ), // night crossing the change: 11 h
+            (
+                "America/New_York",
+                "01:30",
+                "03:00",
+                "2026-10-31T12:00:00Z",
+                "2026-11-01T05:30:00Z",
+                "2026-11-01T08:00:00Z",
+            ), // fall repeat: first 01:30 (EDT)
         ];
         for (zone, start, end, from, open, close) in table {
             let w = every_day(zone, start, end);
             let from = utc(from);
-            let occ: Vec<Interval> = w.occurrences(from, from + Duration::hours(24)).into_iter().filter(|o| o.start >= from).collect();
+            let occ: Vec<Interval> = w
+                .occurrences(from, from + Duration::hours(24))
+                .into_iter()
+                .filter(|o| o.start >= from)
+                .collect();
             let case = format!("{zone} {start}-{end} after {from}");
             if open == close {
                 assert!(occ.is_empty(), "{case}: {occ:?}");
                 continue;
             }
             assert_eq!(occ.len(), 1, "{case}: opens exactly once: {occ:?}");
-            assert_eq!((occ[0].start, occ[0].end), (utc(open), utc(close)), "{case}");
+            assert_eq!(
+                (occ[0].start, occ[0].end),
+                (utc(open), utc(close)),
+                "{case}"
+            );
         }
     }
 
     #[test]
     fn compaction_windows_are_daily() {
-        let w = Recurrence::of_daily(&DailyWindow { start: "03:00".into(), end: "04:00".into(), time_zone: "UTC".into() }).unwrap();
+        let w = Recurrence::of_daily(&DailyWindow {
+            start: "03:00".into(),
+            end: "04:00".into(),
+            time_zone: "UTC".into(),
+        })
+        .unwrap();
         let (active, next) = active_at(std::slice::from_ref(&w), utc("2026-12-05T03:30:00Z"));
         assert_eq!((active, next), (Some(0), Some(utc("2026-12-05T04:00:00Z"))));
     }

@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use gpuslice_api::Placement;
 use gpuslice_planning::catalog::{GpuModel, models};
 use gpuslice_planning::mig::{self, mask};
-use gpuslice_planning::transition::{Blocker, Desired, GpuState, Instance, Op, apply, plan, satisfies};
+use gpuslice_planning::transition::{
+    Blocker, Desired, GpuState, Instance, Op, apply, plan, satisfies,
+};
 use proptest::prelude::*;
 
 fn mig_model(i: usize) -> &'static GpuModel {
@@ -16,7 +18,12 @@ fn mig_model(i: usize) -> &'static GpuModel {
 fn counts_for(model: &'static GpuModel) -> impl Strategy<Value = BTreeMap<String, u32>> {
     let profiles = model.mig.as_ref().unwrap().profiles.clone();
     prop::collection::vec(0u32..=3, profiles.len()).prop_map(move |ns| {
-        profiles.iter().zip(ns).filter(|(_, n)| *n > 0).map(|(p, n)| (p.name.clone(), n)).collect()
+        profiles
+            .iter()
+            .zip(ns)
+            .filter(|(_, n)| *n > 0)
+            .map(|(p, n)| (p.name.clone(), n))
+            .collect()
     })
 }
 
@@ -32,7 +39,9 @@ fn oracle_feasible(model: &GpuModel, counts: &BTreeMap<String, u32>) -> bool {
     let g = model.mig.as_ref().unwrap();
     let mut instances = Vec::new();
     for (name, &n) in counts {
-        let Some(p) = model.profile(name) else { return false };
+        let Some(p) = model.profile(name) else {
+            return false;
+        };
         if n > p.max_count {
             return false;
         }
@@ -44,23 +53,37 @@ fn oracle_feasible(model: &GpuModel, counts: &BTreeMap<String, u32>) -> bool {
         return false;
     }
     fn go(instances: &[&gpuslice_planning::catalog::MigProfile], used: u32, total: u32) -> bool {
-        let Some((first, rest)) = instances.split_first() else { return true };
+        let Some((first, rest)) = instances.split_first() else {
+            return true;
+        };
         first.placements.iter().any(|&start| {
-            let m = mask(Placement { start, size: first.memory_slices });
+            let m = mask(Placement {
+                start,
+                size: first.memory_slices,
+            });
             start + first.memory_slices <= total && used & m == 0 && go(rest, used | m, total)
         })
     }
     go(&instances, 0, g.memory_slices)
 }
 
-fn check_valid(model: &GpuModel, counts: &BTreeMap<String, u32>, placed: &[mig::PlacedInstance]) -> Result<(), TestCaseError> {
+fn check_valid(
+    model: &GpuModel,
+    counts: &BTreeMap<String, u32>,
+    placed: &[mig::PlacedInstance],
+) -> Result<(), TestCaseError> {
     let g = model.mig.as_ref().unwrap();
     let mut used = 0u32;
     let mut have: BTreeMap<String, u32> = BTreeMap::new();
     let mut compute = 0;
     for i in placed {
         let p = model.profile(&i.profile).unwrap();
-        prop_assert!(p.placements.contains(&i.placement.start), "{} at {} not allowed", p.name, i.placement.start);
+        prop_assert!(
+            p.placements.contains(&i.placement.start),
+            "{} at {} not allowed",
+            p.name,
+            i.placement.start
+        );
         prop_assert_eq!(i.placement.size, p.memory_slices);
         prop_assert!(i.placement.start + i.placement.size <= g.memory_slices);
         let m = mask(i.placement);
@@ -70,7 +93,11 @@ fn check_valid(model: &GpuModel, counts: &BTreeMap<String, u32>, placed: &[mig::
         *have.entry(p.name.clone()).or_default() += 1;
     }
     prop_assert!(compute <= g.compute_slices);
-    let want: BTreeMap<String, u32> = counts.iter().filter(|(_, n)| **n > 0).map(|(k, v)| (k.clone(), *v)).collect();
+    let want: BTreeMap<String, u32> = counts
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(k, v)| (k.clone(), *v))
+        .collect();
     prop_assert_eq!(have, want);
     Ok(())
 }
@@ -82,15 +109,31 @@ fn current_state() -> impl Strategy<Value = (&'static GpuModel, GpuState)> {
         .prop_flat_map(|(m, c)| {
             let placed = mig::solve_counts(m, &c).unwrap();
             let n = placed.len();
-            (Just(m), Just(placed), prop::collection::vec(any::<bool>(), n))
+            (
+                Just(m),
+                Just(placed),
+                prop::collection::vec(any::<bool>(), n),
+            )
         })
         .prop_map(|(m, placed, busy)| {
             let instances = placed
                 .into_iter()
                 .zip(busy)
-                .map(|(p, busy)| Instance { profile: p.profile, placement: p.placement, uuid: None, busy })
+                .map(|(p, busy)| Instance {
+                    profile: p.profile,
+                    placement: p.placement,
+                    uuid: None,
+                    busy,
+                })
                 .collect();
-            (m, GpuState { mig_enabled: true, instances, ..GpuState::default() })
+            (
+                m,
+                GpuState {
+                    mig_enabled: true,
+                    instances,
+                    ..GpuState::default()
+                },
+            )
         })
 }
 
