@@ -175,13 +175,13 @@ fn all_problems_of_a_repository_are_reported_in_one_run() {
     let out = validate(&[tmp.path().to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     let text = stdout(&out);
-    assert!(text.contains("pool-unknown-time-zone.yaml:12: GpuPool/p6: spec.windows[0].timeZone: \"Mars/Olympus\" is not an IANA time zone"), "{text}");
+    assert!(text.contains("pool-unknown-time-zone.yaml:13: GpuPool/p6: spec.windows[0].timeZone: \"Mars/Olympus\" is not an IANA time zone"), "{text}");
     assert!(
-        text.contains("policy-unknown-pool.yaml:7: GpuSlicePolicy/g2: spec.pool:"),
+        text.contains("policy-unknown-pool.yaml:8: GpuSlicePolicy/g2: spec.pool:"),
         "{text}"
     );
     assert!(
-        text.contains("checkpoint-uncatchable-signal.yaml:8: CheckpointPolicy/c2: spec.signal:"),
+        text.contains("checkpoint-uncatchable-signal.yaml:9: CheckpointPolicy/c2: spec.signal:"),
         "{text}"
     );
     assert!(text.contains("FAILED: 3 errors"), "{text}");

@@ -28,21 +28,21 @@ pub struct CheckpointPolicySpec {
     /// How often workloads are expected to checkpoint (Go duration, for example `5m`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("interval must be positive"))]
-    #[schemars(pattern(crate::time::DURATION_PATTERN))]
+    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub interval: Option<Duration>,
     /// Signal sent to the workload's processes before preemption or re-slicing. Default `SIGUSR1`.
     #[serde(default)]
     pub signal: Signal,
     /// How long to wait for the checkpoint-done marker after the signal before the slice is taken (Go duration).
     #[x_kube(validation = Rule::new("duration(self) >= duration('0s') && duration(self) <= duration('24h')").message("gracePeriod must be between 0s and 24h"))]
-    #[schemars(pattern(crate::time::DURATION_PATTERN))]
+    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub grace_period: Duration,
     /// When true a workload is never stopped: the transition waits until it exits or checkpoints.
     #[serde(default)]
     pub required: bool,
     /// Most work a workload may lose to a preemption (Go duration); at least `interval`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(pattern(crate::time::DURATION_PATTERN))]
+    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub max_loss: Option<Duration>,
     /// Where checkpoints are written.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -86,6 +86,7 @@ pub struct CheckpointStorage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub persistent_volume_claim: Option<String>,
     /// Absolute path at which the storage is mounted in the workload's containers.
+    #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("mountPath must be absolute"))]
     pub mount_path: String,
 }

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use crate::quantity::Size;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -45,7 +45,7 @@ impl Layout {
         Layout {
             software: Some(SoftwareLayout {
                 slices,
-                memory: Quantity(memory.to_string()),
+                memory: Size::new(memory),
                 compute,
             }),
             ..Layout::default()
@@ -75,6 +75,7 @@ pub struct MigLayout {
     /// `{"3g.40gb": 1, "2g.20gb": 1, "1g.10gb": 2}`. Names are those `nvidia-smi mig -lgip` prints
     /// for the pool's GPU model; gpuslice chooses the placements.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 8))]
     #[x_kube(validation = Rule::new("self.all(p, self[p] >= 1)").message("each profile count must be at least 1; remove profiles you do not want"))]
     pub profiles: BTreeMap<String, u32>,
     /// A named layout that adapts to each GPU model: `all-1g` (as many 1g instances as fit),
@@ -104,8 +105,8 @@ pub struct SoftwareLayout {
     #[schemars(range(min = 1, max = 64))]
     pub slices: u32,
     /// Memory cap of each slice, for example `20Gi`.
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("memory must be a positive quantity such as 20Gi"))]
-    pub memory: Quantity,
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("memory must be a positive quantity such as 20Gi"))]
+    pub memory: Size,
     /// Compute share of each slice, in percent of the GPU's time (1–100).
     #[schemars(range(min = 1, max = 100))]
     pub compute: u32,

@@ -32,7 +32,7 @@ pub use pool::{
     Compaction, FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits,
     LocalCache, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,
 };
-pub use quantity::{QuantityError, bytes_of};
+pub use quantity::{QuantityError, Size, bytes_of};
 pub use time::{ClockTime, DailyWindow, Weekday};
 
 /// The API group of every gpuslice kind.

@@ -35,7 +35,7 @@ use crate::layout::Layout;
 pub struct GpuNodeSpec {
     /// The desired layout of each GPU of the node that belongs to a pool.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
+    #[schemars(length(max = 16), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
     pub gpus: Vec<GpuAssignment>,
     /// Git commit (or other revision) of the configuration this desired state came from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -52,6 +52,7 @@ pub struct GpuAssignment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
     /// The pool the GPU belongs to.
+    #[schemars(length(max = 253))]
     pub pool: String,
     /// The window whose layout this is; empty for the pool's default layout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -60,7 +61,7 @@ pub struct GpuAssignment {
     pub layout: Layout,
     /// Minimum compute time slice for software slices on this GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(pattern(crate::time::DURATION_PATTERN))]
+    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub time_slice: Option<Duration>,
 }
 

@@ -1,6 +1,6 @@
 //! `GpuSlicePolicy`: what a workload asks for, referenced by name from its pod template label.
 
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use crate::quantity::Size;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
 use kube::CustomResource;
 use serde::{Deserialize, Serialize};
@@ -30,8 +30,8 @@ pub struct GpuSlicePolicySpec {
     pub pool: String,
     /// GPU memory the workload needs. It is placed on the smallest slice whose memory holds this
     /// plus the pool's `memoryHeadroom`.
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("memory must be a positive quantity such as 18Gi"))]
-    pub memory: Quantity,
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("memory must be a positive quantity such as 18Gi"))]
+    pub memory: Size,
     /// Compute share in percent of a GPU: a cap, and optionally a guarantee under contention.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute: Option<ComputeShare>,
@@ -41,6 +41,7 @@ pub struct GpuSlicePolicySpec {
     pub count: u32,
     /// `low`, `normal` or `high`, or the name of a PriorityClass. Default `normal`.
     #[serde(default = "normal")]
+    #[schemars(length(min = 1, max = 253))]
     #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$') && self.size() <= 253").message("priority must be low, normal, high or a PriorityClass name (lowercase DNS name)"))]
     pub priority: String,
     /// Whether higher-priority work may preempt this workload (after its checkpoint signal). Default true.

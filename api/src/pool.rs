@@ -1,6 +1,6 @@
 //! `GpuPool`: a set of GPUs on matching nodes and how they are cut up, by time of day.
 
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use crate::quantity::Size;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::CustomResource;
 use kube::core::Duration;
@@ -41,19 +41,19 @@ pub struct GpuPoolSpec {
     pub layout: Layout,
     /// Time-of-day windows with a different layout (elastic slicing). Windows of one pool must not overlap.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    #[schemars(length(max = 16), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub windows: Vec<TimeWindow>,
     /// The shortest time a slice keeps the GPU once the compute arbiter grants it (Go duration,
     /// 1ms–1s; default 10ms). Longer slices mean fewer context switches for compute-bound training.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1ms') && duration(self) <= duration('1s')").message("timeSlice must be between 1ms and 1s"))]
-    #[schemars(pattern(crate::time::DURATION_PATTERN))]
+    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub time_slice: Option<Duration>,
     /// Memory kept back in each slice for the CUDA context and allocator overhead. A policy fits a
     /// slice when its `memory` plus this headroom is at most the slice's memory. Default 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && !quantity(string(self)).isLessThan(quantity('0'))").message("memoryHeadroom must be a quantity such as 1Gi, not negative"))]
-    pub memory_headroom: Option<Quantity>,
+    #[x_kube(validation = Rule::new("isQuantity(self) && !quantity(self).isLessThan(quantity('0'))").message("memoryHeadroom must be a quantity such as 1Gi, not negative"))]
+    pub memory_headroom: Option<Size>,
     /// How queued work is ordered and whether it may preempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scheduling: Option<Scheduling>,
@@ -97,10 +97,11 @@ pub struct TimeWindow {
     pub name: String,
     /// IANA time zone in which `start`, `end` and `days` are read, for example `Asia/Shanghai`. Default UTC.
     #[serde(default = "utc")]
+    #[schemars(length(min = 1, max = 64))]
     pub time_zone: String,
     /// Days on which the window opens (it may close on the next day). Default: every day.
     #[serde(default = "every_day")]
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 7))]
     #[x_kube(validation = Rule::new("self.all(d, self.exists_one(e, e == d))").message("days must not repeat"))]
     pub days: Vec<Weekday>,
     /// When the window opens, `HH:MM`.
@@ -162,8 +163,8 @@ pub struct Compaction {
 pub struct IoLimits {
     /// Disk read/write bandwidth of each slice, bytes per second (for example `500Mi`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("bandwidthPerSlice must be a positive quantity such as 500Mi"))]
-    pub bandwidth_per_slice: Option<Quantity>,
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("bandwidthPerSlice must be a positive quantity such as 500Mi"))]
+    pub bandwidth_per_slice: Option<Size>,
     /// A node-local cache directory for datasets, shared read-only by the pool's workloads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub local_cache: Option<LocalCache>,
@@ -174,6 +175,7 @@ pub struct IoLimits {
 #[serde(rename_all = "camelCase")]
 pub struct LocalCache {
     /// Absolute path of the cache directory on the node.
+    #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("path must be absolute"))]
     pub path: String,
 }

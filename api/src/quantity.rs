@@ -2,6 +2,39 @@
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_quantity::ParsedQuantity;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A size written as a Kubernetes quantity string (`20Gi`, `500Mi`), in spec fields that carry
+/// CEL rules: a bounded string keeps the rules' estimated cost within the API server's budget.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Size(pub String);
+
+impl Size {
+    pub fn new(text: &str) -> Size {
+        Size(text.to_string())
+    }
+
+    /// The number of bytes.
+    pub fn bytes(&self) -> Result<u64, QuantityError> {
+        bytes_of(&self.0)
+    }
+}
+
+impl JsonSchema for Size {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Size".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({"type": "string", "maxLength": 32})
+    }
+}
 
 /// Why a quantity cannot be used as a size in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -12,16 +45,16 @@ pub enum QuantityError {
     NotBytes(String),
 }
 
-/// The number of bytes a quantity stands for.
-pub fn bytes_of(q: &Quantity) -> Result<u64, QuantityError> {
-    let parsed: ParsedQuantity = q
+/// The number of bytes a quantity (`20Gi`, `1.5G`, `1024`) stands for.
+pub fn bytes_of(text: &str) -> Result<u64, QuantityError> {
+    let parsed: ParsedQuantity = Quantity(text.to_string())
         .try_into()
-        .map_err(|_| QuantityError::Malformed(q.0.clone()))?;
+        .map_err(|_| QuantityError::Malformed(text.to_string()))?;
     let value = parsed
         .to_bytes_f64()
-        .ok_or_else(|| QuantityError::NotBytes(q.0.clone()))?;
+        .ok_or_else(|| QuantityError::NotBytes(text.to_string()))?;
     if !(0.0..=u64::MAX as f64).contains(&value) || value.fract() != 0.0 {
-        return Err(QuantityError::NotBytes(q.0.clone()));
+        return Err(QuantityError::NotBytes(text.to_string()));
     }
     Ok(value as u64)
 }
@@ -50,25 +83,25 @@ pub fn format_bytes(bytes: u64) -> String {
 mod tests {
     use super::*;
 
-    fn q(s: &str) -> Quantity {
-        Quantity(s.to_string())
+    fn q(s: &str) -> &str {
+        s
     }
 
     #[test]
     fn binary_and_decimal_suffixes() {
-        assert_eq!(bytes_of(&q("20Gi")), Ok(20 << 30));
-        assert_eq!(bytes_of(&q("512Mi")), Ok(512 << 20));
-        assert_eq!(bytes_of(&q("40G")), Ok(40_000_000_000));
-        assert_eq!(bytes_of(&q("1024")), Ok(1024));
+        assert_eq!(bytes_of(q("20Gi")), Ok(20 << 30));
+        assert_eq!(bytes_of(q("512Mi")), Ok(512 << 20));
+        assert_eq!(bytes_of(q("40G")), Ok(40_000_000_000));
+        assert_eq!(bytes_of(q("1024")), Ok(1024));
     }
 
     #[test]
     fn rejects_garbage_and_fractions_of_a_byte() {
         assert!(matches!(
-            bytes_of(&q("twenty")),
+            bytes_of(q("twenty")),
             Err(QuantityError::Malformed(_))
         ));
-        assert!(bytes_of(&q("1m")).is_err());
+        assert!(bytes_of(q("1m")).is_err());
     }
 
     #[test]

@@ -57,6 +57,7 @@ impl JsonSchema for ClockTime {
     fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         schemars::json_schema!({
             "type": "string",
+            "maxLength": 5,
             "pattern": CLOCK_TIME_PATTERN,
         })
     }
@@ -92,6 +93,7 @@ pub struct DailyWindow {
     pub end: ClockTime,
     /// IANA time zone name, for example `UTC` or `Europe/Berlin`.
     #[serde(default = "utc")]
+    #[schemars(length(min = 1, max = 64))]
     pub time_zone: String,
 }
 

@@ -76,7 +76,7 @@ impl Lcg {
 
 fn h200_gpu(index: u32, rng: &mut Lcg) -> GpuInventory {
     let busy = |rng: &mut Lcg| {
-        if rng.next() % 5 == 0 {
+        if rng.next().is_multiple_of(5) {
             vec![GpuProcess {
                 pid: 1000 + index,
                 memory: None,
@@ -122,7 +122,7 @@ fn a100_gpu(index: u32, rng: &mut Lcg) -> GpuInventory {
             id: format!("s{index}-{s}"),
             memory: Quantity("20Gi".into()),
             compute: 25,
-            processes: if rng.next() % 4 == 0 {
+            processes: if rng.next().is_multiple_of(4) {
                 vec![GpuProcess {
                     pid: 1,
                     memory: None,

@@ -65,7 +65,7 @@ impl GpuState {
         let mig = gpu.mig.as_ref();
         let slices = gpu.slices.first().map(|first| SliceTable {
             slices: gpu.slices.len() as u32,
-            memory: bytes_of(&first.memory).unwrap_or(0),
+            memory: bytes_of(&first.memory.0).unwrap_or(0),
             compute: first.compute,
         });
         GpuState {
@@ -154,7 +154,9 @@ impl Desired {
             }
             LayoutKind::Software(s) => Ok(Desired::Software(SliceTable {
                 slices: s.slices,
-                memory: bytes_of(&s.memory)
+                memory: s
+                    .memory
+                    .bytes()
                     .map_err(|_| DesiredError::Memory(s.memory.0.clone()))?,
                 compute: s.compute,
             })),

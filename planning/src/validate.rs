@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use gpuslice_api::quantity::{bytes_of, format_bytes};
+use gpuslice_api::quantity::format_bytes;
 use gpuslice_api::{CheckpointPolicy, GpuPool, GpuSlicePolicy, Kind, Layout, LayoutKind};
 use serde::Serialize;
 
@@ -231,7 +231,7 @@ fn headroom(pool: &GpuPool) -> u64 {
     pool.spec
         .memory_headroom
         .as_ref()
-        .and_then(|q| bytes_of(q).ok())
+        .and_then(|q| q.bytes().ok())
         .unwrap_or(0)
 }
 
@@ -262,7 +262,7 @@ fn check_pool(
     for (path, what, layout) in layouts(&pool.object) {
         match layout.kind() {
             Some(LayoutKind::Software(s)) => {
-                let Ok(memory) = bytes_of(&s.memory) else {
+                let Ok(memory) = s.memory.bytes() else {
                     continue;
                 };
                 if memory <= headroom {
@@ -402,7 +402,7 @@ fn check_policy(
         );
         return;
     };
-    let Ok(memory) = bytes_of(&spec.memory) else {
+    let Ok(memory) = spec.memory.bytes() else {
         return;
     };
     let headroom = headroom(&pool.object);
@@ -414,7 +414,7 @@ fn check_policy(
     for (_, what, layout) in layouts(&pool.object) {
         let why_not = match layout.kind() {
             Some(LayoutKind::Software(s)) => {
-                let slice = bytes_of(&s.memory).unwrap_or(0);
+                let slice = s.memory.bytes().unwrap_or(0);
                 if need > slice {
                     Some((
                         "spec.memory",

@@ -102,10 +102,27 @@ fn check_valid(
     Ok(())
 }
 
+/// Drops instances (the largest profile first) until the counts fit the model.
+fn feasible(model: &GpuModel, mut counts: BTreeMap<String, u32>) -> BTreeMap<String, u32> {
+    while mig::solve_counts(model, &counts).is_err() {
+        let largest = counts
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .max_by_key(|(p, _)| model.profile(p).map(|p| p.memory_slices))
+            .map(|(p, _)| p.clone());
+        match largest {
+            Some(p) => *counts.get_mut(&p).unwrap() -= 1,
+            None => break,
+        }
+        counts.retain(|_, n| *n > 0);
+    }
+    counts
+}
+
 /// A current GPU: a feasible layout, placed, with some instances busy.
 fn current_state() -> impl Strategy<Value = (&'static GpuModel, GpuState)> {
     model_and_counts()
-        .prop_filter("feasible", |(m, c)| mig::solve_counts(m, c).is_ok())
+        .prop_map(|(m, c)| (m, feasible(m, c)))
         .prop_flat_map(|(m, c)| {
             let placed = mig::solve_counts(m, &c).unwrap();
             let n = placed.len();
@@ -189,10 +206,13 @@ proptest! {
             }
         }
 
-        // As many instances are kept as any arrangement allows (brute force over subsets).
+        // An unblocked plan keeps every busy instance and, with them, as many instances as any
+        // arrangement allows (brute force over subsets).
         if !p.is_blocked() {
+            let busy: u32 = current.instances.iter().enumerate().filter(|(_, i)| i.busy).fold(0, |m, (k, _)| m | (1 << k));
             let Desired::Mig(want) = &desired else { unreachable!() };
             let best = (0u32..(1 << current.instances.len()))
+                .filter(|bits| bits & busy == busy)
                 .filter(|bits| {
                     let kept: Vec<&Instance> = current.instances.iter().enumerate().filter(|(k, _)| bits & (1 << k) != 0).map(|(_, i)| i).collect();
                     let mut rest = want.clone();

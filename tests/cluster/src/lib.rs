@@ -1,0 +1,637 @@
+//! A private Kubernetes control plane for tests: etcd, kube-apiserver (with generated serving
+//! certificates and a service-account key), and optionally kube-controller-manager,
+//! kube-scheduler and kwok (fake kubelets), all on loopback ports chosen at start, in a temporary
+//! directory that goes away when the [`ControlPlane`] drops — also when a test panics, in which
+//! case each component's log is printed first.
+//!
+//! The binaries are built from the Go module proxy by `tests/controlplane/build.sh`. When they
+//! are absent, [`ControlPlane::start`] returns `Ok(None)` after a loud message, except when the
+//! `CI` environment variable is set: then their absence is an error.
+//!
+//! One control plane per test: etcd and the API server are ready in a few seconds, and a test
+//! that owns its control plane can restart it, break it and read its logs without disturbing others.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+
+/// Why the control plane could not be started or used.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("control-plane binaries not found: {0}")]
+    Missing(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("generating certificates: {0}")]
+    Certificates(#[from] rcgen::Error),
+    #[error("{component} did not become ready within {seconds} s; its log:\n{log}")]
+    NotReady {
+        component: String,
+        seconds: u64,
+        log: String,
+    },
+    #[error("{component} exited early ({status}); its log:\n{log}")]
+    Exited {
+        component: String,
+        status: String,
+        log: String,
+    },
+    #[error("kubernetes client: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("kubeconfig: {0}")]
+    Kubeconfig(String),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Io { what, source }
+}
+
+/// Which components to run besides etcd and the API server.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Components {
+    /// kube-controller-manager: node lifecycle (removes the not-ready taint), service accounts, jobs…
+    pub controller_manager: bool,
+    pub scheduler: bool,
+    /// kwok, managing nodes made with [`ControlPlane::create_node`].
+    pub kwok: bool,
+}
+
+impl Components {
+    /// Everything: what a pod needs to be scheduled and run on a fake node.
+    pub fn all() -> Self {
+        Components {
+            controller_manager: true,
+            scheduler: true,
+            kwok: true,
+        }
+    }
+}
+
+/// Where the built binaries and kwok's stages are, or why not.
+pub fn locate_binaries() -> Result<PathBuf, Error> {
+    if let Some(dir) = std::env::var_os("GPUSLICE_CONTROLPLANE_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../controlplane/build.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg("--find")
+        .output()
+        .map_err(io(format!("running {}", script.display())))?;
+    if out.status.success() {
+        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    } else {
+        Err(Error::Missing(format!(
+            "run `bash tests/controlplane/build.sh` once (about 8 minutes cold) or set GPUSLICE_CONTROLPLANE_DIR; {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+struct Process {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Process {
+    fn spawn(
+        name: &'static str,
+        bin: &Path,
+        args: &[String],
+        dir: &Path,
+    ) -> Result<Process, Error> {
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(io(format!("opening {}", log.display())))?;
+        let err = file.try_clone().map_err(io("duplicating a log file"))?;
+        let mut command = Command::new(bin);
+        command
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(file)
+            .stderr(err);
+        kill_with_parent(&mut command);
+        let child = command
+            .spawn()
+            .map_err(io(format!("starting {}", bin.display())))?;
+        Ok(Process { name, child, log })
+    }
+
+    fn log_text(&self) -> String {
+        tail(&self.log, 60)
+    }
+
+    fn check_alive(&mut self) -> Result<(), Error> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Err(Error::Exited {
+                component: self.name.to_string(),
+                status: status.to_string(),
+                log: self.log_text(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn stop(&mut self) {
+        // SIGTERM first so etcd and the API server shut down cleanly; SIGKILL if they linger.
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            // SAFETY: sending a signal to our own child process; no memory is touched.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Children die with the test process even when it is killed, so no component outlives a run.
+fn kill_with_parent(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        command.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn free_port() -> Result<u16, Error> {
+    let listener =
+        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(io("choosing a free port"))?;
+    Ok(listener
+        .local_addr()
+        .map_err(io("choosing a free port"))?
+        .port())
+}
+
+/// The certificates and keys of one control plane, as files in its directory.
+struct Pki;
+
+fn write(path: &Path, text: &str) -> Result<(), Error> {
+    std::fs::write(path, text).map_err(io(format!("writing {}", path.display())))
+}
+
+impl Pki {
+    /// A CA, the API server's serving certificate, an admin client certificate
+    /// (`system:masters`) and the service-account signing key, written into `dir`.
+    fn generate(dir: &Path) -> Result<(), Error> {
+        let ca_key = KeyPair::generate()?;
+        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "gpuslice-test-ca");
+        ca_params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_cert = ca_params.self_signed(&ca_key)?;
+        let issuer = Issuer::from_params(&ca_params, &ca_key);
+
+        let serving_key = KeyPair::generate()?;
+        let mut serving = CertificateParams::new(vec![
+            "localhost".to_string(),
+            "kubernetes.default.svc".to_string(),
+        ])?;
+        serving
+            .subject_alt_names
+            .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        serving
+            .subject_alt_names
+            .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 1))));
+        serving
+            .distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
+        serving.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let serving_cert = serving.signed_by(&serving_key, &issuer)?;
+
+        let admin_key = KeyPair::generate()?;
+        let mut admin = CertificateParams::new(Vec::<String>::new())?;
+        admin
+            .distinguished_name
+            .push(DnType::CommonName, "gpuslice-test-admin");
+        admin
+            .distinguished_name
+            .push(DnType::OrganizationName, "system:masters");
+        admin.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let admin_cert = admin.signed_by(&admin_key, &issuer)?;
+
+        let sa_key = KeyPair::generate()?;
+        write(&dir.join("ca.crt"), &ca_cert.pem())?;
+        write(&dir.join("apiserver.crt"), &serving_cert.pem())?;
+        write(&dir.join("apiserver.key"), &serving_key.serialize_pem())?;
+        write(&dir.join("admin.crt"), &admin_cert.pem())?;
+        write(&dir.join("admin.key"), &admin_key.serialize_pem())?;
+        write(&dir.join("sa.key"), &sa_key.serialize_pem())?;
+        write(&dir.join("sa.pub"), &sa_key.public_key_pem())?;
+        Ok(())
+    }
+}
+
+/// A running control plane. Dropping it stops every component and deletes its directory.
+pub struct ControlPlane {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    stages: PathBuf,
+    server: String,
+    apiserver_args: Vec<String>,
+    processes: Vec<Process>,
+}
+
+const READY_TIMEOUT: Duration = Duration::from_secs(90);
+
+impl ControlPlane {
+    /// Starts a control plane, or returns `Ok(None)` (after saying so loudly on stderr) when the
+    /// binaries have not been built and `CI` is not set.
+    pub async fn start(components: Components) -> Result<Option<ControlPlane>, Error> {
+        let binaries = match locate_binaries() {
+            Ok(dir) => dir,
+            Err(e) if std::env::var_os("CI").is_none() => {
+                eprintln!("\n!!! SKIPPED: no Kubernetes control plane for this test: {e}\n");
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        let dir = tempfile::Builder::new()
+            .prefix("gpuslice-cp-")
+            .tempdir()
+            .map_err(io("creating a temporary directory"))?;
+        Pki::generate(dir.path())?;
+        let (etcd_port, peer_port, api_port) = (free_port()?, free_port()?, free_port()?);
+        let server = format!("https://127.0.0.1:{api_port}");
+        let mut cp = ControlPlane {
+            bin: binaries.join("bin"),
+            stages: binaries.join("stages/stages.yaml"),
+            server,
+            apiserver_args: Vec::new(),
+            processes: Vec::new(),
+            dir,
+        };
+        let d = cp.dir.path().to_path_buf();
+        let p = |name: &str| d.join(name).display().to_string();
+        cp.write_kubeconfig(&d.join("admin.kubeconfig"), None)?;
+
+        let etcd_args = vec![
+            "--name=default".to_string(),
+            format!("--data-dir={}", p("etcd")),
+            format!("--listen-client-urls=http://127.0.0.1:{etcd_port}"),
+            format!("--advertise-client-urls=http://127.0.0.1:{etcd_port}"),
+            format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"),
+            format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"),
+            format!("--initial-cluster=default=http://127.0.0.1:{peer_port}"),
+            "--unsafe-no-fsync=true".to_string(),
+            "--log-level=warn".to_string(),
+        ];
+        cp.spawn("etcd", "etcd", &etcd_args)?;
+        cp.wait_for_port("etcd", etcd_port).await?;
+
+        cp.apiserver_args = vec![
+            format!("--etcd-servers=http://127.0.0.1:{etcd_port}"),
+            "--bind-address=127.0.0.1".to_string(),
+            "--advertise-address=127.0.0.1".to_string(),
+            format!("--secure-port={api_port}"),
+            format!("--tls-cert-file={}", p("apiserver.crt")),
+            format!("--tls-private-key-file={}", p("apiserver.key")),
+            format!("--client-ca-file={}", p("ca.crt")),
+            "--authorization-mode=RBAC".to_string(),
+            "--service-account-issuer=https://kubernetes.default.svc".to_string(),
+            format!("--service-account-key-file={}", p("sa.pub")),
+            format!("--service-account-signing-key-file={}", p("sa.key")),
+            "--service-cluster-ip-range=10.96.0.0/16".to_string(),
+            "--allow-privileged=true".to_string(),
+            format!("--cert-dir={}", p("apiserver-certs")),
+        ];
+        cp.start_apiserver().await?;
+
+        let kubeconfig = p("admin.kubeconfig");
+        if components.controller_manager {
+            let args = vec![
+                format!("--kubeconfig={kubeconfig}"),
+                format!("--authentication-kubeconfig={kubeconfig}"),
+                format!("--authorization-kubeconfig={kubeconfig}"),
+                "--leader-elect=false".to_string(),
+                "--bind-address=127.0.0.1".to_string(),
+                format!("--secure-port={}", free_port()?),
+                format!("--cert-dir={}", p("kcm-certs")),
+                format!("--service-account-private-key-file={}", p("sa.key")),
+                format!("--root-ca-file={}", p("ca.crt")),
+                "--use-service-account-credentials=false".to_string(),
+                // Fake nodes have no routes or cloud; everything else runs.
+                "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller".to_string(),
+                "--node-monitor-grace-period=60s".to_string(),
+            ];
+            cp.spawn("kube-controller-manager", "kube-controller-manager", &args)?;
+        }
+        if components.scheduler {
+            let args = vec![
+                format!("--kubeconfig={kubeconfig}"),
+                format!("--authentication-kubeconfig={kubeconfig}"),
+                format!("--authorization-kubeconfig={kubeconfig}"),
+                "--leader-elect=false".to_string(),
+                "--bind-address=127.0.0.1".to_string(),
+                format!("--secure-port={}", free_port()?),
+                format!("--cert-dir={}", p("scheduler-certs")),
+            ];
+            cp.spawn("kube-scheduler", "kube-scheduler", &args)?;
+        }
+        if components.kwok {
+            let args = vec![
+                format!("--kubeconfig={kubeconfig}"),
+                format!("--config={}", cp.stages.display()),
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake".to_string(),
+                "--node-ip=10.0.0.1".to_string(),
+                "--cidr=10.0.0.0/16".to_string(),
+                format!("--server-address=127.0.0.1:{}", free_port()?),
+            ];
+            cp.spawn("kwok", "kwok", &args)?;
+        }
+        // Give the extra components a moment to fail on bad flags, so it shows here.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for proc in &mut cp.processes {
+            proc.check_alive()?;
+        }
+        Ok(Some(cp))
+    }
+
+    fn spawn(&mut self, name: &'static str, bin: &str, args: &[String]) -> Result<(), Error> {
+        let proc = Process::spawn(name, &self.bin.join(bin), args, self.dir.path())?;
+        self.processes.push(proc);
+        Ok(())
+    }
+
+    fn process(&mut self, name: &str) -> Option<&mut Process> {
+        self.processes.iter_mut().find(|p| p.name == name)
+    }
+
+    async fn wait_for_port(&mut self, name: &str, port: u16) -> Result<(), Error> {
+        let start = Instant::now();
+        loop {
+            if TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok() {
+                return Ok(());
+            }
+            if let Some(p) = self.process(name) {
+                p.check_alive()?;
+            }
+            if start.elapsed() > READY_TIMEOUT {
+                let log = self.process(name).map(|p| p.log_text()).unwrap_or_default();
+                return Err(Error::NotReady {
+                    component: name.to_string(),
+                    seconds: READY_TIMEOUT.as_secs(),
+                    log,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn start_apiserver(&mut self) -> Result<(), Error> {
+        let args = self.apiserver_args.clone();
+        self.spawn("kube-apiserver", "kube-apiserver", &args)?;
+        let client = self.client().await?;
+        let start = Instant::now();
+        loop {
+            let request = http_get("/readyz");
+            if let Ok(text) = client.request_text(request).await
+                && text.trim() == "ok"
+            {
+                return Ok(());
+            }
+            if let Some(p) = self.process("kube-apiserver") {
+                p.check_alive()?;
+            }
+            if start.elapsed() > READY_TIMEOUT {
+                let log = self
+                    .process("kube-apiserver")
+                    .map(|p| p.log_text())
+                    .unwrap_or_default();
+                return Err(Error::NotReady {
+                    component: "kube-apiserver".into(),
+                    seconds: READY_TIMEOUT.as_secs(),
+                    log,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stops the API server and starts it again on the same port and etcd, as an upgrade or a
+    /// crash would. Returns when it is ready again.
+    pub async fn restart_apiserver(&mut self) -> Result<(), Error> {
+        if let Some(i) = self
+            .processes
+            .iter()
+            .position(|p| p.name == "kube-apiserver")
+        {
+            let mut old = self.processes.remove(i);
+            old.stop();
+        }
+        self.start_apiserver().await
+    }
+
+    /// The API server's URL.
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// The admin kubeconfig (client certificate in `system:masters`).
+    pub fn kubeconfig_path(&self) -> PathBuf {
+        self.dir.path().join("admin.kubeconfig")
+    }
+
+    /// The directory with the components' logs.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn write_kubeconfig(&self, path: &Path, token: Option<&str>) -> Result<(), Error> {
+        let d = self.dir.path();
+        let user = match token {
+            Some(t) => serde_json::json!({"token": t}),
+            None => serde_json::json!({
+                "client-certificate": d.join("admin.crt"),
+                "client-key": d.join("admin.key"),
+            }),
+        };
+        let config = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "gpuslice-test", "cluster": {"server": self.server, "certificate-authority": d.join("ca.crt")}}],
+            "users": [{"name": "user", "user": user}],
+            "contexts": [{"name": "gpuslice-test", "context": {"cluster": "gpuslice-test", "user": "user"}}],
+            "current-context": "gpuslice-test",
+        });
+        let text = serde_yaml::to_string(&config).map_err(|e| Error::Kubeconfig(e.to_string()))?;
+        let mut f =
+            std::fs::File::create(path).map_err(io(format!("writing {}", path.display())))?;
+        f.write_all(text.as_bytes())
+            .map_err(io(format!("writing {}", path.display())))
+    }
+
+    async fn client_from(path: &Path) -> Result<Client, Error> {
+        let kubeconfig =
+            Kubeconfig::read_from(path).map_err(|e| Error::Kubeconfig(e.to_string()))?;
+        let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| Error::Kubeconfig(e.to_string()))?;
+        Ok(Client::try_from(config)?)
+    }
+
+    /// A client with admin rights.
+    pub async fn client(&self) -> Result<Client, Error> {
+        Self::client_from(&self.kubeconfig_path()).await
+    }
+
+    /// A client that authenticates as a ServiceAccount (created if missing), with exactly the
+    /// rights RBAC gives it.
+    pub async fn service_account_client(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Client, Error> {
+        let admin = self.client().await?;
+        let accounts: Api<ServiceAccount> = Api::namespaced(admin, namespace);
+        if accounts.get_opt(name).await?.is_none() {
+            let sa = ServiceAccount {
+                metadata: ObjectMeta {
+                    name: Some(name.to_string()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            accounts.create(&PostParams::default(), &sa).await?;
+        }
+        let request = TokenRequest {
+            spec: Some(k8s_openapi::api::authentication::v1::TokenRequestSpec {
+                audiences: Some(vec!["https://kubernetes.default.svc".to_string()]),
+                expiration_seconds: Some(3600),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let token = accounts
+            .create_token_request(name, &PostParams::default(), &request)
+            .await?;
+        let token = token.status.and_then(|s| s.token).unwrap_or_default();
+        let path = self
+            .dir
+            .path()
+            .join(format!("sa-{namespace}-{name}.kubeconfig"));
+        self.write_kubeconfig(&path, Some(&token))?;
+        Self::client_from(&path).await
+    }
+
+    /// Creates a fake node that kwok keeps Ready, with labels and capacity (extended resources
+    /// included, e.g. `nvidia.com/gpu`). Capacity is also its allocatable.
+    pub async fn create_node(
+        &self,
+        name: &str,
+        labels: &[(&str, &str)],
+        capacity: &[(&str, &str)],
+    ) -> Result<Node, Error> {
+        let mut all_labels: BTreeMap<String, String> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        all_labels.insert("type".into(), "kwok".into());
+        all_labels.insert("kubernetes.io/hostname".into(), name.into());
+        let mut resources: BTreeMap<String, Quantity> =
+            [("cpu", "32"), ("memory", "256Gi"), ("pods", "110")]
+                .iter()
+                .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                .collect();
+        resources.extend(
+            capacity
+                .iter()
+                .map(|(k, v)| (k.to_string(), Quantity(v.to_string()))),
+        );
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": all_labels,
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            },
+            "spec": {},
+            "status": {"capacity": resources, "allocatable": resources},
+        }))
+        .map_err(|e| Error::Kubeconfig(e.to_string()))?;
+        let nodes: Api<Node> = Api::all(self.client().await?);
+        Ok(nodes.create(&PostParams::default(), &node).await?)
+    }
+
+    /// The last lines of every component's log.
+    pub fn logs(&self) -> String {
+        self.processes
+            .iter()
+            .map(|p| {
+                format!(
+                    "----- {} ({}) -----\n{}\n",
+                    p.name,
+                    p.log.display(),
+                    p.log_text()
+                )
+            })
+            .collect()
+    }
+}
+
+fn http_get(path: &str) -> http::Request<Vec<u8>> {
+    http::Request::get(path)
+        .body(Vec::new())
+        .expect("a GET request with a static path is valid")
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "\n===== control plane logs ({}) =====\n{}",
+                self.dir.path().display(),
+                self.logs()
+            );
+        }
+        // Stop in reverse order: clients of the API server first, etcd last.
+        while let Some(mut p) = self.processes.pop() {
+            p.stop();
+        }
+    }
+}
