@@ -237,38 +237,30 @@ fn read_document<'a>(
         return;
     }
     let origin = format!("{file}:{}", doc.start.line);
+    let at = |origin: &str| (index, origin.to_string());
     let typed = match our_kind {
-        Kind::GpuPool => typed::<GpuPool>(value).map(|object| {
-            repo.pools.push(Located {
-                doc: index,
-                origin,
-                object,
-            })
-        }),
-        Kind::GpuSlicePolicy => typed::<GpuSlicePolicy>(value).map(|object| {
-            repo.policies.push(Located {
-                doc: index,
-                origin,
-                object,
-            })
-        }),
-        Kind::CheckpointPolicy => typed::<CheckpointPolicy>(value).map(|object| {
-            repo.checkpoints.push(Located {
-                doc: index,
-                origin,
-                object,
-            })
-        }),
+        Kind::GpuPool => typed::<GpuPool>(value).map(|o| repo.pools.push(located(at(&origin), o))),
+        Kind::GpuSlicePolicy => {
+            typed::<GpuSlicePolicy>(value).map(|o| repo.policies.push(located(at(&origin), o)))
+        }
+        Kind::CheckpointPolicy => {
+            typed::<CheckpointPolicy>(value).map(|o| repo.checkpoints.push(located(at(&origin), o)))
+        }
         Kind::GpuNode => typed::<GpuNode>(value).map(|_| {
-            repo.others.push(Located {
-                doc: index,
-                origin,
-                object: (Kind::GpuNode, name.to_string()),
-            })
+            repo.others
+                .push(located(at(&origin), (Kind::GpuNode, name.to_string())))
         }),
     };
     if let Err((path, message)) = typed {
         push(report, d, &path, Severity::Error, message);
+    }
+}
+
+fn located<T>((doc, origin): (usize, String), object: T) -> Located<T> {
+    Located {
+        doc,
+        origin,
+        object,
     }
 }
 

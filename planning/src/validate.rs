@@ -318,15 +318,7 @@ fn check_pool(
         }
     }
     check_windows(pool, now, out);
-    if let Some(name) = &spec.checkpoint_policy
-        && !checkpoints.contains_key(name.as_str())
-    {
-        out.error(
-            doc,
-            "spec.checkpointPolicy",
-            format!("CheckpointPolicy {name:?} is not defined in this repository"),
-        );
-    }
+    check_checkpoint_reference(doc, spec.checkpoint_policy.as_deref(), checkpoints, out);
     if let Some(Err(e)) = spec
         .compaction
         .as_ref()
@@ -338,6 +330,23 @@ fn check_pool(
             _ => "spec.compaction.window",
         };
         out.error(doc, path, e.to_string());
+    }
+}
+
+fn check_checkpoint_reference(
+    doc: usize,
+    name: Option<&str>,
+    checkpoints: &BTreeMap<&str, &CheckpointPolicy>,
+    out: &mut Findings,
+) {
+    if let Some(name) = name
+        && !checkpoints.contains_key(name)
+    {
+        out.error(
+            doc,
+            "spec.checkpointPolicy",
+            format!("CheckpointPolicy {name:?} is not defined in this repository"),
+        );
     }
 }
 
@@ -385,15 +394,7 @@ fn check_policy(
 ) {
     let doc = policy.doc;
     let spec = &policy.object.spec;
-    if let Some(name) = &spec.checkpoint_policy
-        && !checkpoints.contains_key(name.as_str())
-    {
-        out.error(
-            doc,
-            "spec.checkpointPolicy",
-            format!("CheckpointPolicy {name:?} is not defined in this repository"),
-        );
-    }
+    check_checkpoint_reference(doc, spec.checkpoint_policy.as_deref(), checkpoints, out);
     let Some(pool) = pools.get(spec.pool.as_str()) else {
         out.error(
             doc,

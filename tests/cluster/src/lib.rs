@@ -343,33 +343,19 @@ impl ControlPlane {
 
         let kubeconfig = p("admin.kubeconfig");
         if components.controller_manager {
-            let args = vec![
-                format!("--kubeconfig={kubeconfig}"),
-                format!("--authentication-kubeconfig={kubeconfig}"),
-                format!("--authorization-kubeconfig={kubeconfig}"),
-                "--leader-elect=false".to_string(),
-                "--bind-address=127.0.0.1".to_string(),
-                format!("--secure-port={}", free_port()?),
-                format!("--cert-dir={}", p("kcm-certs")),
+            let mut args = component_args(&kubeconfig, &p("kcm-certs"))?;
+            args.extend([
                 format!("--service-account-private-key-file={}", p("sa.key")),
                 format!("--root-ca-file={}", p("ca.crt")),
                 "--use-service-account-credentials=false".to_string(),
                 // Fake nodes have no routes or cloud; everything else runs.
                 "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller".to_string(),
                 "--node-monitor-grace-period=60s".to_string(),
-            ];
+            ]);
             cp.spawn("kube-controller-manager", "kube-controller-manager", &args)?;
         }
         if components.scheduler {
-            let args = vec![
-                format!("--kubeconfig={kubeconfig}"),
-                format!("--authentication-kubeconfig={kubeconfig}"),
-                format!("--authorization-kubeconfig={kubeconfig}"),
-                "--leader-elect=false".to_string(),
-                "--bind-address=127.0.0.1".to_string(),
-                format!("--secure-port={}", free_port()?),
-                format!("--cert-dir={}", p("scheduler-certs")),
-            ];
+            let args = component_args(&kubeconfig, &p("scheduler-certs"))?;
             cp.spawn("kube-scheduler", "kube-scheduler", &args)?;
         }
         if components.kwok {
@@ -612,6 +598,20 @@ impl ControlPlane {
             })
             .collect()
     }
+}
+
+/// Flags the controller-manager and the scheduler share: admin kubeconfig, no leader election,
+/// their own serving port on loopback.
+fn component_args(kubeconfig: &str, cert_dir: &str) -> Result<Vec<String>, Error> {
+    Ok(vec![
+        format!("--kubeconfig={kubeconfig}"),
+        format!("--authentication-kubeconfig={kubeconfig}"),
+        format!("--authorization-kubeconfig={kubeconfig}"),
+        "--leader-elect=false".to_string(),
+        "--bind-address=127.0.0.1".to_string(),
+        format!("--secure-port={}", free_port()?),
+        format!("--cert-dir={cert_dir}"),
+    ])
 }
 
 fn http_get(path: &str) -> http::Request<Vec<u8>> {
