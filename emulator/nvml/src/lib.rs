@@ -1,0 +1,594 @@
+//! An emulated `libnvidia-ml.so.1`: the NVML C functions gpuslice's agent uses, with NVML's
+//! documented semantics and return codes, backed by the shared device model in the state file
+//! named by `GPUSLICE_EMULATOR_STATE`. Load it with nvml-wrapper's `lib_path` (or as
+//! `libnvidia-ml.so.1` on the library path) and the agent's real NVML code runs without a GPU.
+//!
+//! Every export runs under `catch_unwind`: a panic becomes `NVML_ERROR_UNKNOWN`, never an unwind
+//! across the C boundary. Handles are opaque integers cast to pointers: a device is its index + 1,
+//! a GPU instance is `(device index + 1) << 32 | id`, a compute instance adds its id in bits 48+.
+
+#![allow(non_snake_case)] // the exports carry NVML's names
+
+use std::ffi::{CStr, c_char, c_uint, c_ulonglong};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use gpuslice_emulator::{Machine, NvmlError, Store};
+use gpuslice_planning::catalog;
+use nvml_wrapper_sys::bindings::{
+    nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlDevice_t, nvmlGpuInstance_t,
+    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlMemory_t,
+    nvmlMemory_v2_t, nvmlProcessInfo_t, nvmlReturn_t,
+};
+
+const SUCCESS: nvmlReturn_t = 0;
+const UNINITIALIZED: nvmlReturn_t = 1;
+const INVALID_ARGUMENT: nvmlReturn_t = 2;
+const INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+const UNKNOWN: nvmlReturn_t = 999;
+
+/// The state file, once `nvmlInit` has found it.
+static STORE: Mutex<Option<Store>> = Mutex::new(None);
+
+fn store() -> Result<Store, nvmlReturn_t> {
+    STORE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .ok_or(UNINITIALIZED)
+}
+
+fn code(e: NvmlError) -> nvmlReturn_t {
+    e.code()
+}
+
+/// Runs an export's body; panics and internal errors become NVML error codes.
+fn guard(body: impl FnOnce() -> Result<(), nvmlReturn_t>) -> nvmlReturn_t {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => SUCCESS,
+        Ok(Err(rc)) => rc,
+        Err(_) => UNKNOWN,
+    }
+}
+
+fn read<T>(f: impl FnOnce(&Machine) -> Result<T, NvmlError>) -> Result<T, nvmlReturn_t> {
+    let machine = store()?.snapshot().map_err(|_| UNKNOWN)?;
+    f(&machine).map_err(code)
+}
+
+fn mutate<T>(f: impl FnOnce(&mut Machine) -> Result<T, NvmlError>) -> Result<T, nvmlReturn_t> {
+    store()?.mutate(f).map_err(|_| UNKNOWN)?.map_err(code)
+}
+
+fn device_index(device: nvmlDevice_t) -> Result<u32, nvmlReturn_t> {
+    let raw = device as usize;
+    if raw == 0 || raw > u32::MAX as usize {
+        return Err(INVALID_ARGUMENT);
+    }
+    Ok((raw - 1) as u32)
+}
+
+fn device_handle(index: u32) -> nvmlDevice_t {
+    (index as usize + 1) as nvmlDevice_t
+}
+
+fn gpu_instance_handle(index: u32, id: u32) -> nvmlGpuInstance_t {
+    (((index as usize + 1) << 32) | id as usize) as nvmlGpuInstance_t
+}
+
+fn gpu_instance_parts(handle: nvmlGpuInstance_t) -> Result<(u32, u32), nvmlReturn_t> {
+    let raw = handle as usize & ((1 << 48) - 1);
+    let device = raw >> 32;
+    if device == 0 {
+        return Err(INVALID_ARGUMENT);
+    }
+    Ok(((device - 1) as u32, (raw & 0xffff_ffff) as u32))
+}
+
+fn compute_instance_handle(index: u32, gi: u32, ci: u32) -> nvmlComputeInstance_t {
+    (gpu_instance_handle(index, gi) as usize | ((ci as usize + 1) << 48)) as nvmlComputeInstance_t
+}
+
+/// Writes `value` through an out-pointer, or INVALID_ARGUMENT when it is null.
+fn put<T>(out: *mut T, value: T) -> Result<(), nvmlReturn_t> {
+    if out.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: the caller passed a non-null pointer to space for one T, as NVML's API requires.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Reads a value through an in-pointer, or INVALID_ARGUMENT when it is null.
+fn get<T: Copy>(input: *const T) -> Result<T, nvmlReturn_t> {
+    if input.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: the caller passed a non-null pointer to one T, as NVML's API requires.
+    Ok(unsafe { input.read() })
+}
+
+/// Copies a string into a caller buffer of `len` bytes, NUL-terminated.
+fn put_str(out: *mut c_char, len: c_uint, s: &str) -> Result<(), nvmlReturn_t> {
+    if out.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    let bytes = s.as_bytes();
+    if bytes.len() + 1 > len as usize {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    // SAFETY: the buffer holds `len` bytes (caller contract) and we write at most bytes.len() + 1 ≤ len.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.cast::<u8>(), bytes.len());
+        out.add(bytes.len()).write(0);
+    }
+    Ok(())
+}
+
+/// Fills a caller array of `*count` entries, or reports the size needed.
+fn put_list<T: Copy>(out: *mut T, count: *mut c_uint, items: &[T]) -> Result<(), nvmlReturn_t> {
+    if count.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: count is non-null and points to the caller's capacity.
+    let capacity = unsafe { count.read() } as usize;
+    // SAFETY: as above.
+    unsafe { count.write(items.len() as c_uint) };
+    if items.len() > capacity || (out.is_null() && !items.is_empty()) {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    for (i, item) in items.iter().enumerate() {
+        // SAFETY: i < items.len() ≤ capacity, the caller's array length.
+        unsafe { out.add(i).write(*item) };
+    }
+    Ok(())
+}
+
+fn init() -> Result<(), nvmlReturn_t> {
+    let path = std::env::var_os("GPUSLICE_EMULATOR_STATE")
+        .map(PathBuf::from)
+        .ok_or(nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_LIBRARY_NOT_FOUND)?;
+    let store = Store::open(&path).map_err(|e| {
+        eprintln!("gpuslice NVML emulator: {e}");
+        UNKNOWN
+    })?;
+    *STORE.lock().unwrap_or_else(|p| p.into_inner()) = Some(store);
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
+    guard(init)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> nvmlReturn_t {
+    guard(init)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
+    guard(|| {
+        STORE
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .map(|_| ())
+            .ok_or(UNINITIALIZED)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
+    let text: &'static CStr = match result {
+        SUCCESS => c"Success",
+        UNINITIALIZED => c"Uninitialized",
+        INVALID_ARGUMENT => c"Invalid Argument",
+        3 => c"Not Supported",
+        6 => c"Not Found",
+        INSUFFICIENT_SIZE => c"Insufficient Size",
+        19 => c"In use by another client",
+        23 => c"Insufficient Resources",
+        _ => c"Unknown Error",
+    };
+    text.as_ptr()
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    guard(|| put_str(version, length, "575.57.08-gpuslice-emulator"))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
+    guard(|| put(count, read(|m| Ok(m.gpus.len() as c_uint))?))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetHandleByIndex_v2(
+    index: c_uint,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        read(|m| m.gpu(index).map(|_| ()))?;
+        put(device, device_handle(index))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
+    guard(|| put(index, device_index(device)?))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetName(
+    device: nvmlDevice_t,
+    name: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        put_str(name, length, &read(|m| Ok(m.gpu(i)?.model.clone()))?)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetUUID(
+    device: nvmlDevice_t,
+    uuid: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        put_str(uuid, length, &read(|m| Ok(m.gpu(i)?.uuid.clone()))?)
+    })
+}
+
+fn used_memory(m: &Machine, index: u32) -> Result<(u64, u64), NvmlError> {
+    let gpu = m.gpu(index)?;
+    let used: u64 = gpu.processes.iter().map(|p| p.memory).sum();
+    Ok((gpu.memory_total, used.min(gpu.memory_total)))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetMemoryInfo(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let (total, used) = read(|m| used_memory(m, i))?;
+        put(
+            memory,
+            nvmlMemory_t {
+                total,
+                used,
+                free: total - used,
+            },
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_v2_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let (total, used) = read(|m| used_memory(m, i))?;
+        let version = (std::mem::size_of::<nvmlMemory_v2_t>() | (2 << 24)) as c_uint;
+        put(
+            memory,
+            nvmlMemory_v2_t {
+                version,
+                total,
+                reserved: 0,
+                used,
+                free: total - used,
+            },
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetMigMode(
+    device: nvmlDevice_t,
+    current: *mut c_uint,
+    pending: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let mode = read(|m| {
+            let gpu = m.gpu(i)?;
+            catalog::model(&gpu.model)
+                .ok()
+                .and_then(|model| model.mig.as_ref())
+                .ok_or(NvmlError::NotSupported)?;
+            Ok(c_uint::from(gpu.mig_enabled))
+        })?;
+        put(current, mode)?;
+        put(pending, mode)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceSetMigMode(
+    device: nvmlDevice_t,
+    mode: c_uint,
+    activation: *mut nvmlReturn_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let result = mutate(|m| m.set_mig_mode(i, mode != 0));
+        if !activation.is_null() {
+            put(activation, result.err().unwrap_or(SUCCESS))?;
+        }
+        result
+    })
+}
+
+fn profile(
+    m: &Machine,
+    index: u32,
+    profile: u32,
+) -> Result<&'static catalog::MigProfile, NvmlError> {
+    let gpu = m.gpu(index)?;
+    catalog::model(&gpu.model)
+        .ok()
+        .and_then(|model| model.mig.as_ref())
+        .and_then(|g| g.profiles.iter().find(|p| p.nvml_index == profile))
+        .ok_or(NvmlError::NotSupported)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
+    device: nvmlDevice_t,
+    profile_index: c_uint,
+    info: *mut nvmlGpuInstanceProfileInfo_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let p = read(|m| profile(m, i, profile_index))?;
+        put(
+            info,
+            nvmlGpuInstanceProfileInfo_t {
+                id: p.nvml_index,
+                isP2pSupported: 0,
+                sliceCount: p.compute_slices,
+                instanceCount: p.max_count,
+                multiprocessorCount: p.sms,
+                copyEngineCount: p.compute_slices,
+                decoderCount: 0,
+                encoderCount: 0,
+                jpegCount: 0,
+                ofaCount: 0,
+                memorySizeMB: p.memory_mib,
+            },
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
+    device: nvmlDevice_t,
+    profile_index: c_uint,
+    placements: *mut nvmlGpuInstancePlacement_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let p = read(|m| profile(m, i, profile_index))?;
+        let all: Vec<nvmlGpuInstancePlacement_t> = p
+            .placements
+            .iter()
+            .map(|&start| nvmlGpuInstancePlacement_t {
+                start,
+                size: p.memory_slices,
+            })
+            .collect();
+        put_list(placements, count, &all)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
+    device: nvmlDevice_t,
+    profile_index: c_uint,
+    placement: *const nvmlGpuInstancePlacement_t,
+    instance: *mut nvmlGpuInstance_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let start = get(placement)?.start;
+        let id = mutate(|m| m.create_gpu_instance(i, profile_index, start))?;
+        put(instance, gpu_instance_handle(i, id))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetGpuInstances(
+    device: nvmlDevice_t,
+    profile_index: c_uint,
+    instances: *mut nvmlGpuInstance_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let ids = read(|m| {
+            Ok(m.gpu(i)?
+                .instances
+                .iter()
+                .filter(|g| g.profile == profile_index)
+                .map(|g| g.id)
+                .collect::<Vec<_>>())
+        })?;
+        let handles: Vec<nvmlGpuInstance_t> = ids
+            .into_iter()
+            .map(|id| gpu_instance_handle(i, id))
+            .collect();
+        put_list(instances, count, &handles)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlGpuInstanceGetInfo(
+    instance: nvmlGpuInstance_t,
+    info: *mut nvmlGpuInstanceInfo_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let (i, id) = gpu_instance_parts(instance)?;
+        let gi = read(|m| {
+            m.gpu(i)?
+                .instances
+                .iter()
+                .find(|g| g.id == id)
+                .cloned()
+                .ok_or(NvmlError::NotFound)
+        })?;
+        put(
+            info,
+            nvmlGpuInstanceInfo_t {
+                device: device_handle(i),
+                id,
+                profileId: gi.profile,
+                placement: nvmlGpuInstancePlacement_t {
+                    start: gi.placement.start,
+                    size: gi.placement.size,
+                },
+            },
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlGpuInstanceDestroy(instance: nvmlGpuInstance_t) -> nvmlReturn_t {
+    guard(|| {
+        let (i, id) = gpu_instance_parts(instance)?;
+        mutate(|m| m.destroy_gpu_instance(i, id))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlGpuInstanceCreateComputeInstance(
+    instance: nvmlGpuInstance_t,
+    profile_index: c_uint,
+    compute: *mut nvmlComputeInstance_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let (i, id) = gpu_instance_parts(instance)?;
+        let ci = mutate(|m| m.create_compute_instance(i, id, profile_index))?;
+        put(compute, compute_instance_handle(i, id, ci))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlGpuInstanceGetComputeInstances(
+    instance: nvmlGpuInstance_t,
+    profile_index: c_uint,
+    computes: *mut nvmlComputeInstance_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(|| {
+        let (i, id) = gpu_instance_parts(instance)?;
+        let cis = read(|m| {
+            let gi = m
+                .gpu(i)?
+                .instances
+                .iter()
+                .find(|g| g.id == id)
+                .ok_or(NvmlError::NotFound)?;
+            Ok(gi
+                .compute_instances
+                .iter()
+                .filter(|c| c.profile == profile_index)
+                .map(|c| c.id)
+                .collect::<Vec<_>>())
+        })?;
+        let handles: Vec<nvmlComputeInstance_t> = cis
+            .into_iter()
+            .map(|ci| compute_instance_handle(i, id, ci))
+            .collect();
+        put_list(computes, count, &handles)
+    })
+}
+
+fn compute_instance_parts(handle: nvmlComputeInstance_t) -> Result<(u32, u32, u32), nvmlReturn_t> {
+    let raw = handle as usize;
+    let ci = (raw >> 48).checked_sub(1).ok_or(INVALID_ARGUMENT)? as u32;
+    let (i, gi) = gpu_instance_parts(handle as nvmlGpuInstance_t)?;
+    Ok((i, gi, ci))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlComputeInstanceGetInfo_v2(
+    compute: nvmlComputeInstance_t,
+    info: *mut nvmlComputeInstanceInfo_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let (i, gi, ci) = compute_instance_parts(compute)?;
+        let profile_id = read(|m| {
+            let inst = m
+                .gpu(i)?
+                .instances
+                .iter()
+                .find(|g| g.id == gi)
+                .ok_or(NvmlError::NotFound)?;
+            inst.compute_instances
+                .iter()
+                .find(|c| c.id == ci)
+                .map(|c| c.profile)
+                .ok_or(NvmlError::NotFound)
+        })?;
+        put(
+            info,
+            nvmlComputeInstanceInfo_t {
+                device: device_handle(i),
+                gpuInstance: gpu_instance_handle(i, gi),
+                id: ci,
+                profileId: profile_id,
+                placement: nvml_wrapper_sys::bindings::nvmlComputeInstancePlacement_t {
+                    start: 0,
+                    size: 0,
+                },
+            },
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlComputeInstanceDestroy(compute: nvmlComputeInstance_t) -> nvmlReturn_t {
+    guard(|| {
+        let (i, gi, ci) = compute_instance_parts(compute)?;
+        mutate(|m| m.destroy_compute_instance(i, gi, ci))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let procs = read(|m| {
+            Ok(m.gpu(i)?
+                .processes
+                .iter()
+                .map(|p| nvmlProcessInfo_t {
+                    pid: p.pid,
+                    usedGpuMemory: p.memory as c_ulonglong,
+                    gpuInstanceId: p.gpu_instance.unwrap_or(u32::MAX),
+                    computeInstanceId: if p.gpu_instance.is_some() {
+                        0
+                    } else {
+                        u32::MAX
+                    },
+                })
+                .collect::<Vec<_>>())
+        })?;
+        put_list(infos, count, &procs)
+    })
+}
