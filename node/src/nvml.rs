@@ -1,0 +1,373 @@
+//! GPUs through NVML: discovery with nvml-wrapper, and MIG instance changes through its raw
+//! bindings (`Nvml::lib()`), which the safe API does not wrap.
+
+use std::ffi::OsStr;
+use std::path::Path;
+
+use gpuslice_api::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use gpuslice_api::quantity::format_bytes;
+use gpuslice_api::{GpuInventory, GpuProcess, MigInstance, MigState, NodeInventory, Placement};
+use gpuslice_planning::catalog::{self, GpuModel};
+use gpuslice_planning::transition::Op;
+use nvml_wrapper::Nvml;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper_sys::bindings::{
+    nvmlComputeInstance_t, nvmlDevice_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstancePlacement_t, nvmlReturn_t,
+};
+
+/// NVML's highest GPU-instance profile index (`NVML_GPU_INSTANCE_PROFILE_COUNT - 1`).
+const MAX_PROFILE_INDEX: u32 = 14;
+/// NVML's compute-instance profile indices (`NVML_COMPUTE_INSTANCE_PROFILE_*`) go up to this.
+const MAX_COMPUTE_PROFILE_INDEX: u32 = 8;
+
+/// Why an NVML call failed, naming the call and the GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum NvmlError {
+    #[error("loading NVML{}: {source}", path.as_ref().map(|p| format!(" from {p}")).unwrap_or_default())]
+    Load {
+        path: Option<String>,
+        source: nvml_wrapper::error::NvmlError,
+    },
+    #[error("GPU {gpu}: {call}: {source}")]
+    Call {
+        gpu: u32,
+        call: &'static str,
+        source: nvml_wrapper::error::NvmlError,
+    },
+    #[error("GPU {gpu}: {call} returned NVML error {code}")]
+    Raw {
+        gpu: u32,
+        call: &'static str,
+        code: nvmlReturn_t,
+    },
+    #[error("GPU {gpu}: the NVML library lacks {call}")]
+    Missing { gpu: u32, call: &'static str },
+    #[error("GPU {gpu}: {message}")]
+    Model { gpu: u32, message: String },
+}
+
+/// The GPUs of this machine, through NVML.
+pub struct NvmlGpus {
+    nvml: Nvml,
+}
+
+fn check(gpu: u32, call: &'static str, code: nvmlReturn_t) -> Result<(), NvmlError> {
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(NvmlError::Raw { gpu, call, code })
+    }
+}
+
+impl NvmlGpus {
+    /// Loads NVML: the system's `libnvidia-ml.so.1`, or the library at `path` (an emulator).
+    pub fn open(path: Option<&Path>) -> Result<NvmlGpus, NvmlError> {
+        let nvml = match path {
+            Some(p) => Nvml::builder().lib_path(OsStr::new(p.as_os_str())).init(),
+            None => Nvml::init(),
+        }
+        .map_err(|source| NvmlError::Load {
+            path: path.map(|p| p.display().to_string()),
+            source,
+        })?;
+        Ok(NvmlGpus { nvml })
+    }
+
+    fn device(&self, gpu: u32) -> Result<nvml_wrapper::Device<'_>, NvmlError> {
+        self.nvml
+            .device_by_index(gpu)
+            .map_err(|source| NvmlError::Call {
+                gpu,
+                call: "nvmlDeviceGetHandleByIndex",
+                source,
+            })
+    }
+
+    fn handle(&self, gpu: u32) -> Result<nvmlDevice_t, NvmlError> {
+        let device = self.device(gpu)?;
+        // SAFETY: the handle is only used while `self.nvml` is alive, which outlives this call's users.
+        Ok(unsafe { device.handle() })
+    }
+
+    /// Reads every GPU: model, UUID, memory, MIG mode, GPU instances with their placements, and
+    /// the processes on the GPU and on each instance.
+    pub fn inventory(&self, node: &str) -> Result<NodeInventory, NvmlError> {
+        let count = self.nvml.device_count().map_err(|source| NvmlError::Call {
+            gpu: 0,
+            call: "nvmlDeviceGetCount",
+            source,
+        })?;
+        let mut gpus = Vec::new();
+        for index in 0..count {
+            gpus.push(self.read_gpu(index)?);
+        }
+        Ok(NodeInventory {
+            name: node.to_string(),
+            gpus,
+            ..NodeInventory::default()
+        })
+    }
+
+    fn read_gpu(&self, index: u32) -> Result<GpuInventory, NvmlError> {
+        let call = |call: &'static str| {
+            move |source| NvmlError::Call {
+                gpu: index,
+                call,
+                source,
+            }
+        };
+        let device = self.device(index)?;
+        let model = device.name().map_err(call("nvmlDeviceGetName"))?;
+        let uuid = device.uuid().map_err(call("nvmlDeviceGetUUID"))?;
+        let memory = device
+            .memory_info()
+            .map_err(call("nvmlDeviceGetMemoryInfo"))?
+            .total;
+        let processes = device
+            .running_compute_processes()
+            .map_err(call("nvmlDeviceGetComputeRunningProcesses"))?;
+        let mig_enabled = match device.mig_mode() {
+            Ok(mode) => Some(mode.current == 1),
+            Err(nvml_wrapper::error::NvmlError::NotSupported) => None,
+            Err(e) => return Err(call("nvmlDeviceGetMigMode")(e)),
+        };
+        let to_process = |p: &nvml_wrapper::struct_wrappers::device::ProcessInfo| GpuProcess {
+            pid: p.pid,
+            memory: match p.used_gpu_memory {
+                UsedGpuMemory::Used(bytes) => Some(Quantity(format_bytes(bytes))),
+                UsedGpuMemory::Unavailable => None,
+            },
+            name: None,
+        };
+        let mig = match mig_enabled {
+            Some(enabled) => {
+                let mut instances = Vec::new();
+                for (id, profile, placement) in self.gpu_instances(index)? {
+                    instances.push(MigInstance {
+                        profile: profile_name(catalog::model(&model).ok(), profile),
+                        placement,
+                        uuid: None,
+                        processes: processes
+                            .iter()
+                            .filter(|p| p.gpu_instance_id == Some(id))
+                            .map(to_process)
+                            .collect(),
+                    });
+                }
+                instances.sort_by_key(|i| i.placement);
+                Some(MigState { enabled, instances })
+            }
+            None => None,
+        };
+        Ok(GpuInventory {
+            index,
+            uuid: Some(uuid),
+            model,
+            memory: Some(Quantity(format_bytes(memory))),
+            mig,
+            slices: Vec::new(),
+            processes: processes
+                .iter()
+                .filter(|p| p.gpu_instance_id.is_none())
+                .map(to_process)
+                .collect(),
+        })
+    }
+
+    /// Every GPU instance: (id, profile index, placement), with its handle.
+    fn gpu_instance_handles(
+        &self,
+        gpu: u32,
+    ) -> Result<Vec<(nvmlGpuInstance_t, nvmlGpuInstanceInfo_t)>, NvmlError> {
+        let lib = self.nvml.lib();
+        let list = lib
+            .nvmlDeviceGetGpuInstances
+            .as_ref()
+            .map_err(|_| NvmlError::Missing {
+                gpu,
+                call: "nvmlDeviceGetGpuInstances",
+            })?;
+        let info = lib
+            .nvmlGpuInstanceGetInfo
+            .as_ref()
+            .map_err(|_| NvmlError::Missing {
+                gpu,
+                call: "nvmlGpuInstanceGetInfo",
+            })?;
+        let device = self.handle(gpu)?;
+        let mut out = Vec::new();
+        for profile in 0..=MAX_PROFILE_INDEX {
+            let mut handles: [nvmlGpuInstance_t; 8] = [std::ptr::null_mut(); 8];
+            let mut count = handles.len() as u32;
+            // SAFETY: `handles` has room for `count` entries; `device` is a live handle.
+            let rc = unsafe { list(device, profile, handles.as_mut_ptr(), &mut count) };
+            if rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED {
+                continue;
+            }
+            check(gpu, "nvmlDeviceGetGpuInstances", rc)?;
+            for &h in &handles[..count as usize] {
+                // SAFETY: an all-zero nvmlGpuInstanceInfo_t is valid (integers and a null pointer).
+                let mut i: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+                // SAFETY: `h` came from NVML just now; `i` is a valid out-pointer.
+                check(gpu, "nvmlGpuInstanceGetInfo", unsafe { info(h, &mut i) })?;
+                out.push((h, i));
+            }
+        }
+        Ok(out)
+    }
+
+    fn gpu_instances(&self, gpu: u32) -> Result<Vec<(u32, u32, Placement)>, NvmlError> {
+        Ok(self
+            .gpu_instance_handles(gpu)?
+            .into_iter()
+            .map(|(_, i)| {
+                (
+                    i.id,
+                    i.profileId,
+                    Placement {
+                        start: i.placement.start,
+                        size: i.placement.size,
+                    },
+                )
+            })
+            .collect())
+    }
+
+    /// Runs one operation of a transition plan on a GPU. Slice-table operations are not NVML's
+    /// and are done by the caller.
+    pub fn apply(&self, gpu: u32, op: &Op) -> Result<(), NvmlError> {
+        let call = |call: &'static str| move |source| NvmlError::Call { gpu, call, source };
+        match op {
+            Op::EnableMig | Op::DisableMig => {
+                self.device(gpu)?
+                    .set_mig_mode(matches!(op, Op::EnableMig))
+                    .map_err(call("nvmlDeviceSetMigMode"))?;
+                Ok(())
+            }
+            Op::CreateInstance { profile, placement } => self.create(gpu, profile, *placement),
+            Op::DestroyInstance { placement, .. } => self.destroy(gpu, *placement),
+            Op::WriteSlices { .. } | Op::ClearSlices => Ok(()),
+        }
+    }
+
+    fn model(&self, gpu: u32) -> Result<&'static GpuModel, NvmlError> {
+        let name = self.device(gpu)?.name().map_err(|source| NvmlError::Call {
+            gpu,
+            call: "nvmlDeviceGetName",
+            source,
+        })?;
+        catalog::model(&name).map_err(|e| NvmlError::Model {
+            gpu,
+            message: e.to_string(),
+        })
+    }
+
+    fn create(&self, gpu: u32, profile: &str, placement: Placement) -> Result<(), NvmlError> {
+        let model = self.model(gpu)?;
+        let p = model.profile(profile).ok_or_else(|| NvmlError::Model {
+            gpu,
+            message: format!("{} has no profile {profile}", model.name),
+        })?;
+        let lib = self.nvml.lib();
+        let create = lib
+            .nvmlDeviceCreateGpuInstanceWithPlacement
+            .as_ref()
+            .map_err(|_| NvmlError::Missing {
+                gpu,
+                call: "nvmlDeviceCreateGpuInstanceWithPlacement",
+            })?;
+        let create_ci = lib
+            .nvmlGpuInstanceCreateComputeInstance
+            .as_ref()
+            .map_err(|_| NvmlError::Missing {
+                gpu,
+                call: "nvmlGpuInstanceCreateComputeInstance",
+            })?;
+        let device = self.handle(gpu)?;
+        let at = nvmlGpuInstancePlacement_t {
+            start: placement.start,
+            size: placement.size,
+        };
+        let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+        // SAFETY: live device handle, valid placement and out-pointer.
+        check(gpu, "nvmlDeviceCreateGpuInstanceWithPlacement", unsafe {
+            create(device, p.nvml_index, &at, &mut gi)
+        })?;
+        let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+        // One compute instance spanning the GPU instance, so workloads can use it.
+        // SAFETY: `gi` was just created; `ci` is a valid out-pointer.
+        check(gpu, "nvmlGpuInstanceCreateComputeInstance", unsafe {
+            create_ci(gi, full_compute_profile(p.compute_slices), &mut ci)
+        })
+    }
+
+    fn destroy(&self, gpu: u32, placement: Placement) -> Result<(), NvmlError> {
+        let lib = self.nvml.lib();
+        let list_ci = lib
+            .nvmlGpuInstanceGetComputeInstances
+            .as_ref()
+            .map_err(|_| NvmlError::Missing {
+                gpu,
+                call: "nvmlGpuInstanceGetComputeInstances",
+            })?;
+        let destroy_ci =
+            lib.nvmlComputeInstanceDestroy
+                .as_ref()
+                .map_err(|_| NvmlError::Missing {
+                    gpu,
+                    call: "nvmlComputeInstanceDestroy",
+                })?;
+        let destroy_gi = lib
+            .nvmlGpuInstanceDestroy
+            .as_ref()
+            .map_err(|_| NvmlError::Missing {
+                gpu,
+                call: "nvmlGpuInstanceDestroy",
+            })?;
+        let Some((gi, _)) = self.gpu_instance_handles(gpu)?.into_iter().find(|(_, i)| {
+            i.placement.start == placement.start && i.placement.size == placement.size
+        }) else {
+            // Already gone (an earlier run died after destroying it): nothing to do.
+            return Ok(());
+        };
+        for profile in 0..=MAX_COMPUTE_PROFILE_INDEX {
+            let mut cis: [nvmlComputeInstance_t; 8] = [std::ptr::null_mut(); 8];
+            let mut count = cis.len() as u32;
+            // SAFETY: `cis` has room for `count` entries; `gi` is a live handle.
+            let rc = unsafe { list_ci(gi, profile, cis.as_mut_ptr(), &mut count) };
+            if rc != 0 {
+                continue;
+            }
+            for &ci in &cis[..count as usize] {
+                // SAFETY: `ci` came from NVML just now.
+                check(gpu, "nvmlComputeInstanceDestroy", unsafe { destroy_ci(ci) })?;
+            }
+        }
+        // SAFETY: `gi` is a live handle with no compute instances left.
+        check(gpu, "nvmlGpuInstanceDestroy", unsafe { destroy_gi(gi) })
+    }
+}
+
+/// The compute-instance profile that spans a GPU instance of `slices` compute slices
+/// (`NVML_COMPUTE_INSTANCE_PROFILE_{1,2,3,4,7,8,6}_SLICE`).
+fn full_compute_profile(slices: u32) -> u32 {
+    match slices {
+        1 => 0,
+        2 => 1,
+        3 => 2,
+        4 => 3,
+        7 => 4,
+        8 => 5,
+        6 => 6,
+        _ => 0,
+    }
+}
+
+/// A profile's name from the catalog, or `profile-<index>` for models it does not know.
+fn profile_name(model: Option<&GpuModel>, index: u32) -> String {
+    model
+        .and_then(|m| m.mig.as_ref())
+        .and_then(|g| g.profiles.iter().find(|p| p.nvml_index == index))
+        .map_or_else(|| format!("profile-{index}"), |p| p.name.clone())
+}
