@@ -48,6 +48,40 @@ enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// The node agent. Standalone: converge this node's GPUs to the pools of a folder or Git repo.
+    Agent {
+        /// A folder, a YAML file, a local Git repository or a Git URL holding the pools.
+        #[arg(long)]
+        source: String,
+        #[arg(long = "ref")]
+        git_ref: Option<String>,
+        #[arg(long)]
+        path: Option<String>,
+        /// This node's name and labels, as a NodeInventory YAML (name, labels); with --emulate the
+        /// emulated node's file gives them.
+        #[arg(long)]
+        node_file: Option<PathBuf>,
+        /// Run against an emulated node described by this NodeInventory YAML instead of real GPUs.
+        #[arg(long, conflicts_with = "nvml")]
+        emulate: Option<PathBuf>,
+        /// Load NVML from this library instead of the system's libnvidia-ml.so.1.
+        #[arg(long)]
+        nvml: Option<PathBuf>,
+        /// The agent's state directory (slice tables; the emulated machine with --emulate).
+        #[arg(long, default_value = "/run/gpuslice")]
+        state: PathBuf,
+        /// Change the GPUs; without it the agent only reports what it would do.
+        #[arg(long)]
+        apply: bool,
+        /// Run one pass and exit.
+        #[arg(long)]
+        once: bool,
+        /// The instant to plan for (RFC 3339); now by default.
+        #[arg(long)]
+        at: Option<chrono::DateTime<chrono::FixedOffset>>,
+        #[arg(long, short, value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// Write the CustomResourceDefinitions, generated from the API types, into a folder.
     Crds {
         /// Where to write them.
@@ -139,6 +173,78 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Output::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
             }
             Ok(if gpuslice::plan::has_errors(&plan) {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+        Command::Agent {
+            source,
+            git_ref,
+            path,
+            node_file,
+            emulate,
+            nvml,
+            state,
+            apply,
+            once,
+            at,
+            output,
+        } => {
+            anyhow::ensure!(
+                once,
+                "only single passes (--once) are implemented so far; run it from a timer or loop"
+            );
+            let at = at.map_or_else(chrono::Utc::now, |t| t.with_timezone(&chrono::Utc));
+            let identity_file = emulate.as_ref().or(node_file.as_ref()).context(
+                "say which node this is: --node-file, or --emulate for an emulated node",
+            )?;
+            let text = std::fs::read_to_string(identity_file)
+                .with_context(|| format!("reading {}", identity_file.display()))?;
+            let node: gpuslice_api::NodeInventory = serde_yaml::from_str(&text)
+                .with_context(|| format!("{}: not a NodeInventory", identity_file.display()))?;
+            let library = match &emulate {
+                Some(_) => {
+                    gpuslice::agent::prepare_emulator(&state, &node)?;
+                    Some(gpuslice::agent::emulator_library()?)
+                }
+                None => nvml,
+            };
+            let spec = SourceSpec {
+                location: source,
+                git_ref,
+                sub_path: path,
+            };
+            let snapshot = gpuslice_source::load(&spec)?;
+            let (report, repo) = read_repository(&snapshot.files, at);
+            if !report.ok() {
+                for p in &report.problems {
+                    eprintln!("{p}");
+                }
+                eprintln!("{}; nothing changed", report.summary());
+                return Ok(ExitCode::FAILURE);
+            }
+            let pools: Vec<_> = repo.pools.into_iter().map(|p| p.object).collect();
+            let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
+            let mut pass = gpuslice::agent::run_once(
+                &gpus,
+                &node.name,
+                &node.labels,
+                &pools,
+                &state,
+                at,
+                apply,
+            )?;
+            pass.revision = snapshot.revision;
+            match output {
+                Output::Text => print!("{}", gpuslice::agent::render(&pass)),
+                Output::Json => println!("{}", serde_json::to_string_pretty(&pass)?),
+            }
+            let failed = pass
+                .outcomes
+                .iter()
+                .any(|o| o.error.is_some() || (apply && o.blocked_by.is_empty() && !o.converged));
+            Ok(if failed {
                 ExitCode::FAILURE
             } else {
                 ExitCode::SUCCESS

@@ -1,0 +1,152 @@
+//! `gpuslice agent --once` as a user runs it, against emulated nodes: a dry run changes nothing,
+//! `--apply` converges and a second pass finds nothing to do, a window change keeps what can stay,
+//! a GPU in use blocks, and an invalid source changes nothing.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpuslice");
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn agent(state: &Path, node: &str, at: &str, apply: bool, source: &Path) -> (Output, Value) {
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "agent", "--once", "--output", "json", "--at", at, "--source",
+    ])
+    .arg(source)
+    .arg("--emulate")
+    .arg(root().join("examples/nodes").join(node))
+    .arg("--state")
+    .arg(state);
+    if apply {
+        cmd.arg("--apply");
+    }
+    let out = cmd.output().unwrap();
+    let json = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (out, json)
+}
+
+fn outcome(pass: &Value, gpu: u64) -> &Value {
+    pass["outcomes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["index"] == gpu)
+        .unwrap()
+}
+
+fn emulated(state: &Path, node: &str) -> Value {
+    serde_json::from_slice(&std::fs::read(state.join(format!("emulated-{node}.json"))).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn the_agent_converges_an_emulated_h200_node_across_a_window_change() {
+    let state = tempfile::tempdir().unwrap();
+    let source = root().join("examples/gitops");
+    let day = "2026-12-02T10:00:00Z";
+
+    let (out, dry) = agent(state.path(), "h200-node.yaml", day, false, &source);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(outcome(&dry, 0)["ops"][0]["op"], "enableMig");
+    assert_eq!(
+        emulated(state.path(), "h200-node-1")["gpus"][0]["mig_enabled"],
+        false,
+        "a dry run changes nothing"
+    );
+
+    let (out, applied) = agent(state.path(), "h200-node.yaml", day, true, &source);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(outcome(&applied, 0)["converged"], true);
+    assert_eq!(
+        emulated(state.path(), "h200-node-1")["gpus"][0]["instances"]
+            .as_array()
+            .unwrap()
+            .len(),
+        4
+    );
+
+    let (_, again) = agent(state.path(), "h200-node.yaml", day, true, &source);
+    assert_eq!(
+        outcome(&again, 0)["ops"],
+        Value::Array(vec![]),
+        "nothing left to do"
+    );
+
+    // 22:00 UTC is 23:00 in Berlin on a Wednesday: the night window wants whole GPUs.
+    let (out, night) = agent(
+        state.path(),
+        "h200-node.yaml",
+        "2026-12-02T22:00:00Z",
+        true,
+        &source,
+    );
+    assert!(out.status.success());
+    assert_eq!(outcome(&night, 1)["converged"], true);
+    let gpus = emulated(state.path(), "h200-node-1");
+    let instances = gpus["gpus"][1]["instances"].as_array().unwrap();
+    assert_eq!(instances.len(), 1);
+    assert_eq!(instances[0]["placement"]["size"], 8);
+}
+
+#[test]
+fn a_gpu_in_use_blocks_and_an_invalid_source_changes_nothing() {
+    let state = tempfile::tempdir().unwrap();
+    let (out, pass) = agent(
+        state.path(),
+        "a100-node.yaml",
+        "2026-12-02T10:00:00+08:00",
+        true,
+        &root().join("examples/gitops"),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(outcome(&pass, 0)["converged"], true);
+    let busy = outcome(&pass, 3);
+    assert_eq!(busy["blockedBy"][0]["kind"], "gpu");
+    assert_eq!(busy["converged"], false);
+    assert_eq!(
+        std::fs::read_to_string(state.path().join("gpu-0.slices.json"))
+            .unwrap()
+            .matches("\"id\"")
+            .count(),
+        4
+    );
+    assert!(!state.path().join("gpu-3.slices.json").exists());
+
+    let broken = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        root().join("tests/corpus/invalid/pool-unknown-time-zone.yaml"),
+        broken.path().join("pool.yaml"),
+    )
+    .unwrap();
+    let (out, _) = agent(
+        state.path(),
+        "a100-node.yaml",
+        "2026-12-02T10:00:00+08:00",
+        true,
+        broken.path(),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is not an IANA time zone") && err.contains("nothing changed"),
+        "{err}"
+    );
+}
