@@ -89,6 +89,10 @@ pub struct Process {
     pub memory: u64,
     /// The GPU instance the process runs in, `None` for the whole GPU.
     pub gpu_instance: Option<u32>,
+    /// A real process on this machine (started by a test or the CUDA emulator): it leaves the
+    /// GPU when it exits, as the driver frees a dead process's memory. Seeded processes stay.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub real: bool,
 }
 
 /// One emulated GPU.
@@ -385,8 +389,31 @@ impl Machine {
             pid,
             memory,
             gpu_instance,
+            real: false,
         });
         Ok(())
+    }
+
+    /// A real process on this machine starts using memory; it is listed until it exits.
+    pub fn attach_real_process(
+        &mut self,
+        index: u32,
+        pid: u32,
+        memory: u64,
+        gpu_instance: Option<u32>,
+    ) -> Result<(), NvmlError> {
+        self.attach_process(index, pid, memory, gpu_instance)?;
+        if let Some(p) = self.gpu_mut(index)?.processes.last_mut() {
+            p.real = true;
+        }
+        Ok(())
+    }
+
+    /// Drops real processes that are no longer alive.
+    pub fn reap(&mut self, alive: impl Fn(u32) -> bool) {
+        for g in &mut self.gpus {
+            g.processes.retain(|p| !p.real || alive(p.pid));
+        }
     }
 
     /// Every process with this pid leaves every GPU (it exited).
@@ -423,6 +450,7 @@ fn process(p: &gpuslice_api::GpuProcess, gpu_instance: Option<u32>) -> Process {
         pid: p.pid,
         memory,
         gpu_instance,
+        real: false,
     }
 }
 

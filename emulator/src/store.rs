@@ -74,10 +74,13 @@ impl Store {
 
     fn read(&self) -> Result<Machine, StoreError> {
         let text = std::fs::read(&self.path).map_err(|e| self.io(e))?;
-        serde_json::from_slice(&text).map_err(|source| StoreError::Corrupt {
-            path: self.path.display().to_string(),
-            source,
-        })
+        let mut machine: Machine =
+            serde_json::from_slice(&text).map_err(|source| StoreError::Corrupt {
+                path: self.path.display().to_string(),
+                source,
+            })?;
+        machine.reap(process_alive);
+        Ok(machine)
     }
 
     fn write(&self, machine: &Machine) -> Result<(), StoreError> {
@@ -126,6 +129,18 @@ impl Store {
                 std::process::abort();
             }
         }
+    }
+}
+
+/// Whether a process runs (a zombie that has exited but not been waited for does not).
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may hold spaces.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
     }
 }
 
@@ -228,6 +243,34 @@ mod tests {
                 "{action:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_real_process_leaves_the_gpu_when_it_exits() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::create(&dir.path().join("state.json"), &machine()).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        store
+            .update(|m| m.attach_real_process(0, child.id(), 1 << 30, None))
+            .unwrap()
+            .unwrap();
+        store
+            .update(|m| m.attach_process(0, 999_999_999, 1 << 20, None))
+            .unwrap()
+            .unwrap();
+        let pids = |s: &Store| -> Vec<u32> {
+            let m = s.snapshot().unwrap();
+            m.gpu(0).unwrap().processes.iter().map(|p| p.pid).collect()
+        };
+        assert_eq!(pids(&store), vec![child.id(), 999_999_999]);
+        child.kill().unwrap();
+        // Not yet waited for: a zombie has exited all the same.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(pids(&store), vec![999_999_999], "seeded processes stay");
+        child.wait().unwrap();
     }
 
     #[test]

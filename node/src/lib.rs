@@ -7,7 +7,7 @@ pub mod slices;
 
 use std::path::Path;
 
-use gpuslice_api::NodeInventory;
+use gpuslice_api::{GpuInventory, NodeInventory};
 use gpuslice_planning::catalog;
 use gpuslice_planning::transition::{self, Blocker, Desired, GpuState, Op};
 use serde::Serialize;
@@ -33,10 +33,60 @@ pub struct GpuOutcome {
     pub ops: Vec<Op>,
     /// Busy instances or slices that block the transition; nothing was changed.
     pub blocked_by: Vec<Blocker>,
+    /// The processes on what blocks, with the slice each runs on.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub blocking: Vec<BlockingProcess>,
     /// Whether the GPU now has the desired layout (confirmed by reading it back).
     pub converged: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// A process that holds a busy instance or GPU a transition needs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BlockingProcess {
+    pub pid: u32,
+    /// The slice it runs on (see [`slices`] for ids).
+    pub slice: String,
+}
+
+fn blocking_processes(gpu: &GpuInventory, blockers: &[Blocker]) -> Vec<BlockingProcess> {
+    let mut out = Vec::new();
+    let instances = gpu.mig.as_ref().map(|m| m.instances.as_slice()).unwrap_or(&[]);
+    for blocker in blockers {
+        match blocker {
+            Blocker::Instance {
+                profile, placement, ..
+            } => {
+                for i in instances
+                    .iter()
+                    .filter(|i| i.placement == *placement && i.profile == *profile)
+                {
+                    let slice = slices::mig_slice_id(gpu.index, i);
+                    out.extend(i.processes.iter().map(|p| BlockingProcess {
+                        pid: p.pid,
+                        slice: slice.clone(),
+                    }));
+                }
+            }
+            Blocker::Gpu => out.extend(gpu.processes.iter().map(|p| BlockingProcess {
+                pid: p.pid,
+                slice: slices::gpu_slice_id(gpu.index),
+            })),
+            Blocker::Slices { ids } => {
+                for s in gpu.slices.iter().filter(|s| ids.contains(&s.id)) {
+                    out.extend(s.processes.iter().map(|p| BlockingProcess {
+                        pid: p.pid,
+                        slice: s.id.clone(),
+                    }));
+                }
+            }
+        }
+    }
+    out.sort_by_key(|p| p.pid);
+    out.dedup();
+    out
 }
 
 /// The node as NVML and the slice tables show it.
@@ -66,6 +116,7 @@ pub fn converge(
                 desired: want.clone(),
                 ops: Vec::new(),
                 blocked_by: Vec::new(),
+                blocking: Vec::new(),
                 converged: false,
                 error: Some(format!("the node has no GPU {index}")),
             });
@@ -77,6 +128,7 @@ pub fn converge(
             desired: want.clone(),
             ops: Vec::new(),
             blocked_by: Vec::new(),
+            blocking: Vec::new(),
             converged: false,
             error: None,
         };
@@ -84,6 +136,7 @@ pub fn converge(
             Err(e) => outcome.error = Some(e.to_string()),
             Ok(plan) => {
                 outcome.ops = plan.ops;
+                outcome.blocking = blocking_processes(gpu, &plan.blocked_by);
                 outcome.blocked_by = plan.blocked_by;
                 if apply && outcome.blocked_by.is_empty() {
                     for op in &outcome.ops {
@@ -108,6 +161,9 @@ pub fn converge(
         outcomes.push(outcome);
     }
     let after = read_node(gpus, node, state)?;
+    if apply {
+        slices::sync_dirs(state, &slices::configs(&after))?;
+    }
     for outcome in &mut outcomes {
         if let Some(gpu) = after.gpus.iter().find(|g| g.index == outcome.index) {
             outcome.converged = transition::satisfies(

@@ -1,6 +1,7 @@
 //! GPUs through NVML: discovery with nvml-wrapper, and MIG instance changes through its raw
 //! bindings (`Nvml::lib()`), which the safe API does not wrap.
 
+use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::path::Path;
 
@@ -142,12 +143,13 @@ impl NvmlGpus {
         };
         let mig = match mig_enabled {
             Some(enabled) => {
+                let uuids = self.mig_device_uuids(&device);
                 let mut instances = Vec::new();
                 for (id, profile, placement) in self.gpu_instances(index)? {
                     instances.push(MigInstance {
                         profile: profile_name(catalog::model(&model).ok(), profile),
                         placement,
-                        uuid: None,
+                        uuid: uuids.get(&id).cloned(),
                         processes: processes
                             .iter()
                             .filter(|p| p.gpu_instance_id == Some(id))
@@ -173,6 +175,27 @@ impl NvmlGpus {
                 .map(to_process)
                 .collect(),
         })
+    }
+
+    /// The MIG device UUID of each GPU instance, by instance id. Best effort: a driver that cannot
+    /// say leaves the UUIDs out, which only costs the report its detail.
+    fn mig_device_uuids(&self, device: &nvml_wrapper::Device<'_>) -> BTreeMap<u32, String> {
+        let mut uuids = BTreeMap::new();
+        let Ok(gpu_instance_id) = self.nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref() else {
+            return uuids;
+        };
+        for slot in 0..device.mig_device_count().unwrap_or(0) {
+            let Ok(mig) = device.mig_device_by_index(slot) else {
+                continue;
+            };
+            let mut id = 0;
+            // SAFETY: `mig` is a live MIG device handle from NVML; `id` is a valid out-pointer.
+            let rc = unsafe { gpu_instance_id(mig.handle(), &mut id) };
+            if let (0, Ok(uuid)) = (rc, mig.uuid()) {
+                uuids.insert(id, uuid);
+            }
+        }
+        uuids
     }
 
     /// Every GPU instance: (id, profile index, placement), with its handle.

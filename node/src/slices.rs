@@ -1,12 +1,19 @@
-//! Software slice tables in the agent's state directory (default `/run/gpuslice`): one JSON file
-//! per GPU, `gpu-<index>.slices.json`, replaced atomically so the shim and `gpuslice run` never
-//! read half a table. Each slice: id, GPU UUID, memory cap, compute share.
+//! Slices in the agent's state directory (default `/run/gpuslice`), of which the agent is the
+//! only writer:
+//! - software slice tables, one JSON file per GPU, `gpu-<index>.slices.json`, replaced atomically
+//!   so the shim and `gpuslice run` never read half a table (each slice: id, GPU UUID, memory cap,
+//!   compute share);
+//! - one directory per slice of any kind, `slices/<id>/`, holding its read-only `config` (what the
+//!   shim enforces and `gpuslice run` hands out) and, written by the workload, `checkpoint-done`.
+//!
+//! Slice ids: `gpu<i>-s<n>` for software slices, `gpu<i>-mig<start>-<profile>` for MIG instances
+//! (stable while the instance keeps its placement), `gpu<i>` for a whole GPU.
 
 use std::path::{Path, PathBuf};
 
 use gpuslice_api::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use gpuslice_api::quantity::format_bytes;
-use gpuslice_api::{GpuInventory, SoftwareSliceState};
+use gpuslice_api::{GpuInventory, MigInstance, NodeInventory, SoftwareSliceState};
 use gpuslice_planning::transition::SliceTable;
 use serde::{Deserialize, Serialize};
 
@@ -96,4 +103,130 @@ pub fn clear(state: &Path, gpu: u32) -> Result<(), SliceError> {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&path)(e)),
         _ => Ok(()),
     }
+}
+
+/// The id of the slice a MIG instance is.
+pub fn mig_slice_id(gpu: u32, instance: &MigInstance) -> String {
+    format!("gpu{gpu}-mig{}-{}", instance.placement.start, instance.profile)
+}
+
+/// The id of a whole GPU used as one slice.
+pub fn gpu_slice_id(gpu: u32) -> String {
+    format!("gpu{gpu}")
+}
+
+/// What kind of slice a config describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum SliceKind {
+    Software,
+    Mig,
+    Exclusive,
+}
+
+/// A slice's read-only config: which device it is and what the shim enforces.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SliceConfig {
+    pub id: String,
+    pub kind: SliceKind,
+    /// GPU index on the node.
+    pub gpu: u32,
+    /// The device the workload sees: the GPU's UUID, or the MIG device's.
+    pub device_uuid: String,
+    /// Memory cap in bytes (the whole device for MIG and exclusive slices).
+    pub memory_bytes: u64,
+    /// Compute share in percent of the device.
+    pub compute_percent: u32,
+}
+
+/// Every slice the node has now: software slices, MIG instances, and GPUs with neither.
+pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
+    let mut out = Vec::new();
+    for gpu in &node.gpus {
+        let gpu_uuid = gpu.uuid.clone().unwrap_or_default();
+        let gpu_memory = gpu
+            .memory
+            .as_ref()
+            .and_then(|q| gpuslice_api::bytes_of(&q.0).ok())
+            .unwrap_or(0);
+        let instances = gpu.mig.as_ref().map(|m| m.instances.as_slice()).unwrap_or(&[]);
+        if !gpu.slices.is_empty() {
+            out.extend(gpu.slices.iter().map(|s| SliceConfig {
+                id: s.id.clone(),
+                kind: SliceKind::Software,
+                gpu: gpu.index,
+                device_uuid: gpu_uuid.clone(),
+                memory_bytes: gpuslice_api::bytes_of(&s.memory.0).unwrap_or(0),
+                compute_percent: s.compute,
+            }));
+        } else if gpu.mig.as_ref().is_some_and(|m| m.enabled) {
+            let model = gpuslice_planning::catalog::model(&gpu.model).ok();
+            out.extend(instances.iter().filter_map(|i| {
+                Some(SliceConfig {
+                    id: mig_slice_id(gpu.index, i),
+                    kind: SliceKind::Mig,
+                    gpu: gpu.index,
+                    // Without its UUID a workload could not be pointed at the instance.
+                    device_uuid: i.uuid.clone()?,
+                    memory_bytes: model
+                        .and_then(|m| m.profile(&i.profile))
+                        .map_or(0, |p| p.memory_bytes()),
+                    compute_percent: 100,
+                })
+            }));
+        } else {
+            out.push(SliceConfig {
+                id: gpu_slice_id(gpu.index),
+                kind: SliceKind::Exclusive,
+                gpu: gpu.index,
+                device_uuid: gpu_uuid,
+                memory_bytes: gpu_memory,
+                compute_percent: 100,
+            });
+        }
+    }
+    out
+}
+
+/// Makes `<state>/slices/` hold exactly one directory per slice, each with its read-only
+/// `config`. A slice that is gone loses its directory; one that stays keeps what its workload
+/// wrote there.
+pub fn sync_dirs(state: &Path, slices: &[SliceConfig]) -> Result<(), SliceError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let root = state.join("slices");
+    std::fs::create_dir_all(&root).map_err(io(&root))?;
+    for slice in slices {
+        let dir = root.join(&slice.id);
+        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let path = dir.join("config");
+        let text = serde_json::to_vec_pretty(slice).map_err(|e| io(&path)(e.into()))?;
+        if std::fs::read(&path).ok().as_deref() == Some(text.as_slice()) {
+            continue;
+        }
+        let tmp = tempfile::NamedTempFile::new_in(&dir).map_err(io(&dir))?;
+        std::fs::write(tmp.path(), &text).map_err(io(&path))?;
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o444))
+            .map_err(io(&path))?;
+        tmp.persist(&path).map_err(|e| io(&path)(e.error))?;
+    }
+    let entries = std::fs::read_dir(&root).map_err(io(&root))?;
+    for entry in entries {
+        let entry = entry.map_err(io(&root))?;
+        let name = entry.file_name();
+        if !slices.iter().any(|s| *s.id == *name) {
+            std::fs::remove_dir_all(entry.path()).map_err(io(&entry.path()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads one slice's config.
+pub fn read_config(state: &Path, id: &str) -> Result<SliceConfig, SliceError> {
+    let path = state.join("slices").join(id).join("config");
+    let text = std::fs::read(&path).map_err(io(&path))?;
+    serde_json::from_slice(&text).map_err(|source| SliceError::Corrupt {
+        path: path.display().to_string(),
+        source,
+    })
 }

@@ -2,6 +2,7 @@
 //! operator and the `gpuslice` CLI share it.
 
 pub mod catalog;
+pub mod clock;
 pub mod cluster;
 pub mod fit;
 pub mod mig;

@@ -2,10 +2,12 @@
 //! a ref and a sub-folder, through git2) and splits YAML files into documents that remember
 //! where each field was written, so every problem can be reported as `file:line`.
 
+pub mod follow;
 pub mod yaml;
 
 use std::path::{Path, PathBuf};
 
+pub use follow::{Follower, Poll, source_key};
 pub use yaml::{Document, ParsedFile, Position, SyntaxError, parse};
 
 /// Where configuration comes from.

@@ -5,7 +5,8 @@
 //!
 //! Every export runs under `catch_unwind`: a panic becomes `NVML_ERROR_UNKNOWN`, never an unwind
 //! across the C boundary. Handles are opaque integers cast to pointers: a device is its index + 1,
-//! a GPU instance is `(device index + 1) << 32 | id`, a compute instance adds its id in bits 48+.
+//! a GPU instance is `(device index + 1) << 32 | id`, a compute instance adds its id in bits 48+,
+//! and a MIG device (one per GPU instance here) is a GPU instance's bits with bit 63 set.
 
 #![allow(non_snake_case)] // the exports carry NVML's names
 
@@ -233,6 +234,15 @@ pub extern "C" fn nvmlDeviceGetName(
     })
 }
 
+const MIG_DEVICE_BIT: usize = 1 << 63;
+
+fn mig_device_parts(device: nvmlDevice_t) -> Option<(u32, u32)> {
+    let raw = device as usize;
+    (raw & MIG_DEVICE_BIT != 0)
+        .then(|| gpu_instance_parts((raw & !MIG_DEVICE_BIT) as nvmlGpuInstance_t).ok())
+        .flatten()
+}
+
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlDeviceGetUUID(
     device: nvmlDevice_t,
@@ -240,8 +250,83 @@ pub extern "C" fn nvmlDeviceGetUUID(
     length: c_uint,
 ) -> nvmlReturn_t {
     guard(|| {
+        let text = match mig_device_parts(device) {
+            Some((i, gi)) => read(|m| {
+                let gpu = m.gpu(i)?;
+                let instance = gpu.instances.iter().find(|x| x.id == gi);
+                Ok(instance.ok_or(NvmlError::NotFound)?.uuid.clone())
+            })?,
+            None => {
+                let i = device_index(device)?;
+                read(|m| Ok(m.gpu(i)?.uuid.clone()))?
+            }
+        };
+        put_str(uuid, length, &text)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceIsMigDeviceHandle(
+    device: nvmlDevice_t,
+    is_mig: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(|| put(is_mig, c_uint::from(mig_device_parts(device).is_some())))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(|| {
         let i = device_index(device)?;
-        put_str(uuid, length, &read(|m| Ok(m.gpu(i)?.uuid.clone()))?)
+        let name = read(|m| Ok(m.gpu(i)?.model.clone()))?;
+        let slices = catalog::model(&name)
+            .ok()
+            .and_then(|model| model.mig.as_ref())
+            .map_or(0, |mig| mig.compute_slices);
+        put(count, slices)
+    })
+}
+
+/// The `index`-th MIG device of a GPU, in GPU-instance order; NOT_FOUND past the last.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
+    device: nvmlDevice_t,
+    index: c_uint,
+    mig_device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    guard(|| {
+        let i = device_index(device)?;
+        let gi = read(|m| {
+            let gpu = m.gpu(i)?;
+            if !gpu.mig_enabled {
+                return Err(NvmlError::NotSupported);
+            }
+            let mut ids: Vec<u32> = gpu.instances.iter().map(|x| x.id).collect();
+            ids.sort_unstable();
+            ids.get(index as usize).copied().ok_or(NvmlError::NotFound)
+        })?;
+        put(
+            mig_device,
+            (gpu_instance_handle(i, gi) as usize | MIG_DEVICE_BIT) as nvmlDevice_t,
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetGpuInstanceId(device: nvmlDevice_t, id: *mut c_uint) -> nvmlReturn_t {
+    guard(|| put(id, mig_device_parts(device).ok_or(INVALID_ARGUMENT)?.1))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceGetComputeInstanceId(
+    device: nvmlDevice_t,
+    id: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(|| {
+        mig_device_parts(device).ok_or(INVALID_ARGUMENT)?;
+        put(id, 0)
     })
 }
 
