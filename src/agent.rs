@@ -1,15 +1,24 @@
 //! `gpuslice agent` in standalone mode: read the pools from a folder or Git, find what this
 //! node's GPUs should look like now, and converge them through NVML (the system's, or the emulated
-//! one with `--emulate`). Without `--apply` it only says what it would do.
+//! one with `--emulate`). Without `--apply` it only says what it would do. Without `--once` it
+//! keeps doing so: every interval, at each window boundary, and sooner while a transition waits
+//! for busy processes, which it drains as their CheckpointPolicy says.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpuslice_api::NodeInventory;
 use gpuslice_node::{GpuOutcome, NvmlGpus};
+use gpuslice_planning::clock::Clock;
 use gpuslice_planning::cluster::{ClusterPlan, plan_cluster};
 use gpuslice_planning::transition::Desired;
+use gpuslice_source::SourceSpec;
+
+use crate::drain::{self, DrainPolicy, Drains, Waiting};
+use crate::standalone::{Config, Source, SourceStatus};
 
 /// Why the agent cannot run.
 #[derive(Debug, thiserror::Error)]
@@ -20,6 +29,8 @@ pub enum AgentError {
     Node(#[from] gpuslice_node::AgentError),
     #[error(transparent)]
     Nvml(#[from] gpuslice_node::NvmlError),
+    #[error(transparent)]
+    Drain(#[from] drain::DrainError),
 }
 
 /// Where the emulated `libnvidia-ml` is: next to the running `gpuslice`, as cargo builds it.
@@ -57,8 +68,29 @@ pub struct Pass {
     pub node: String,
     pub applied: bool,
     pub revision: Option<String>,
+    pub source: SourceStatus,
     pub plan: ClusterPlan,
     pub outcomes: Vec<GpuOutcome>,
+    /// Processes a blocked transition waits for, and what the agent did about them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub draining: Vec<Waiting>,
+    /// Signals that could not be sent.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub drain_errors: Vec<String>,
+}
+
+impl Pass {
+    /// Whether the pass left something wrong: a bad source, a failed GPU, a layout not reached.
+    pub fn failed(&self) -> bool {
+        !self.source.ok()
+            || self.outcomes.iter().any(|o| {
+                o.error.is_some() || (self.applied && o.blocked_by.is_empty() && !o.converged)
+            })
+    }
+
+    fn blocked(&self) -> bool {
+        self.outcomes.iter().any(|o| !o.blocked_by.is_empty())
+    }
 }
 
 /// One pass: plan every GPU of this node against the pools and, with `apply`, converge.
@@ -85,24 +117,176 @@ pub fn run_once(
         node: node_name.to_string(),
         applied: apply,
         revision: None,
+        source: SourceStatus::default(),
         plan,
         outcomes,
+        draining: Vec::new(),
+        drain_errors: Vec::new(),
     })
+}
+
+/// Warns or stops the processes that block this pass's transitions, as the checkpoint policy of
+/// each GPU's pool says.
+fn drain(pass: &mut Pass, config: &Config, state: &Path, now: DateTime<Utc>) -> Result<(), AgentError> {
+    let policy_of_gpu = |index: u32| -> Option<DrainPolicy> {
+        let pool_name = pass
+            .plan
+            .nodes
+            .iter()
+            .flat_map(|n| &n.gpus)
+            .find(|g| g.index == index)?
+            .pool
+            .as_deref()?;
+        let pool = config
+            .pools
+            .iter()
+            .find(|p| p.metadata.name.as_deref() == Some(pool_name))?;
+        let name = pool.spec.checkpoint_policy.as_deref()?;
+        Some(DrainPolicy::new(name, config.checkpoints.get(name)?))
+    };
+    let blocking: Vec<_> = pass
+        .outcomes
+        .iter()
+        .flat_map(|o| o.blocking.iter().map(|b| (b.clone(), policy_of_gpu(o.index))))
+        .collect();
+    let mut drains = Drains::load(state)?;
+    if blocking.is_empty() && drains.records.is_empty() {
+        return Ok(());
+    }
+    let (actions, waiting) = drain::decide(&blocking, &mut drains.records, now, |slice| {
+        drain::checkpoint_done(state, slice)
+    });
+    // Record before acting: a crash after a signal must not signal again or restart the grace.
+    drains.save()?;
+    let slice_of = |pid: u32| {
+        blocking
+            .iter()
+            .find(|(b, _)| b.pid == pid)
+            .map(|(b, _)| b.slice.clone())
+            .unwrap_or_default()
+    };
+    pass.drain_errors = actions
+        .into_iter()
+        .filter_map(|a| drain::execute(state, a, slice_of))
+        .collect();
+    pass.draining = waiting;
+    Ok(())
+}
+
+/// What the agent runs on and how.
+pub struct Options {
+    pub source: SourceSpec,
+    /// This node's name and labels (GPUs come from NVML).
+    pub node: NodeInventory,
+    /// The NVML library to load; the system's when `None`.
+    pub library: Option<PathBuf>,
+    pub state: PathBuf,
+    pub apply: bool,
+    pub once: bool,
+    /// Plan for this instant instead of the clock's (single passes).
+    pub at: Option<DateTime<Utc>>,
+    pub interval: Duration,
+    pub clock: Clock,
+}
+
+/// While a transition waits for processes, look again at least this often.
+const BLOCKED_RETRY: Duration = Duration::from_secs(5);
+
+/// Runs the agent: one pass with `once`, else passes forever. Each pass goes to `emit`; the
+/// result of the last one is returned.
+pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, AgentError> {
+    let gpus = NvmlGpus::open(options.library.as_deref())?;
+    let mut source = Source::new(options.source.clone(), &options.state);
+    loop {
+        let now = options.at.unwrap_or_else(|| options.clock.now());
+        let (config, status) = source.refresh(now);
+        let empty = Config {
+            pools: Vec::new(),
+            checkpoints: BTreeMap::new(),
+            revision: None,
+        };
+        let config = config.unwrap_or(empty);
+        let mut pass = run_once(
+            &gpus,
+            &options.node.name,
+            &options.node.labels,
+            &config.pools,
+            &options.state,
+            now,
+            options.apply,
+        )?;
+        pass.revision = config.revision.clone();
+        pass.source = status;
+        if options.apply {
+            drain(&mut pass, &config, &options.state, now)?;
+        }
+        emit(&pass);
+        if options.once {
+            return Ok(pass);
+        }
+        std::thread::sleep(next_wake(&pass, options));
+    }
+}
+
+/// Sleep until the interval ends, a window boundary comes, or (while blocked) the next retry
+/// or grace deadline.
+fn next_wake(pass: &Pass, options: &Options) -> Duration {
+    let mut wake = options.interval;
+    for change in pass.plan.pools.iter().filter_map(|p| p.next_change) {
+        wake = wake.min(options.clock.until(change));
+    }
+    if pass.blocked() {
+        wake = wake.min(BLOCKED_RETRY);
+        for until in pass.draining.iter().filter_map(|w| w.until) {
+            wake = wake.min(options.clock.until(until));
+        }
+    }
+    // Never spin: a boundary just passed is picked up by the next pass.
+    wake.max(Duration::from_millis(200))
 }
 
 /// The pass for people: each GPU's layout now, what was (or would be) done, the next change.
 pub fn render(pass: &Pass) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "node {} at {}{}",
+    let mut out = format!(
+        "node {} at {}{}\n",
         pass.node,
         pass.plan.at.format("%Y-%m-%d %H:%M UTC"),
         pass.revision
             .as_ref()
-            .map(|r| format!(" (source {r})"))
+            .map(|r| format!(" (source commit {})", &r[..r.len().min(12)]))
             .unwrap_or_default()
     );
+    out.push_str(&render_body(pass));
+    out
+}
+
+/// The pass without its time line, to tell whether anything changed since the last one shown.
+pub fn render_body(pass: &Pass) -> String {
+    let mut out = String::new();
+    if let Some(w) = &pass.source.warning {
+        let _ = writeln!(out, "source: WARNING: {w}");
+    }
+    if !pass.source.ok() {
+        let rejected = pass
+            .source
+            .rejected
+            .as_ref()
+            .map(|r| format!(" commit {}", &r[..r.len().min(12)]))
+            .unwrap_or_default();
+        let _ = writeln!(out, "source{rejected} REJECTED:");
+        for p in &pass.source.problems {
+            let _ = writeln!(out, "  {p}");
+        }
+        let _ = writeln!(
+            out,
+            "{}",
+            if pass.source.in_force {
+                "keeping the last good config"
+            } else {
+                "no good config yet: nothing changed"
+            }
+        );
+    }
     let used: Vec<&str> = pass
         .plan
         .nodes
@@ -180,6 +364,17 @@ pub fn render(pass: &Pass) -> String {
         for op in &o.ops {
             let _ = writeln!(out, "      - {op}");
         }
+        for b in &o.blocking {
+            let what = pass
+                .draining
+                .iter()
+                .find(|w| w.pid == b.pid)
+                .map_or_else(|| "waiting for it to exit".to_string(), |w| w.reason.clone());
+            let _ = writeln!(out, "      pid {} on {}: {what}", b.pid, b.slice);
+        }
+    }
+    for e in &pass.drain_errors {
+        let _ = writeln!(out, "  drain: ERROR: {e}");
     }
     out
 }

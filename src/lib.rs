@@ -2,5 +2,7 @@
 //! operator, run). The library half holds what the commands do, so tests call it directly.
 
 pub mod agent;
+pub mod drain;
 pub mod plan;
+pub mod standalone;
 pub mod validate;

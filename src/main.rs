@@ -48,26 +48,37 @@ enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
-    /// The node agent. Standalone: converge this node's GPUs to the pools of a folder or Git repo.
+    /// The node agent. Standalone: converge this node's GPUs to the pools of a folder or Git
+    /// repository, every interval and at each window boundary (or once, with --once).
     Agent {
-        /// A folder, a YAML file, a local Git repository or a Git URL holding the pools.
+        /// A folder, a YAML file, a local Git repository or a Git URL holding the pools. Git
+        /// sources are fetched on every pass; a bad commit leaves the last good config in force.
         #[arg(long)]
         source: String,
+        /// Git branch, tag or commit to follow (the remote's default branch when omitted).
         #[arg(long = "ref")]
         git_ref: Option<String>,
+        /// Sub-folder of the source to read.
         #[arg(long)]
         path: Option<String>,
         /// This node's name and labels, as a NodeInventory YAML (name, labels); with --emulate the
         /// emulated node's file gives them.
         #[arg(long)]
         node_file: Option<PathBuf>,
+        /// This node's name (default: from --node-file or --emulate, else the host name).
+        #[arg(long)]
+        node_name: Option<String>,
+        /// A node label pools select on, key=value; repeat for more. Added to the node file's.
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
         /// Run against an emulated node described by this NodeInventory YAML instead of real GPUs.
         #[arg(long, conflicts_with = "nvml")]
         emulate: Option<PathBuf>,
         /// Load NVML from this library instead of the system's libnvidia-ml.so.1.
         #[arg(long)]
         nvml: Option<PathBuf>,
-        /// The agent's state directory (slice tables; the emulated machine with --emulate).
+        /// The agent's state directory (slice tables and configs, the last good source, drain
+        /// records; the emulated machine with --emulate).
         #[arg(long, default_value = "/run/gpuslice")]
         state: PathBuf,
         /// Change the GPUs; without it the agent only reports what it would do.
@@ -76,8 +87,11 @@ enum Command {
         /// Run one pass and exit.
         #[arg(long)]
         once: bool,
-        /// The instant to plan for (RFC 3339); now by default.
-        #[arg(long)]
+        /// How often to fetch the source and reconcile (Go duration).
+        #[arg(long, default_value = "30s")]
+        interval: gpuslice_api::Duration,
+        /// The instant to plan for (RFC 3339), with --once; now by default.
+        #[arg(long, requires = "once")]
         at: Option<chrono::DateTime<chrono::FixedOffset>>,
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
@@ -97,6 +111,13 @@ enum Command {
 enum Output {
     Text,
     Json,
+}
+
+fn parse_label(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("{text:?}: a label is key=value"))
 }
 
 fn main() -> ExitCode {
@@ -183,26 +204,36 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             git_ref,
             path,
             node_file,
+            node_name,
+            labels,
             emulate,
             nvml,
             state,
             apply,
             once,
+            interval,
             at,
             output,
         } => {
-            anyhow::ensure!(
-                once,
-                "only single passes (--once) are implemented so far; run it from a timer or loop"
-            );
-            let at = at.map_or_else(chrono::Utc::now, |t| t.with_timezone(&chrono::Utc));
-            let identity_file = emulate.as_ref().or(node_file.as_ref()).context(
-                "say which node this is: --node-file, or --emulate for an emulated node",
-            )?;
-            let text = std::fs::read_to_string(identity_file)
-                .with_context(|| format!("reading {}", identity_file.display()))?;
-            let node: gpuslice_api::NodeInventory = serde_yaml::from_str(&text)
-                .with_context(|| format!("{}: not a NodeInventory", identity_file.display()))?;
+            let clock = gpuslice_planning::clock::Clock::from_env()?;
+            let mut node = match emulate.as_ref().or(node_file.as_ref()) {
+                Some(file) => {
+                    let text = std::fs::read_to_string(file)
+                        .with_context(|| format!("reading {}", file.display()))?;
+                    serde_yaml::from_str::<gpuslice_api::NodeInventory>(&text)
+                        .with_context(|| format!("{}: not a NodeInventory", file.display()))?
+                }
+                None => gpuslice_api::NodeInventory::default(),
+            };
+            if let Some(name) = node_name {
+                node.name = name;
+            }
+            if node.name.is_empty() {
+                node.name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .context("no node name: give --node-name or --node-file")?;
+            }
+            node.labels.extend(labels);
             let library = match &emulate {
                 Some(_) => {
                     gpuslice::agent::prepare_emulator(&state, &node)?;
@@ -210,41 +241,59 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 None => nvml,
             };
-            let spec = SourceSpec {
-                location: source,
-                git_ref,
-                sub_path: path,
-            };
-            let snapshot = gpuslice_source::load(&spec)?;
-            let (report, repo) = read_repository(&snapshot.files, at);
-            if !report.ok() {
-                for p in &report.problems {
-                    eprintln!("{p}");
-                }
-                eprintln!("{}; nothing changed", report.summary());
-                return Ok(ExitCode::FAILURE);
-            }
-            let pools: Vec<_> = repo.pools.into_iter().map(|p| p.object).collect();
-            let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
-            let mut pass = gpuslice::agent::run_once(
-                &gpus,
-                &node.name,
-                &node.labels,
-                &pools,
-                &state,
-                at,
+            let options = gpuslice::agent::Options {
+                source: SourceSpec {
+                    location: source,
+                    git_ref,
+                    sub_path: path,
+                },
+                node,
+                library,
+                state,
                 apply,
-            )?;
-            pass.revision = snapshot.revision;
-            match output {
-                Output::Text => print!("{}", gpuslice::agent::render(&pass)),
-                Output::Json => println!("{}", serde_json::to_string_pretty(&pass)?),
-            }
-            let failed = pass
-                .outcomes
-                .iter()
-                .any(|o| o.error.is_some() || (apply && o.blocked_by.is_empty() && !o.converged));
-            Ok(if failed {
+                once,
+                at: at.map(|t| t.with_timezone(&chrono::Utc)),
+                interval: interval.into(),
+                clock,
+            };
+            let mut shown = String::new();
+            let last = gpuslice::agent::run(&options, |pass| {
+                if once {
+                    for p in &pass.source.problems {
+                        eprintln!("{p}");
+                    }
+                }
+                match output {
+                    Output::Json => {
+                        if once {
+                            println!("{}", serde_json::to_string_pretty(pass).unwrap_or_default());
+                        } else {
+                            println!("{}", serde_json::to_string(pass).unwrap_or_default());
+                        }
+                    }
+                    Output::Text => {
+                        // A service prints a pass only when something changed.
+                        let body = gpuslice::agent::render_body(pass);
+                        if once || body != shown {
+                            print!("{}", gpuslice::agent::render(pass));
+                            shown = body;
+                        }
+                    }
+                }
+                if once && !pass.source.ok() {
+                    eprintln!(
+                        "{}",
+                        if pass.source.in_force {
+                            "the source was rejected; keeping the last good config"
+                        } else {
+                            "the source was rejected; nothing changed"
+                        }
+                    );
+                }
+                use std::io::Write as _;
+                let _ = std::io::stdout().flush();
+            })?;
+            Ok(if last.failed() {
                 ExitCode::FAILURE
             } else {
                 ExitCode::SUCCESS
