@@ -150,3 +150,129 @@ fn a_gpu_in_use_blocks_and_an_invalid_source_changes_nothing() {
         "{err}"
     );
 }
+
+/// A one-GPU H200 node in the h200-mig pool, written where the test can point the agent.
+fn one_gpu_node(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("node.yaml");
+    std::fs::write(
+        &path,
+        "name: crash-node\nlabels: {gpuslice.io/pool: h200-mig}\ngpus:\n- {index: 0, model: NVIDIA H200}\n",
+    )
+    .unwrap();
+    path
+}
+
+fn run_agent(state: &Path, node: &Path, at: &str) -> Output {
+    Command::new(BIN)
+        .args(["agent", "--once", "--apply", "--output", "json", "--at", at, "--source"])
+        .arg(root().join("examples/gitops"))
+        .arg("--emulate")
+        .arg(node)
+        .arg("--state")
+        .arg(state)
+        .output()
+        .unwrap()
+}
+
+fn machine(state: &Path) -> gpuslice_emulator::Machine {
+    gpuslice_emulator::Store::open(&state.join("emulated-crash-node.json"))
+        .unwrap()
+        .snapshot()
+        .unwrap()
+}
+
+/// What a GPU holds: (profile index, placement start, size) per instance, sorted, after checking
+/// that each instance has exactly one compute instance (none orphaned, none doubled).
+fn layout(m: &gpuslice_emulator::Machine) -> Vec<(u32, u32, u32)> {
+    let gpu = m.gpu(0).unwrap();
+    for i in &gpu.instances {
+        assert_eq!(
+            i.compute_instances.len(),
+            1,
+            "instance at {:?} has {} compute instances",
+            i.placement,
+            i.compute_instances.len()
+        );
+    }
+    let mut out: Vec<_> = gpu
+        .instances
+        .iter()
+        .map(|i| (i.profile, i.placement.start, i.placement.size))
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+const DAY: &str = "2026-12-02T10:00:00Z";
+const NIGHT: &str = "2026-12-02T22:00:00Z";
+
+#[test]
+fn a_crash_or_an_nvml_error_at_any_step_converges_on_the_next_run() {
+    use gpuslice_emulator::{Fault, FaultAction, NvmlError, Store};
+
+    // A clean run of both transitions: how many mutating calls each takes, and where it ends.
+    let clean = tempfile::tempdir().unwrap();
+    let node = one_gpu_node(clean.path());
+    assert!(run_agent(clean.path(), &node, DAY).status.success());
+    let day = machine(clean.path());
+    assert!(run_agent(clean.path(), &node, NIGHT).status.success());
+    let night = machine(clean.path());
+    let transitions = [
+        (None, DAY, day.mutations, layout(&day)),
+        (Some(DAY), NIGHT, night.mutations - day.mutations, layout(&night)),
+    ];
+    assert!(day.mutations >= 5 && night.mutations > day.mutations);
+
+    for (before, at, steps, want) in transitions {
+        for step in 1..=steps {
+            for action in [
+                FaultAction::KillBefore,
+                FaultAction::KillAfter,
+                FaultAction::Fail(NvmlError::Unknown),
+            ] {
+                let what = format!("{at}: {action:?} at step {step} of {steps}");
+                let dir = tempfile::tempdir().unwrap();
+                let node = one_gpu_node(dir.path());
+                if let Some(earlier) = before {
+                    assert!(run_agent(dir.path(), &node, earlier).status.success());
+                } else {
+                    // Seed the emulated node, as the agent would, to arm the fault before it runs.
+                    let inventory: gpuslice_api::NodeInventory =
+                        serde_yaml::from_str(&std::fs::read_to_string(&node).unwrap()).unwrap();
+                    Store::create(
+                        &dir.path().join("emulated-crash-node.json"),
+                        &gpuslice_emulator::Machine::from_inventory(&inventory).unwrap(),
+                    )
+                    .unwrap();
+                }
+                let store = Store::open(&dir.path().join("emulated-crash-node.json")).unwrap();
+                store
+                    .update(|m| {
+                        m.faults.push(Fault {
+                            at: m.mutations + step,
+                            action: action.clone(),
+                        })
+                    })
+                    .unwrap();
+
+                let failed = run_agent(dir.path(), &node, at);
+                assert!(!failed.status.success(), "{what}: the run must fail");
+                if let FaultAction::Fail(_) = action {
+                    let pass: Value = serde_json::from_slice(&failed.stdout).unwrap();
+                    let error = outcome(&pass, 0)["error"].as_str().unwrap_or_default().to_string();
+                    assert!(error.contains("nvml") && error.contains("internal driver error"), "{what}: {error}");
+                }
+
+                let again = run_agent(dir.path(), &node, at);
+                assert!(
+                    again.status.success(),
+                    "{what}: {}",
+                    String::from_utf8_lossy(&again.stdout)
+                );
+                let pass: Value = serde_json::from_slice(&again.stdout).unwrap();
+                assert_eq!(outcome(&pass, 0)["converged"], true, "{what}");
+                assert_eq!(layout(&machine(dir.path())), want, "{what}");
+            }
+        }
+    }
+}

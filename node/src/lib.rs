@@ -36,6 +36,9 @@ pub struct GpuOutcome {
     /// The processes on what blocks, with the slice each runs on.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub blocking: Vec<BlockingProcess>,
+    /// GPU instances given the compute instance an interrupted earlier run did not create.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub completed: Vec<gpuslice_api::Placement>,
     /// Whether the GPU now has the desired layout (confirmed by reading it back).
     pub converged: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -117,6 +120,7 @@ pub fn converge(
                 ops: Vec::new(),
                 blocked_by: Vec::new(),
                 blocking: Vec::new(),
+                completed: Vec::new(),
                 converged: false,
                 error: Some(format!("the node has no GPU {index}")),
             });
@@ -129,9 +133,20 @@ pub fn converge(
             ops: Vec::new(),
             blocked_by: Vec::new(),
             blocking: Vec::new(),
+            completed: Vec::new(),
             converged: false,
             error: None,
         };
+        if apply && gpu.mig.as_ref().is_some_and(|m| !m.instances.is_empty()) {
+            match gpus.complete_instances(gpu.index) {
+                Ok(done) => outcome.completed = done,
+                Err(e) => {
+                    outcome.error = Some(e.to_string());
+                    outcomes.push(outcome);
+                    continue;
+                }
+            }
+        }
         match transition::plan(model, &GpuState::from_inventory(gpu), want) {
             Err(e) => outcome.error = Some(e.to_string()),
             Ok(plan) => {

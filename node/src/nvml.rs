@@ -36,12 +36,6 @@ pub enum NvmlError {
         call: &'static str,
         source: nvml_wrapper::error::NvmlError,
     },
-    #[error("GPU {gpu}: {call} returned NVML error {code}")]
-    Raw {
-        gpu: u32,
-        call: &'static str,
-        code: nvmlReturn_t,
-    },
     #[error("GPU {gpu}: the NVML library lacks {call}")]
     Missing { gpu: u32, call: &'static str },
     #[error("GPU {gpu}: {message}")]
@@ -53,12 +47,9 @@ pub struct NvmlGpus {
     nvml: Nvml,
 }
 
+/// A raw call's return code as nvml-wrapper's error, so raw and safe calls read alike.
 fn check(gpu: u32, call: &'static str, code: nvmlReturn_t) -> Result<(), NvmlError> {
-    if code == 0 {
-        Ok(())
-    } else {
-        Err(NvmlError::Raw { gpu, call, code })
-    }
+    nvml_wrapper::error::nvml_try(code).map_err(|source| NvmlError::Call { gpu, call, source })
 }
 
 impl NvmlGpus {
@@ -325,15 +316,73 @@ impl NvmlGpus {
         })
     }
 
-    fn destroy(&self, gpu: u32, placement: Placement) -> Result<(), NvmlError> {
-        let lib = self.nvml.lib();
-        let list_ci = lib
+    /// The compute instances of a GPU instance, of every profile.
+    fn compute_instances(
+        &self,
+        gpu: u32,
+        gi: nvmlGpuInstance_t,
+    ) -> Result<Vec<nvmlComputeInstance_t>, NvmlError> {
+        let list_ci = self
+            .nvml
+            .lib()
             .nvmlGpuInstanceGetComputeInstances
             .as_ref()
             .map_err(|_| NvmlError::Missing {
                 gpu,
                 call: "nvmlGpuInstanceGetComputeInstances",
             })?;
+        let mut out = Vec::new();
+        for profile in 0..=MAX_COMPUTE_PROFILE_INDEX {
+            let mut cis: [nvmlComputeInstance_t; 8] = [std::ptr::null_mut(); 8];
+            let mut count = cis.len() as u32;
+            // SAFETY: `cis` has room for `count` entries; `gi` is a live handle.
+            let rc = unsafe { list_ci(gi, profile, cis.as_mut_ptr(), &mut count) };
+            if rc == 0 {
+                out.extend_from_slice(&cis[..count as usize]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Gives every GPU instance without a compute instance its full one: what a run that died
+    /// between creating the two leaves behind. Returns the placements completed.
+    pub fn complete_instances(&self, gpu: u32) -> Result<Vec<Placement>, NvmlError> {
+        let create_ci = self
+            .nvml
+            .lib()
+            .nvmlGpuInstanceCreateComputeInstance
+            .as_ref()
+            .map_err(|_| NvmlError::Missing {
+                gpu,
+                call: "nvmlGpuInstanceCreateComputeInstance",
+            })?;
+        let model = self.model(gpu).ok();
+        let mut done = Vec::new();
+        for (gi, info) in self.gpu_instance_handles(gpu)? {
+            if !self.compute_instances(gpu, gi)?.is_empty() {
+                continue;
+            }
+            let Some(profile) = model
+                .and_then(|m| m.mig.as_ref())
+                .and_then(|g| g.profiles.iter().find(|p| p.nvml_index == info.profileId))
+            else {
+                continue;
+            };
+            let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+            // SAFETY: `gi` is a live handle from NVML; `ci` is a valid out-pointer.
+            check(gpu, "nvmlGpuInstanceCreateComputeInstance", unsafe {
+                create_ci(gi, full_compute_profile(profile.compute_slices), &mut ci)
+            })?;
+            done.push(Placement {
+                start: info.placement.start,
+                size: info.placement.size,
+            });
+        }
+        Ok(done)
+    }
+
+    fn destroy(&self, gpu: u32, placement: Placement) -> Result<(), NvmlError> {
+        let lib = self.nvml.lib();
         let destroy_ci =
             lib.nvmlComputeInstanceDestroy
                 .as_ref()
@@ -354,18 +403,9 @@ impl NvmlGpus {
             // Already gone (an earlier run died after destroying it): nothing to do.
             return Ok(());
         };
-        for profile in 0..=MAX_COMPUTE_PROFILE_INDEX {
-            let mut cis: [nvmlComputeInstance_t; 8] = [std::ptr::null_mut(); 8];
-            let mut count = cis.len() as u32;
-            // SAFETY: `cis` has room for `count` entries; `gi` is a live handle.
-            let rc = unsafe { list_ci(gi, profile, cis.as_mut_ptr(), &mut count) };
-            if rc != 0 {
-                continue;
-            }
-            for &ci in &cis[..count as usize] {
-                // SAFETY: `ci` came from NVML just now.
-                check(gpu, "nvmlComputeInstanceDestroy", unsafe { destroy_ci(ci) })?;
-            }
+        for ci in self.compute_instances(gpu, gi)? {
+            // SAFETY: `ci` came from NVML just now.
+            check(gpu, "nvmlComputeInstanceDestroy", unsafe { destroy_ci(ci) })?;
         }
         // SAFETY: `gi` is a live handle with no compute instances left.
         check(gpu, "nvmlGpuInstanceDestroy", unsafe { destroy_gi(gi) })
