@@ -127,7 +127,12 @@ pub fn run_once(
 
 /// Warns or stops the processes that block this pass's transitions, as the checkpoint policy of
 /// each GPU's pool says.
-fn drain(pass: &mut Pass, config: &Config, state: &Path, now: DateTime<Utc>) -> Result<(), AgentError> {
+fn drain(
+    pass: &mut Pass,
+    config: &Config,
+    state: &Path,
+    now: DateTime<Utc>,
+) -> Result<(), AgentError> {
     let policy_of_gpu = |index: u32| -> Option<DrainPolicy> {
         let pool_name = pass
             .plan
@@ -147,7 +152,11 @@ fn drain(pass: &mut Pass, config: &Config, state: &Path, now: DateTime<Utc>) -> 
     let blocking: Vec<_> = pass
         .outcomes
         .iter()
-        .flat_map(|o| o.blocking.iter().map(|b| (b.clone(), policy_of_gpu(o.index))))
+        .flat_map(|o| {
+            o.blocking
+                .iter()
+                .map(|b| (b.clone(), policy_of_gpu(o.index)))
+        })
         .collect();
     let mut drains = Drains::load(state)?;
     if blocking.is_empty() && drains.records.is_empty() {
@@ -365,11 +374,10 @@ pub fn render_body(pass: &Pass) -> String {
             let _ = writeln!(out, "      - {op}");
         }
         for b in &o.blocking {
-            let what = pass
-                .draining
-                .iter()
-                .find(|w| w.pid == b.pid)
-                .map_or_else(|| "waiting for it to exit".to_string(), |w| w.reason.clone());
+            let what = pass.draining.iter().find(|w| w.pid == b.pid).map_or_else(
+                || "waiting for it to exit".to_string(),
+                |w| w.reason.clone(),
+            );
             let _ = writeln!(out, "      pid {} on {}: {what}", b.pid, b.slice);
         }
     }

@@ -148,7 +148,10 @@ pub fn decide(
             } else {
                 "grace period over"
             };
-            waiting.push(wait(format!("{why}: stopped, waiting for it to exit"), None));
+            waiting.push(wait(
+                format!("{why}: stopped, waiting for it to exit"),
+                None,
+            ));
         } else if now >= deadline {
             waiting.push(wait(
                 format!(
@@ -280,14 +283,21 @@ mod tests {
     }
 
     fn at(seconds: i64) -> DateTime<Utc> {
-        "2026-12-02T22:00:00Z".parse::<DateTime<Utc>>().unwrap() + chrono::TimeDelta::seconds(seconds)
+        "2026-12-02T22:00:00Z".parse::<DateTime<Utc>>().unwrap()
+            + chrono::TimeDelta::seconds(seconds)
     }
 
     #[test]
     fn signal_once_then_stop_after_the_grace_period() {
         let mut records = BTreeMap::new();
         let (a, w) = decide(&busy(7, policy(false)), &mut records, at(0), |_| false);
-        assert_eq!(a, vec![Action::Signal { pid: 7, signal: Signal::Usr1 }]);
+        assert_eq!(
+            a,
+            vec![Action::Signal {
+                pid: 7,
+                signal: Signal::Usr1
+            }]
+        );
         assert_eq!(w[0].until, Some(at(60)));
         let (a, _) = decide(&busy(7, policy(false)), &mut records, at(30), |_| false);
         assert!(a.is_empty(), "signalled once, grace not over: {a:?}");
@@ -313,7 +323,11 @@ mod tests {
         decide(&busy(7, policy(true)), &mut records, at(0), |_| false);
         let (a, w) = decide(&busy(7, policy(true)), &mut records, at(3600), |_| false);
         assert!(a.is_empty());
-        assert!(w[0].reason.contains("requires a checkpoint"), "{}", w[0].reason);
+        assert!(
+            w[0].reason.contains("requires a checkpoint"),
+            "{}",
+            w[0].reason
+        );
     }
 
     #[test]

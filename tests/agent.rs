@@ -100,6 +100,22 @@ fn the_agent_converges_an_emulated_h200_node_across_a_window_change() {
     let instances = gpus["gpus"][1]["instances"].as_array().unwrap();
     assert_eq!(instances.len(), 1);
     assert_eq!(instances[0]["placement"]["size"], 8);
+
+    // One slice directory per instance now there; the day's are gone. The config names the MIG
+    // device the emulated NVML reports, and no workload can rewrite it.
+    let mut slices: Vec<String> = std::fs::read_dir(state.path().join("slices"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    slices.sort();
+    assert_eq!(slices, ["gpu0-mig0-7g.141gb", "gpu1-mig0-7g.141gb"]);
+    let config = state.path().join("slices/gpu1-mig0-7g.141gb/config");
+    let text: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    assert_eq!(text["kind"], "mig");
+    assert_eq!(text["deviceUuid"], instances[0]["uuid"]);
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(&config).unwrap().permissions().mode();
+    assert_eq!(mode & 0o222, 0, "read-only: {mode:o}");
 }
 
 #[test]
@@ -129,6 +145,13 @@ fn a_gpu_in_use_blocks_and_an_invalid_source_changes_nothing() {
         4
     );
     assert!(!state.path().join("gpu-3.slices.json").exists());
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(state.path().join("slices/gpu0-s3/config")).unwrap())
+            .unwrap();
+    assert_eq!(config["kind"], "software");
+    assert_eq!(config["memoryBytes"], 20u64 << 30);
+    assert_eq!(config["computePercent"], 25);
+    assert!(config["deviceUuid"].as_str().unwrap().starts_with("GPU-"));
 
     let broken = tempfile::tempdir().unwrap();
     std::fs::copy(
@@ -164,7 +187,9 @@ fn one_gpu_node(dir: &Path) -> std::path::PathBuf {
 
 fn run_agent(state: &Path, node: &Path, at: &str) -> Output {
     Command::new(BIN)
-        .args(["agent", "--once", "--apply", "--output", "json", "--at", at, "--source"])
+        .args([
+            "agent", "--once", "--apply", "--output", "json", "--at", at, "--source",
+        ])
         .arg(root().join("examples/gitops"))
         .arg("--emulate")
         .arg(node)
@@ -219,7 +244,12 @@ fn a_crash_or_an_nvml_error_at_any_step_converges_on_the_next_run() {
     let night = machine(clean.path());
     let transitions = [
         (None, DAY, day.mutations, layout(&day)),
-        (Some(DAY), NIGHT, night.mutations - day.mutations, layout(&night)),
+        (
+            Some(DAY),
+            NIGHT,
+            night.mutations - day.mutations,
+            layout(&night),
+        ),
     ];
     assert!(day.mutations >= 5 && night.mutations > day.mutations);
 
@@ -259,8 +289,14 @@ fn a_crash_or_an_nvml_error_at_any_step_converges_on_the_next_run() {
                 assert!(!failed.status.success(), "{what}: the run must fail");
                 if let FaultAction::Fail(_) = action {
                     let pass: Value = serde_json::from_slice(&failed.stdout).unwrap();
-                    let error = outcome(&pass, 0)["error"].as_str().unwrap_or_default().to_string();
-                    assert!(error.contains("nvml") && error.contains("internal driver error"), "{what}: {error}");
+                    let error = outcome(&pass, 0)["error"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string();
+                    assert!(
+                        error.contains("nvml") && error.contains("internal driver error"),
+                        "{what}: {error}"
+                    );
                 }
 
                 let again = run_agent(dir.path(), &node, at);

@@ -28,7 +28,13 @@ struct Agent {
 }
 
 impl Agent {
-    fn start(args: &[&str], source: &Path, node: &Path, state: &Path, env: &[(&str, &str)]) -> Agent {
+    fn start(
+        args: &[&str],
+        source: &Path,
+        node: &Path,
+        state: &Path,
+        env: &[(&str, &str)],
+    ) -> Agent {
         let interval: &[&str] = if args.contains(&"--interval") {
             &[]
         } else {
@@ -127,7 +133,14 @@ fn instances(m: &Machine) -> Vec<(u32, u32, u32, String)> {
         .unwrap()
         .instances
         .iter()
-        .map(|i| (i.profile, i.placement.start, i.placement.size, i.uuid.clone()))
+        .map(|i| {
+            (
+                i.profile,
+                i.placement.start,
+                i.placement.size,
+                i.uuid.clone(),
+            )
+        })
         .collect();
     out.sort();
     out
@@ -148,14 +161,21 @@ fn commit(repo: &git2::Repository, text: &str, parent: Option<git2::Oid>) -> git
     index.write().unwrap();
     let tree = repo.find_tree(index.write_tree().unwrap()).unwrap();
     let sig = git2::Signature::now("platform team", "platform@example.com").unwrap();
-    let parents: Vec<git2::Commit> = parent.map(|p| repo.find_commit(p).unwrap()).into_iter().collect();
+    let parents: Vec<git2::Commit> = parent
+        .map(|p| repo.find_commit(p).unwrap())
+        .into_iter()
+        .collect();
     let parents: Vec<&git2::Commit> = parents.iter().collect();
-    let oid = repo.commit(None, &sig, &sig, "pool", &tree, &parents).unwrap();
-    repo.reference("refs/heads/main", oid, true, "test").unwrap();
+    let oid = repo
+        .commit(None, &sig, &sig, "pool", &tree, &parents)
+        .unwrap();
+    repo.reference("refs/heads/main", oid, true, "test")
+        .unwrap();
     oid
 }
 
-const LAB_NODE: &str = "name: lab-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA H200}\n";
+const LAB_NODE: &str =
+    "name: lab-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA H200}\n";
 
 #[test]
 fn the_agent_follows_git_through_bad_commits_force_pushes_and_a_lost_remote() {
@@ -169,20 +189,37 @@ fn the_agent_follows_git_through_bad_commits_force_pushes_and_a_lost_remote() {
 
     let mut agent = Agent::start(&["--ref", "main"], &origin, &node, &state, &[]);
     let rev = |oid: git2::Oid| Value::String(oid.to_string());
-    agent.wait_for("the first commit is applied", |p| p["revision"] == rev(first) && converged(p));
+    agent.wait_for("the first commit is applied", |p| {
+        p["revision"] == rev(first) && converged(p)
+    });
     assert_eq!(instances(&machine(&state, "lab-node")).len(), 2);
 
     let second = commit(&repo, &pool("3g.71gb: 1, 1g.18gb: 4"), Some(first));
-    agent.wait_for("a new commit is applied", |p| p["revision"] == rev(second) && converged(p));
+    agent.wait_for("a new commit is applied", |p| {
+        p["revision"] == rev(second) && converged(p)
+    });
     let good = instances(&machine(&state, "lab-node"));
     assert_eq!(good.len(), 5);
 
     let bad = commit(&repo, &pool("5g.99gb: 1"), Some(second));
-    let pass = agent.wait_for("the bad commit is rejected", |p| p["source"]["rejected"] == rev(bad));
-    assert_eq!(pass["revision"], rev(second), "the last good commit stays in force");
+    let pass = agent.wait_for("the bad commit is rejected", |p| {
+        p["source"]["rejected"] == rev(bad)
+    });
+    assert_eq!(
+        pass["revision"],
+        rev(second),
+        "the last good commit stays in force"
+    );
     let problems = pass["source"]["problems"].to_string();
-    assert!(problems.contains("pool.yaml:9: GpuPool/lab: spec.layout.mig"), "{problems}");
-    assert_eq!(instances(&machine(&state, "lab-node")), good, "nothing changed");
+    assert!(
+        problems.contains("pool.yaml:9: GpuPool/lab: spec.layout.mig"),
+        "{problems}"
+    );
+    assert_eq!(
+        instances(&machine(&state, "lab-node")),
+        good,
+        "nothing changed"
+    );
 
     // Force-push: main moves back onto the first commit's history.
     let rewritten = commit(&repo, &pool("7g.141gb: 1"), Some(first));
@@ -194,9 +231,16 @@ fn the_agent_follows_git_through_bad_commits_force_pushes_and_a_lost_remote() {
 
     drop(repo);
     std::fs::remove_dir_all(&origin).unwrap();
-    let pass = agent.wait_for("the lost remote is noticed", |p| !p["source"]["warning"].is_null());
+    let pass = agent.wait_for("the lost remote is noticed", |p| {
+        !p["source"]["warning"].is_null()
+    });
     assert_eq!(pass["revision"], rev(rewritten));
-    assert!(pass["source"]["warning"].as_str().unwrap().contains("keeping commit"));
+    assert!(
+        pass["source"]["warning"]
+            .as_str()
+            .unwrap()
+            .contains("keeping commit")
+    );
     drop(agent);
 
     // A restart without the remote still has the last fetched commit.
@@ -223,7 +267,9 @@ fn the_agent_switches_layouts_at_a_window_boundary_without_a_restart() {
         dir.path(),
         &[("GPUSLICE_CLOCK_START", "2026-12-02T20:59:57Z")],
     );
-    let day = agent.wait_for("the day layout is applied", |p| gpu0(p)["converged"] == true);
+    let day = agent.wait_for("the day layout is applied", |p| {
+        gpu0(p)["converged"] == true
+    });
     assert_eq!(day["plan"]["pools"][0]["window"], Value::Null);
     assert_eq!(instances(&machine(dir.path(), "boundary-node")).len(), 4);
     let night = agent.wait_for("the night layout is applied", |p| {
@@ -270,7 +316,9 @@ impl Draining {
             .spawn()
             .unwrap();
         let gi = machine.gpu(0).unwrap().instances[0].id;
-        machine.attach_real_process(0, workload.id(), 8 << 30, Some(gi)).unwrap();
+        machine
+            .attach_real_process(0, workload.id(), 8 << 30, Some(gi))
+            .unwrap();
         Store::create(&dir.path().join("emulated-busy-node.json"), &machine).unwrap();
         Draining {
             dir,
@@ -297,9 +345,10 @@ impl Drop for Draining {
 }
 
 fn blocked_on(pass: &Value, reason: &str) -> bool {
-    pass["draining"]
-        .as_array()
-        .is_some_and(|d| d.iter().any(|w| w["reason"].as_str().unwrap_or("").contains(reason)))
+    pass["draining"].as_array().is_some_and(|d| {
+        d.iter()
+            .any(|w| w["reason"].as_str().unwrap_or("").contains(reason))
+    })
 }
 
 #[test]
@@ -310,14 +359,19 @@ fn a_workload_that_checkpoints_is_stopped_and_the_transition_completes() {
         "trap 'touch \"$MARKER\"' USR1; while :; do sleep 0.1; done",
     );
     let mut agent = busy.start();
-    let first = agent.wait_for("the transition is blocked", |p| !gpu0(p)["blockedBy"].as_array().unwrap().is_empty());
+    let first = agent.wait_for("the transition is blocked", |p| {
+        !gpu0(p)["blockedBy"].as_array().unwrap().is_empty()
+    });
     assert_eq!(gpu0(&first)["blocking"][0]["slice"], "gpu0-mig0-3g.71gb");
     agent.wait_for("the whole GPU is made", converged);
     assert!(!busy.alive(), "stopped after its checkpoint");
     let m = machine(busy.dir.path(), "busy-node");
     assert_eq!(instances(&m).len(), 1);
     assert_eq!(instances(&m)[0].2, 8);
-    let seen = agent.seen.iter().any(|p| blocked_on(p, "sent SIGUSR1 (ckpt)"));
+    let seen = agent
+        .seen
+        .iter()
+        .any(|p| blocked_on(p, "sent SIGUSR1 (ckpt)"));
     assert!(seen, "the agent reported the signal");
 }
 
@@ -348,7 +402,10 @@ fn a_required_checkpoint_keeps_the_transition_waiting_until_the_workload_exits()
     agent.wait_for("another pass", |_| true);
     let pass = agent.wait_for("another pass", |_| true);
     assert!(blocked_on(&pass, "requires a checkpoint"));
-    assert!(busy.alive(), "a required checkpoint never stops the workload");
+    assert!(
+        busy.alive(),
+        "a required checkpoint never stops the workload"
+    );
     assert_eq!(instances(&machine(busy.dir.path(), "busy-node")).len(), 1);
     assert_eq!(instances(&machine(busy.dir.path(), "busy-node"))[0].2, 4);
 

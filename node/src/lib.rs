@@ -56,7 +56,11 @@ pub struct BlockingProcess {
 
 fn blocking_processes(gpu: &GpuInventory, blockers: &[Blocker]) -> Vec<BlockingProcess> {
     let mut out = Vec::new();
-    let instances = gpu.mig.as_ref().map(|m| m.instances.as_slice()).unwrap_or(&[]);
+    let instances = gpu
+        .mig
+        .as_ref()
+        .map(|m| m.instances.as_slice())
+        .unwrap_or(&[]);
     for blocker in blockers {
         match blocker {
             Blocker::Instance {

@@ -107,7 +107,10 @@ pub fn clear(state: &Path, gpu: u32) -> Result<(), SliceError> {
 
 /// The id of the slice a MIG instance is.
 pub fn mig_slice_id(gpu: u32, instance: &MigInstance) -> String {
-    format!("gpu{gpu}-mig{}-{}", instance.placement.start, instance.profile)
+    format!(
+        "gpu{gpu}-mig{}-{}",
+        instance.placement.start, instance.profile
+    )
 }
 
 /// The id of a whole GPU used as one slice.
@@ -150,7 +153,11 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
             .as_ref()
             .and_then(|q| gpuslice_api::bytes_of(&q.0).ok())
             .unwrap_or(0);
-        let instances = gpu.mig.as_ref().map(|m| m.instances.as_slice()).unwrap_or(&[]);
+        let instances = gpu
+            .mig
+            .as_ref()
+            .map(|m| m.instances.as_slice())
+            .unwrap_or(&[]);
         if !gpu.slices.is_empty() {
             out.extend(gpu.slices.iter().map(|s| SliceConfig {
                 id: s.id.clone(),

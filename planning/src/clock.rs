@@ -9,7 +9,9 @@ pub const CLOCK_START_VAR: &str = "GPUSLICE_CLOCK_START";
 
 /// Why the clock setting cannot be used.
 #[derive(Debug, thiserror::Error)]
-#[error("{CLOCK_START_VAR}={value:?} is not an RFC 3339 instant (for example 2026-12-02T21:59:50Z)")]
+#[error(
+    "{CLOCK_START_VAR}={value:?} is not an RFC 3339 instant (for example 2026-12-02T21:59:50Z)"
+)]
 pub struct ClockError {
     value: String,
 }
@@ -65,7 +67,9 @@ mod tests {
         assert!((first - start).num_seconds().abs() <= 1, "{first}");
         let boundary: DateTime<Utc> = "2026-12-02T22:00:00Z".parse().unwrap();
         let wait = clock.until(boundary);
-        assert!(wait <= std::time::Duration::from_secs(10) && wait >= std::time::Duration::from_secs(8));
+        assert!(
+            wait <= std::time::Duration::from_secs(10) && wait >= std::time::Duration::from_secs(8)
+        );
         assert_eq!(clock.until(start), std::time::Duration::ZERO);
         assert!(clock.now() >= first);
     }

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::{SourceError, SourceSpec, Snapshot, git_error, load, load_tree, looks_like_url};
+use crate::{Snapshot, SourceError, SourceSpec, git_error, load, load_tree, looks_like_url};
 
 /// What one poll read.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,11 +108,7 @@ impl Follower {
         }
         Err(SourceError::UnknownRef {
             location: self.spec.location.clone(),
-            git_ref: self
-                .spec
-                .git_ref
-                .clone()
-                .unwrap_or_else(|| "HEAD".into()),
+            git_ref: self.spec.git_ref.clone().unwrap_or_else(|| "HEAD".into()),
             message: first.map_or_else(String::new, |e| match e {
                 SourceError::UnknownRef { message, .. } => message,
                 other => other.to_string(),

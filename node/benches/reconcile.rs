@@ -1,0 +1,151 @@
+//! Reconcile benchmark: one pass of the node agent over an 8 × H200 node, through the real
+//! nvml-wrapper code against the emulated libnvidia-ml (every NVML call reads the shared state
+//! file under its lock, as separate processes would). Three passes: nothing to do (the steady
+//! state a service repeats every interval), a fresh node to a 4-instance MIG layout per GPU, and
+//! a window change to whole GPUs. Prints a table; exits non-zero on FAIL.
+//!
+//!     cargo bench -p gpuslice-node --bench reconcile
+//!
+//! On real hardware a MIG create or destroy takes the driver tens to hundreds of milliseconds,
+//! which dominates the transitions; the steady pass is what the agent costs a node.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuslice_emulator::{Machine, Store};
+use gpuslice_node::{NvmlGpus, converge};
+use gpuslice_planning::transition::Desired;
+
+const GPUS: u32 = 8;
+const RUNS: usize = 15;
+
+fn library() -> PathBuf {
+    let deps = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    [
+        deps.join("libnvidia_ml.so"),
+        deps.parent().unwrap().join("libnvidia_ml.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .unwrap_or_else(|| panic!("libnvidia_ml.so not built next to {}", deps.display()))
+}
+
+fn mig(pairs: &[(&str, u32)]) -> Vec<(u32, Desired)> {
+    let counts: BTreeMap<String, u32> = pairs.iter().map(|(p, n)| (p.to_string(), *n)).collect();
+    (0..GPUS)
+        .map(|i| (i, Desired::Mig(counts.clone())))
+        .collect()
+}
+
+fn fresh() -> Machine {
+    let gpus: String = (0..GPUS)
+        .map(|i| format!("- {{index: {i}, model: NVIDIA H200}}\n"))
+        .collect();
+    let node: gpuslice_api::NodeInventory =
+        serde_yaml::from_str(&format!("name: bench\ngpus:\n{gpus}")).unwrap();
+    Machine::from_inventory(&node).unwrap()
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+/// Times `pass` from the state `setup` leaves, `RUNS` times.
+fn time(
+    run: &Path,
+    gpus: &NvmlGpus,
+    setup: impl Fn(),
+    desired: &[(u32, Desired)],
+) -> (Duration, usize) {
+    let mut samples = Vec::new();
+    let mut ops = 0;
+    for _ in 0..RUNS {
+        setup();
+        let _ = std::fs::remove_dir_all(run);
+        let start = Instant::now();
+        let outcomes = converge(gpus, "bench", run, desired, true).unwrap();
+        samples.push(start.elapsed());
+        assert!(outcomes.iter().all(|o| o.converged), "{outcomes:?}");
+        ops = outcomes.iter().map(|o| o.ops.len()).sum();
+    }
+    (median(samples), ops)
+}
+
+fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("gpus.json");
+    let run = dir.path().join("run");
+    let store = Store::create(&state, &fresh()).unwrap();
+    // SAFETY: set before NVML is loaded and before any other thread exists.
+    unsafe { std::env::set_var("GPUSLICE_EMULATOR_STATE", &state) };
+    let gpus = NvmlGpus::open(Some(&library())).unwrap();
+
+    let day = mig(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]);
+    let night = mig(&[("7g.141gb", 1)]);
+    let reset = |m: &Machine| Store::create(&state, m).unwrap();
+    converge(&gpus, "bench", &run, &day, true).unwrap();
+    let day_state = store.snapshot().unwrap();
+
+    let rows = [
+        (
+            "steady (nothing to do)",
+            time(
+                &run,
+                &gpus,
+                || {
+                    reset(&day_state);
+                },
+                &day,
+            ),
+            Duration::from_millis(100),
+        ),
+        (
+            "fresh → MIG layout",
+            time(
+                &run,
+                &gpus,
+                || {
+                    reset(&fresh());
+                },
+                &day,
+            ),
+            Duration::from_millis(1000),
+        ),
+        (
+            "window change → whole GPUs",
+            time(
+                &run,
+                &gpus,
+                || {
+                    reset(&day_state);
+                },
+                &night,
+            ),
+            Duration::from_millis(1000),
+        ),
+    ];
+    println!(
+        "{:<28} {:>5} {:>12} {:>10}  result",
+        "pass over 8 × H200", "ops", "median", "target"
+    );
+    let mut failed = false;
+    for (name, (took, ops), target) in rows {
+        let ok = took <= target;
+        failed |= !ok;
+        println!(
+            "{name:<28} {ops:>5} {:>10.1}ms {:>8}ms  {}",
+            took.as_secs_f64() * 1e3,
+            target.as_millis(),
+            if ok { "PASS" } else { "FAIL" }
+        );
+    }
+    if failed {
+        std::process::exit(1);
+    }
+}
