@@ -9,3 +9,24 @@ pub mod store;
 
 pub use model::{Fault, FaultAction, Gpu, GpuInstance, Machine, NvmlError};
 pub use store::{Store, StoreError};
+
+use std::path::{Path, PathBuf};
+
+/// Where the CUDA driver emulator keeps device memory held by processes: a
+/// [`gpuslice_shm::Ledger`] next to the state file, one row per (process, device), so every
+/// process sees one device and the NVML emulator lists what CUDA allocations took.
+pub fn cuda_ledger_path(state: &Path) -> PathBuf {
+    state.with_extension("cuda-memory")
+}
+
+/// The ledger key of a CUDA device: a whole GPU, or one GPU instance of it.
+pub fn device_key(gpu: u32, gpu_instance: Option<u32>) -> u32 {
+    (gpu << 16) | gpu_instance.unwrap_or(0xFFFF)
+}
+
+/// The GPU and GPU instance a ledger key names.
+pub fn device_of_key(key: u32) -> (u32, Option<u32>) {
+    let gi = key & 0xFFFF;
+    (key >> 16, (gi != 0xFFFF).then_some(gi))
+}
+pub use gpuslice_shm as shm;

@@ -54,8 +54,28 @@ fn guard(body: impl FnOnce() -> Result<(), nvmlReturn_t>) -> nvmlReturn_t {
 }
 
 fn read<T>(f: impl FnOnce(&Machine) -> Result<T, NvmlError>) -> Result<T, nvmlReturn_t> {
-    let machine = store()?.snapshot().map_err(|_| UNKNOWN)?;
+    let store = store()?;
+    let mut machine = store.snapshot().map_err(|_| UNKNOWN)?;
+    add_cuda_processes(&mut machine, store.path());
     f(&machine).map_err(code)
+}
+
+/// Processes holding memory through the CUDA emulator are on the GPU too, as NVML shows them.
+fn add_cuda_processes(machine: &mut Machine, state: &std::path::Path) {
+    let path = gpuslice_emulator::cuda_ledger_path(state);
+    if !path.exists() {
+        return;
+    }
+    let Ok(ledger) = gpuslice_emulator::shm::Ledger::open(&path) else {
+        return;
+    };
+    for (process, key, bytes) in ledger.rows() {
+        if !gpuslice_emulator::shm::alive(process) {
+            continue;
+        }
+        let (gpu, gpu_instance) = gpuslice_emulator::device_of_key(key);
+        let _ = machine.attach_real_process(gpu, process.pid, bytes, gpu_instance);
+    }
 }
 
 fn mutate<T>(f: impl FnOnce(&mut Machine) -> Result<T, NvmlError>) -> Result<T, nvmlReturn_t> {

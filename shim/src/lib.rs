@@ -1,0 +1,20 @@
+//! `libgpuslice.so`, loaded with `LD_PRELOAD` into a workload's processes: it enforces the
+//! slice's memory cap exactly, across all the processes of the slice, and shows the slice (not the
+//! whole GPU) to CUDA's `cuMemGetInfo` and to NVML users such as `nvidia-smi`. It intercepts the
+//! driver however a program reaches it: linked to `libcuda.so.1`, through `dlopen` + `dlsym`, or
+//! through `cuGetProcAddress` (what CUDA ≥ 11.3 runtimes use).
+//!
+//! - [`hooks`]: the one table of hooked symbols, from which exports and lookups are answered;
+//! - [`dl`]: real functions resolved once, and the `dlsym` the shim answers;
+//! - [`limits`]: the slice config the agent wrote, checked so a workload cannot raise its cap;
+//! - [`memory`], [`nvml`], [`launch`], [`proc_address`]: what each hook does.
+//!
+//! Without `GPUSLICE_SLICE_CONFIG` the shim passes every call through untouched.
+
+pub mod dl;
+pub mod hooks;
+pub mod launch;
+pub mod limits;
+pub mod memory;
+pub mod nvml;
+pub mod proc_address;

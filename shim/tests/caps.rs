@@ -1,0 +1,307 @@
+//! The shim under `LD_PRELOAD`, against the emulated driver and NVML, in C programs that reach
+//! the driver in each of the three ways real programs do.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use gpuslice_emulator::shm::{Ledger, alive};
+use gpuslice_emulator::{Machine, Store};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+const MODES: [&str; 3] = ["link", "dlsym", "procaddr"];
+
+fn deps() -> PathBuf {
+    std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// A machine with one emulated H200, the probe program built against the emulated libraries,
+/// and a slice of `cap` bytes whose config the agent would have written.
+struct Setup {
+    dir: tempfile::TempDir,
+    probe: PathBuf,
+    config: PathBuf,
+}
+
+impl Setup {
+    fn new(cap: u64) -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        for (name, target) in [
+            ("libcuda.so", "libcuda.so"),
+            ("libcuda.so.1", "libcuda.so"),
+            ("libnvidia-ml.so", "libnvidia_ml.so"),
+            ("libnvidia-ml.so.1", "libnvidia_ml.so"),
+        ] {
+            std::os::unix::fs::symlink(deps().join(target), lib.join(name)).unwrap();
+        }
+        let probe = dir.path().join("probe");
+        let built = Command::new("cc")
+            .arg("-O1")
+            .arg("-o")
+            .arg(&probe)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/probe.c"))
+            .arg(format!("-L{}", lib.display()))
+            .args(["-lcuda", "-lnvidia-ml", "-ldl"])
+            .output()
+            .unwrap();
+        assert!(
+            built.status.success(),
+            "{}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+
+        let node: gpuslice_api::NodeInventory =
+            serde_yaml::from_str("name: n\ngpus:\n- {index: 0, model: NVIDIA H200}\n").unwrap();
+        let machine = dir.path().join("machine.json");
+        Store::create(&machine, &Machine::from_inventory(&node).unwrap()).unwrap();
+        // The emulated device is open to every user, as /dev/nvidia* is.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        Ledger::open(&gpuslice_emulator::cuda_ledger_path(&machine)).unwrap();
+        for file in [
+            machine.with_extension("lock"),
+            gpuslice_emulator::cuda_ledger_path(&machine),
+        ] {
+            std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o666)).unwrap();
+        }
+        std::fs::set_permissions(&machine, std::fs::Permissions::from_mode(0o644)).unwrap();
+
+        // What the agent writes: a read-only config and the slice's ledger, in the slice's directory.
+        let slice = dir.path().join("state/slices/gpu0-s0");
+        std::fs::create_dir_all(&slice).unwrap();
+        let config = slice.join("config");
+        std::fs::write(
+            &config,
+            format!(
+                r#"{{"id":"gpu0-s0","kind":"software","gpu":0,"deviceUuid":"GPU-x","memoryBytes":{cap},"computePercent":50}}"#
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o444)).unwrap();
+        Ledger::open(&slice.join("memory")).unwrap();
+        std::fs::set_permissions(slice.join("memory"), std::fs::Permissions::from_mode(0o666))
+            .unwrap();
+        Setup { dir, probe, config }
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(&self.probe);
+        cmd.args(args)
+            .env("LD_PRELOAD", deps().join("libgpuslice.so"))
+            .env("LD_LIBRARY_PATH", self.dir.path().join("lib"))
+            .env(
+                "GPUSLICE_EMULATOR_STATE",
+                self.dir.path().join("machine.json"),
+            )
+            .env("GPUSLICE_SLICE_CONFIG", &self.config);
+        cmd
+    }
+
+    fn ledger(&self) -> Ledger {
+        Ledger::open(&self.config.with_file_name("memory")).unwrap()
+    }
+}
+
+fn values(out: &Output) -> std::collections::HashMap<String, i64> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.parse().unwrap()))
+        .collect()
+}
+
+#[test]
+fn the_cap_holds_for_every_kind_of_allocation_and_every_way_to_reach_the_driver() {
+    let cap = 8 * GIB;
+    let setup = Setup::new(cap);
+    let context = cuda::CONTEXT_BYTES;
+    for mode in MODES {
+        let out = setup.command(&[mode, "cap"]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{mode}: {text}{err}");
+        let v = values(&out);
+        assert_eq!(
+            v["info_total"] as u64, cap,
+            "{mode}: cuMemGetInfo shows the cap\n{text}"
+        );
+        assert_eq!(
+            v["info_free"] as u64,
+            cap - context,
+            "{mode}: the context is charged to the slice\n{text}"
+        );
+        assert_eq!(v["chunks"] as u64, (cap - context) / GIB, "{mode}\n{text}");
+        assert_eq!(
+            v["last_rc"], 2,
+            "{mode}: the one past the cap is OUT_OF_MEMORY\n{text}"
+        );
+        assert_eq!(
+            v["free_after"], v["info_free"],
+            "{mode}: freeing gives it all back"
+        );
+        for kind in ["alloc", "pitch", "managed", "async", "pool", "vmm", "array"] {
+            assert_eq!(
+                v[&format!("{kind}_over")],
+                2,
+                "{mode}: {kind} past the cap\n{text}"
+            );
+            assert_eq!(
+                v[&format!("{kind}_fit")],
+                0,
+                "{mode}: {kind} within the cap\n{text}"
+            );
+        }
+        assert_eq!(
+            v["free_end"], v["info_free"],
+            "{mode}: nothing leaked\n{text}"
+        );
+        assert_eq!(
+            v["nvml_total"] as u64, cap,
+            "{mode}: NVML shows the cap\n{text}"
+        );
+        assert_eq!(
+            v["nvml_used"] as u64, context,
+            "{mode}: NVML shows the slice's use\n{text}"
+        );
+        let ledger = setup.ledger();
+        ledger.reclaim(alive);
+        assert_eq!(
+            ledger.used(0),
+            0,
+            "{mode}: the process is gone, so is its memory"
+        );
+    }
+}
+
+#[test]
+fn sixteen_processes_share_one_cap_and_the_killed_ones_give_their_memory_back() {
+    // 16 processes × (a context + at most 256 MiB) fit in the cap: no allocation may fail.
+    let context = cuda::CONTEXT_BYTES;
+    let cap = 16 * (context + 256 * MIB);
+    let setup = Setup::new(cap);
+    // Every fourth process churns until it is killed; the others finish their rounds.
+    let killed = |i: usize| i % 4 == 0;
+    let mut children: Vec<_> = (0..16)
+        .map(|i| {
+            let rounds = if killed(i) { "100000000" } else { "3000" };
+            setup
+                .command(&[MODES[i % 3], "churn", rounds, &(i + 1).to_string(), "256"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    for child in children.iter_mut().step_by(4) {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "killed mid-way, not after"
+        );
+        child.kill().unwrap();
+    }
+    for (i, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        if !killed(i) {
+            assert!(
+                out.status.success(),
+                "process {i}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(values(&out)["failures"], 0, "process {i}");
+        }
+    }
+    assert!(
+        setup.ledger().used(0) > 0,
+        "the killed processes died holding memory"
+    );
+    let ledger = setup.ledger();
+    ledger.reclaim(alive);
+    assert_eq!(ledger.used(0), 0, "every byte accounted for");
+}
+
+#[test]
+fn a_workload_cannot_raise_its_cap() {
+    let cap = 2 * GIB;
+    let setup = Setup::new(cap);
+    // Through the environment: it can only lower the cap.
+    let out = setup
+        .command(&["link", "cap"])
+        .env("GPUSLICE_MEMORY_LIMIT", "100Gi")
+        .output()
+        .unwrap();
+    assert_eq!(values(&out)["info_total"] as u64, cap);
+    let out = setup
+        .command(&["link", "cap"])
+        .env("GPUSLICE_MEMORY_LIMIT", "1Gi")
+        .output()
+        .unwrap();
+    assert_eq!(values(&out)["info_total"] as u64, GIB);
+
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc_geteuid() } != 0 {
+        eprintln!("not root: the checks that run the workload as another user are skipped");
+        return;
+    }
+    let nobody = 65534;
+    // The workload's user cannot rewrite its config.
+    let write = Command::new("sh")
+        .arg("-c")
+        .arg(format!("echo '{{}}' > {}", setup.config.display()))
+        .uid(nobody)
+        .output()
+        .unwrap();
+    assert!(
+        !write.status.success(),
+        "the config must be read-only to the workload"
+    );
+
+    // Nor point the shim at a config of its own: that fails closed.
+    let own = setup.dir.path().join("own");
+    std::fs::create_dir_all(&own).unwrap();
+    std::os::unix::fs::chown(&own, Some(nobody), Some(nobody)).unwrap();
+    let forged = own.join("config");
+    std::fs::write(&forged, r#"{"id":"x","memoryBytes":1099511627776}"#).unwrap();
+    std::os::unix::fs::chown(&forged, Some(nobody), Some(nobody)).unwrap();
+    let out = setup
+        .command(&["link", "cap"])
+        .env("GPUSLICE_SLICE_CONFIG", &forged)
+        .uid(nobody)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("fail closed") && err.contains("belongs to this process's user"),
+        "{err}"
+    );
+    // Even the context (device memory too) is refused: the program cannot start on the GPU.
+    assert!(err.contains("no context"), "{err}");
+    assert_eq!(out.status.code(), Some(4));
+
+    // As that user, the real config still holds.
+    let out = setup
+        .command(&["link", "cap"])
+        .uid(nobody)
+        .output()
+        .unwrap();
+    assert_eq!(
+        values(&out)["info_total"] as u64,
+        cap,
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+unsafe extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
+}
+
+use std::os::unix::process::CommandExt as _;
