@@ -4,7 +4,8 @@
 //!   so the shim and `gpuslice run` never read half a table (each slice: id, GPU UUID, memory cap,
 //!   compute share);
 //! - one directory per slice of any kind, `slices/<id>/`, holding its read-only `config` (what the
-//!   shim enforces and `gpuslice run` hands out) and, written by the workload, `checkpoint-done`.
+//!   shim enforces and `gpuslice run` hands out), its memory ledger `memory` (see
+//!   `gpuslice_shm`), and, written by the workload, `checkpoint-done`.
 //!
 //! Slice ids: `gpu<i>-s<n>` for software slices, `gpu<i>-mig<start>-<profile>` for MIG instances
 //! (stable while the instance keeps its placement), `gpu<i>` for a whole GPU.
@@ -206,6 +207,17 @@ pub fn sync_dirs(state: &Path, slices: &[SliceConfig]) -> Result<(), SliceError>
     for slice in slices {
         let dir = root.join(&slice.id);
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        // The slice's memory ledger: every process of the workload maps it read-write (it can
+        // only spoil its own slice's accounting; its limits come from the read-only config).
+        let ledger = dir.join("memory");
+        if !ledger.exists() {
+            gpuslice_shm::Ledger::open(&ledger).map_err(|e| SliceError::Io {
+                path: ledger.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            std::fs::set_permissions(&ledger, std::fs::Permissions::from_mode(0o666))
+                .map_err(io(&ledger))?;
+        }
         let path = dir.join("config");
         let text = serde_json::to_vec_pretty(slice).map_err(|e| io(&path)(e.into()))?;
         if std::fs::read(&path).ok().as_deref() == Some(text.as_slice()) {

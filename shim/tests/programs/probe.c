@@ -190,11 +190,68 @@ static int churn(int rounds, unsigned seed, unsigned max_mib) {
   return failures != 0;
 }
 
+#include <time.h>
+
+static void *kernel;
+
+/* Runs one operation n times: "launch", "alloc" (cuMemAlloc + cuMemFree of 4 KiB), "info". */
+static void run_op(const char *op, long n) {
+  dptr_t p;
+  size_t f, t;
+  if (strcmp(op, "launch") == 0)
+    for (long i = 0; i < n; i++) cu.launch(kernel, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0);
+  else if (strcmp(op, "alloc") == 0)
+    for (long i = 0; i < n; i++) { cu.alloc(&p, 4096); cu.free(p); }
+  else if (strcmp(op, "info") == 0)
+    for (long i = 0; i < n; i++) cu.get_info(&f, &t);
+}
+
+static void setup_kernel(void) {
+  void *module;
+  context();
+  if (cu.module_load(&module, "gpuslice-emulator") || cu.get_function(&kernel, module, "noop")) exit(5);
+}
+
+static double now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e9 + ts.tv_nsec;
+}
+
+static int cmp(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* Median ns per call over 9 batches of n calls, for each operation. */
+static int bench(long n) {
+  const char *ops[] = {"launch", "alloc", "info"};
+  setup_kernel();
+  for (int o = 0; o < 3; o++) {
+    double batch[9];
+    run_op(ops[o], n / 10);
+    for (int b = 0; b < 9; b++) {
+      double start = now_ns();
+      run_op(ops[o], n);
+      batch[b] = (now_ns() - start) / n;
+    }
+    qsort(batch, 9, sizeof batch[0], cmp);
+    printf("%s_ns=%.1f\n", ops[o], batch[4]);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc < 3) { fprintf(stderr, "usage: probe link|dlsym|procaddr cap|churn ...\n"); return 2; }
   resolve(argv[1]);
   setvbuf(stdout, 0, _IONBF, 0);
   if (strcmp(argv[2], "cap") == 0) return cap();
+  if (strcmp(argv[2], "bench") == 0 && argc == 4) return bench(atol(argv[3]));
+  if (strcmp(argv[2], "count") == 0 && argc == 5) {
+    setup_kernel();
+    run_op(argv[3], atol(argv[4]));
+    return 0;
+  }
   if (strcmp(argv[2], "churn") == 0 && argc == 6)
     return churn(atoi(argv[3]), (unsigned)atoi(argv[4]), (unsigned)atoi(argv[5]));
   return 2;
