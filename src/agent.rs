@@ -4,19 +4,20 @@
 //! keeps doing so: every interval, at each window boundary, and sooner while a transition waits
 //! for busy processes, which it drains as their CheckpointPolicy says.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use gpuslice_api::NodeInventory;
-use gpuslice_node::{GpuOutcome, NvmlGpus};
+use gpuslice_node::{GpuOutcome, Held, NvmlGpus};
 use gpuslice_planning::clock::Clock;
 use gpuslice_planning::cluster::{ClusterPlan, plan_cluster};
 use gpuslice_planning::transition::Desired;
 use gpuslice_source::SourceSpec;
 
+use crate::claims::{Claim, Claims};
 use crate::drain::{self, DrainPolicy, Drains, Waiting};
 use crate::standalone::{Config, Source, SourceStatus};
 
@@ -77,6 +78,9 @@ pub struct Pass {
     /// Signals that could not be sent.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub drain_errors: Vec<String>,
+    /// Slices held through `gpuslice run`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub claims: Vec<Claim>,
 }
 
 impl Pass {
@@ -94,16 +98,18 @@ impl Pass {
 }
 
 /// One pass: plan every GPU of this node against the pools and, with `apply`, converge.
+#[allow(clippy::too_many_arguments)] // one pass needs all of it
 pub fn run_once(
     gpus: &NvmlGpus,
     node_name: &str,
     labels: &std::collections::BTreeMap<String, String>,
     pools: &[gpuslice_api::GpuPool],
     state_dir: &Path,
+    held: &[Held],
     at: DateTime<Utc>,
     apply: bool,
 ) -> Result<Pass, AgentError> {
-    let mut inventory = gpuslice_node::read_node(gpus, node_name, state_dir)?;
+    let mut inventory = gpuslice_node::read_node(gpus, node_name, state_dir, held)?;
     inventory.labels = labels.clone();
     let plan = plan_cluster(pools, std::slice::from_ref(&inventory), at);
     let desired: Vec<(u32, Desired)> = plan
@@ -112,7 +118,7 @@ pub fn run_once(
         .flat_map(|n| &n.gpus)
         .filter_map(|g| Some((g.index, g.desired.clone()?)))
         .collect();
-    let outcomes = gpuslice_node::converge(gpus, node_name, state_dir, &desired, apply)?;
+    let outcomes = gpuslice_node::converge(gpus, node_name, state_dir, &desired, held, apply)?;
     Ok(Pass {
         node: node_name.to_string(),
         applied: apply,
@@ -122,6 +128,7 @@ pub fn run_once(
         outcomes,
         draining: Vec::new(),
         drain_errors: Vec::new(),
+        claims: Vec::new(),
     })
 }
 
@@ -206,21 +213,29 @@ const BLOCKED_RETRY: Duration = Duration::from_secs(5);
 pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, AgentError> {
     let gpus = NvmlGpus::open(options.library.as_deref())?;
     let mut source = Source::new(options.source.clone(), &options.state);
+    let claims = Arc::new(Claims::default());
+    if !options.once {
+        serve_claims(&claims, &options.state)?;
+    }
     loop {
         let now = options.at.unwrap_or_else(|| options.clock.now());
         let (config, status) = source.refresh(now);
-        let empty = Config {
-            pools: Vec::new(),
-            checkpoints: BTreeMap::new(),
-            revision: None,
-        };
-        let config = config.unwrap_or(empty);
+        let config = config.unwrap_or_default();
+        let held: Vec<Held> = claims
+            .held()
+            .into_iter()
+            .map(|c| Held {
+                pid: c.workload.unwrap_or(c.client),
+                slice: c.slice,
+            })
+            .collect();
         let mut pass = run_once(
             &gpus,
             &options.node.name,
             &options.node.labels,
             &config.pools,
             &options.state,
+            &held,
             now,
             options.apply,
         )?;
@@ -229,12 +244,34 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Agent
         if options.apply {
             drain(&mut pass, &config, &options.state, now)?;
         }
+        claims.update(
+            crate::claims::slices_in(&options.state),
+            crate::claims::needs(&config),
+        );
+        pass.claims = claims.held();
         emit(&pass);
         if options.once {
             return Ok(pass);
         }
         std::thread::sleep(next_wake(&pass, options));
     }
+}
+
+/// The socket `gpuslice run` talks to: `<state>/agent.sock`, open to every local user (the
+/// agent tells callers apart by their credentials).
+fn serve_claims(claims: &Arc<Claims>, state: &Path) -> Result<(), AgentError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let path = state.join("agent.sock");
+    let setup = |e: std::io::Error| AgentError::Setup(format!("{}: {e}", path.display()));
+    std::fs::create_dir_all(state).map_err(setup)?;
+    // A socket left by an earlier agent would refuse the bind.
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).map_err(setup)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).map_err(setup)?;
+    let claims = Arc::clone(claims);
+    let state = state.to_path_buf();
+    std::thread::spawn(move || claims.serve(listener, state));
+    Ok(())
 }
 
 /// Sleep until the interval ends, a window boundary comes, or (while blocked) the next retry

@@ -2,7 +2,12 @@
 //! operator, run). The library half holds what the commands do, so tests call it directly.
 
 pub mod agent;
+pub mod claims;
 pub mod drain;
 pub mod plan;
+pub mod run;
 pub mod standalone;
 pub mod validate;
+
+/// The variable that names a slice's config to the shim (see `shim/src/limits.rs`).
+pub const SLICE_CONFIG_VAR: &str = "GPUSLICE_SLICE_CONFIG";

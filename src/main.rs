@@ -96,6 +96,33 @@ enum Command {
         #[arg(long, short, value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// Run a command on a slice of this node: ask the agent for one that fits (waiting in line
+    /// when none is free), run the command under the shim with the slice's limits, give the slice
+    /// back when it ends.
+    Run {
+        /// The agent's state directory.
+        #[arg(long, default_value = "/run/gpuslice")]
+        state: PathBuf,
+        /// A GpuSlicePolicy of the agent's source: its memory (plus the pool's headroom) and
+        /// compute limit.
+        #[arg(long)]
+        policy: Option<String>,
+        /// GPU memory the command needs, e.g. 20Gi.
+        #[arg(long)]
+        memory: Option<String>,
+        /// Compute share the command needs, in percent of a GPU.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
+        compute: Option<u32>,
+        /// Fail at once when no slice is free instead of waiting in line.
+        #[arg(long)]
+        no_wait: bool,
+        /// The shim to preload (default: libgpuslice.so next to gpuslice).
+        #[arg(long)]
+        shim: Option<PathBuf>,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
     /// Write the CustomResourceDefinitions, generated from the API types, into a folder.
     Crds {
         /// Where to write them.
@@ -298,6 +325,31 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::SUCCESS
             })
+        }
+        Command::Run {
+            state,
+            policy,
+            memory,
+            compute,
+            no_wait,
+            shim,
+            command,
+        } => {
+            let memory_bytes = memory
+                .map(|m| gpuslice_api::bytes_of(&m).with_context(|| format!("--memory {m:?}")))
+                .transpose()?;
+            let want = gpuslice::claims::Want {
+                policy,
+                memory_bytes,
+                compute_percent: compute,
+                no_wait,
+            };
+            let shim = match shim {
+                Some(s) => s,
+                None => gpuslice::run::shim_library()?,
+            };
+            let code = gpuslice::run::run(&state, &want, &shim, &command)?;
+            Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
         }
         Command::Crds { dir, check } => {
             let mut drifted = Vec::new();

@@ -7,17 +7,18 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
-use gpuslice_api::{CheckpointPolicySpec, GpuPool};
+use gpuslice_api::{CheckpointPolicySpec, GpuPool, GpuSlicePolicySpec};
 use gpuslice_source::{Follower, SourceFile, SourceSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::validate::read_repository;
 
 /// The configuration in force.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Config {
     pub pools: Vec<GpuPool>,
     pub checkpoints: BTreeMap<String, CheckpointPolicySpec>,
+    pub policies: BTreeMap<String, GpuSlicePolicySpec>,
     /// The commit it came from (Git sources).
     pub revision: Option<String>,
 }
@@ -141,6 +142,11 @@ impl Source {
                     .checkpoints
                     .into_iter()
                     .filter_map(|c| Some((c.object.metadata.name?, c.object.spec)))
+                    .collect(),
+                policies: repo
+                    .policies
+                    .into_iter()
+                    .filter_map(|p| Some((p.object.metadata.name?, p.object.spec)))
                     .collect(),
                 revision: saved.revision.clone(),
             }

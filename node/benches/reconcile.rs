@@ -69,7 +69,7 @@ fn time(
         setup();
         let _ = std::fs::remove_dir_all(run);
         let start = Instant::now();
-        let outcomes = converge(gpus, "bench", run, desired, true).unwrap();
+        let outcomes = converge(gpus, "bench", run, desired, &[], true).unwrap();
         samples.push(start.elapsed());
         assert!(outcomes.iter().all(|o| o.converged), "{outcomes:?}");
         ops = outcomes.iter().map(|o| o.ops.len()).sum();
@@ -89,7 +89,7 @@ fn main() {
     let day = mig(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]);
     let night = mig(&[("7g.141gb", 1)]);
     let reset = |m: &Machine| Store::create(&state, m).unwrap();
-    converge(&gpus, "bench", &run, &day, true).unwrap();
+    converge(&gpus, "bench", &run, &day, &[], true).unwrap();
     let day_state = store.snapshot().unwrap();
 
     let rows = [

@@ -96,11 +96,42 @@ fn blocking_processes(gpu: &GpuInventory, blockers: &[Blocker]) -> Vec<BlockingP
     out
 }
 
-/// The node as NVML and the slice tables show it.
-pub fn read_node(gpus: &NvmlGpus, node: &str, state: &Path) -> Result<NodeInventory, AgentError> {
+/// A slice held by a workload (a claim), which makes it busy even before the workload touches
+/// the GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub slice: String,
+    pub pid: u32,
+}
+
+/// The node as NVML and the slice tables show it, with held slices marked busy.
+pub fn read_node(
+    gpus: &NvmlGpus,
+    node: &str,
+    state: &Path,
+    held: &[Held],
+) -> Result<NodeInventory, AgentError> {
     let mut inventory = gpus.inventory(node)?;
     for gpu in &mut inventory.gpus {
         gpu.slices = slices::read(state, gpu.index)?;
+        for h in held {
+            let process = gpuslice_api::GpuProcess {
+                pid: h.pid,
+                memory: None,
+                name: Some(format!("claim on {}", h.slice)),
+            };
+            if h.slice == slices::gpu_slice_id(gpu.index) {
+                gpu.processes.push(process);
+            } else if let Some(s) = gpu.slices.iter_mut().find(|s| s.id == h.slice) {
+                s.processes.push(process);
+            } else if let Some(i) = gpu.mig.as_mut().and_then(|m| {
+                m.instances
+                    .iter_mut()
+                    .find(|i| slices::mig_slice_id(gpu.index, i) == h.slice)
+            }) {
+                i.processes.push(process);
+            }
+        }
     }
     Ok(inventory)
 }
@@ -112,9 +143,10 @@ pub fn converge(
     node: &str,
     state: &Path,
     desired: &[(u32, Desired)],
+    held: &[Held],
     apply: bool,
 ) -> Result<Vec<GpuOutcome>, AgentError> {
-    let before = read_node(gpus, node, state)?;
+    let before = read_node(gpus, node, state, held)?;
     let mut outcomes = Vec::new();
     for (index, want) in desired {
         let Some(gpu) = before.gpus.iter().find(|g| g.index == *index) else {
@@ -179,7 +211,7 @@ pub fn converge(
         }
         outcomes.push(outcome);
     }
-    let after = read_node(gpus, node, state)?;
+    let after = read_node(gpus, node, state, held)?;
     if apply {
         slices::sync_dirs(state, &slices::configs(&after))?;
     }

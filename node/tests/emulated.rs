@@ -64,10 +64,10 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
         compute: 25,
     };
     let want = [(0, day.clone()), (1, Desired::Software(table))];
-    let dry = converge(&gpus, "n", &slices, &want, false).unwrap();
+    let dry = converge(&gpus, "n", &slices, &want, &[], false).unwrap();
     assert!(dry.iter().all(|o| !o.converged && !o.ops.is_empty()));
     assert!(!store.snapshot().unwrap().gpu(0).unwrap().mig_enabled);
-    let applied = converge(&gpus, "n", &slices, &want, true).unwrap();
+    let applied = converge(&gpus, "n", &slices, &want, &[], true).unwrap();
     assert!(
         applied.iter().all(|o| o.converged && o.error.is_none()),
         "{applied:#?}"
@@ -83,7 +83,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
         "each instance gets a compute instance"
     );
     // A second pass has nothing to do.
-    let again = converge(&gpus, "n", &slices, &want, true).unwrap();
+    let again = converge(&gpus, "n", &slices, &want, &[], true).unwrap();
     assert!(
         again.iter().all(|o| o.ops.is_empty() && o.converged),
         "{again:#?}"
@@ -92,7 +92,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
     // A window change: the 3g instance stays (same UUID), the small ones make room for another 3g.
     let three_g = uuid_at(&store, 0, 4).expect("the solver put the 3g at slices 4-7");
     let night = mig(&[("3g.71gb", 2)]);
-    let out = converge(&gpus, "n", &slices, &[(0, night.clone())], true).unwrap();
+    let out = converge(&gpus, "n", &slices, &[(0, night.clone())], &[], true).unwrap();
     assert!(out[0].converged, "{out:#?}");
     assert_eq!(
         uuid_at(&store, 0, 4),
@@ -116,7 +116,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
         .unwrap()
         .unwrap();
     let whole = mig(&[("7g.141gb", 1)]);
-    let blocked = converge(&gpus, "n", &slices, &[(0, whole.clone())], true).unwrap();
+    let blocked = converge(&gpus, "n", &slices, &[(0, whole.clone())], &[], true).unwrap();
     assert!(!blocked[0].converged);
     assert!(
         matches!(&blocked[0].blocked_by[..], [Blocker::Instance { profile, .. }] if profile == "3g.71gb"),
@@ -130,7 +130,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
     assert_eq!(store.snapshot().unwrap().gpu(0).unwrap().instances.len(), 2);
     // Once the process exits, the next pass completes.
     store.update(|m| m.detach_process(777)).unwrap();
-    let done = converge(&gpus, "n", &slices, &[(0, whole)], true).unwrap();
+    let done = converge(&gpus, "n", &slices, &[(0, whole)], &[], true).unwrap();
     assert!(done[0].converged, "{done:#?}");
 
     // Software → MIG → software on GPU 1.
@@ -139,6 +139,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
         "n",
         &slices,
         &[(1, mig(&[("4g.71gb", 1), ("3g.71gb", 1)]))],
+        &[],
         true,
     )
     .unwrap();
@@ -147,7 +148,15 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
         gpuslice_node::slices::read(&slices, 1).unwrap().is_empty(),
         "the slice table is gone"
     );
-    let back = converge(&gpus, "n", &slices, &[(1, Desired::Software(table))], true).unwrap();
+    let back = converge(
+        &gpus,
+        "n",
+        &slices,
+        &[(1, Desired::Software(table))],
+        &[],
+        true,
+    )
+    .unwrap();
     assert!(back[0].converged, "{back:#?}");
     assert!(!store.snapshot().unwrap().gpu(1).unwrap().mig_enabled);
     assert_eq!(gpuslice_node::slices::read(&slices, 1).unwrap().len(), 4);

@@ -11,6 +11,9 @@
 //!
 //! Without `GPUSLICE_SLICE_CONFIG` the shim passes every call through untouched.
 
+// The exports take the C caller's pointers, as the functions they stand in for do.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
 pub mod dl;
 pub mod hooks;
 pub mod launch;

@@ -81,7 +81,7 @@ fn sixteen_processes_share_one_cap_and_the_killed_ones_give_their_memory_back() 
     let cap = 16 * (context + 256 * MIB);
     let setup = Setup::new(cap);
     // Every fourth process churns until it is killed; the others finish their rounds.
-    let killed = |i: usize| i % 4 == 0;
+    let killed = |i: usize| i.is_multiple_of(4);
     let mut children: Vec<_> = (0..16)
         .map(|i| {
             let rounds = if killed(i) { "100000000" } else { "3000" };

@@ -12,7 +12,8 @@
 //! `dlsym`, or through `cuGetProcAddress[_v2]`, which answers from one table of entry points.
 //! Every export runs under `catch_unwind`: a panic becomes `CUDA_ERROR_UNKNOWN`.
 
-#![allow(non_snake_case)] // the exports carry the driver's names
+// The exports carry the driver's names and take the C caller's pointers, as its functions do.
+#![allow(non_snake_case, clippy::not_unsafe_ptr_arg_deref)]
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -685,7 +686,7 @@ pub extern "C" fn cuMemCreate(
     guard(|| {
         let prop = get(prop)?;
         let bytes = bytes as u64;
-        if bytes == 0 || bytes % GRANULARITY != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let id = with(|d| {

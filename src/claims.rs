@@ -1,0 +1,420 @@
+//! Slice claims on a standalone node: `gpuslice run` asks the agent for a slice over the agent's
+//! Unix socket (`<state>/agent.sock`), waits in line when none is free, and holds the slice for as
+//! long as it keeps the connection open, so a claim can never outlive its holder. The agent
+//! identifies callers by the socket's peer credentials, records the workload's pid, and treats a
+//! claimed slice as busy: re-slicing it is blocked like destroying a busy MIG instance.
+//!
+//! Protocol: JSON lines. The client sends a [`Request::Want`], receives [`Reply::Queued`] (its
+//! place in line, again whenever it moves) and then [`Reply::Granted`] or [`Reply::Refused`];
+//! once its workload runs it sends [`Request::Running`].
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use gpuslice_node::slices::{SliceConfig, SliceKind};
+use serde::{Deserialize, Serialize};
+
+/// What a client asks for.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Want {
+    /// A `GpuSlicePolicy` of the source; its memory (plus the pool's headroom) and compute limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_percent: Option<u32>,
+    /// Refuse at once instead of waiting in line.
+    #[serde(default)]
+    pub no_wait: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Request {
+    Want(Want),
+    /// The workload started with this pid (a child of the client).
+    Running {
+        pid: u32,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Reply {
+    /// Waiting: 1 is next in line.
+    Queued {
+        position: usize,
+    },
+    Granted {
+        slice: String,
+        config: PathBuf,
+        device_uuid: String,
+    },
+    Refused {
+        reason: String,
+    },
+}
+
+/// What a request needs from a slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Need {
+    pub memory: u64,
+    pub compute: u32,
+}
+
+impl Need {
+    fn fits(&self, slice: &SliceConfig) -> bool {
+        slice.memory_bytes >= self.memory && slice.compute_percent >= self.compute
+    }
+}
+
+/// A claim held by a connection.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Claim {
+    pub slice: String,
+    /// The `gpuslice run` process (peer credentials).
+    pub client: u32,
+    /// The workload it started.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workload: Option<u32>,
+}
+
+#[derive(Default)]
+struct Board {
+    slices: Vec<SliceConfig>,
+    /// Policy name → need.
+    policies: BTreeMap<String, Need>,
+    claims: HashMap<u64, Claim>,
+    queue: VecDeque<(u64, Need)>,
+    refused: HashMap<u64, String>,
+    next: u64,
+}
+
+impl Board {
+    /// Grants free slices to waiters in order of arrival, each the smallest free slice that fits.
+    fn assign(&mut self) {
+        let mut waiting = VecDeque::new();
+        while let Some((conn, need)) = self.queue.pop_front() {
+            let taken: Vec<&str> = self.claims.values().map(|c| c.slice.as_str()).collect();
+            let best = self
+                .slices
+                .iter()
+                .filter(|s| !taken.contains(&s.id.as_str()) && need.fits(s))
+                .min_by_key(|s| (s.memory_bytes, s.compute_percent, s.id.clone()))
+                .map(|s| s.id.clone());
+            match best {
+                Some(slice) => {
+                    self.claims.insert(
+                        conn,
+                        Claim {
+                            slice,
+                            client: 0,
+                            workload: None,
+                        },
+                    );
+                }
+                None if !self.slices.iter().any(|s| need.fits(s)) => {
+                    self.refused.insert(
+                        conn,
+                        format!(
+                            "no slice on this node has {} of memory and {}% compute",
+                            gpuslice_api::quantity::format_bytes(need.memory),
+                            need.compute
+                        ),
+                    );
+                }
+                None => waiting.push_back((conn, need)),
+            }
+        }
+        self.queue = waiting;
+    }
+}
+
+/// The node's claims, shared by the agent's passes and the socket's connections.
+#[derive(Default)]
+pub struct Claims {
+    board: Mutex<Board>,
+    changed: Condvar,
+}
+
+impl Claims {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Board> {
+        self.board.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The slices the node has now and what each policy needs; waiters may now fit.
+    pub fn update(&self, slices: Vec<SliceConfig>, policies: BTreeMap<String, Need>) {
+        let mut board = self.lock();
+        board.slices = slices;
+        board.policies = policies;
+        board.assign();
+        self.changed.notify_all();
+    }
+
+    /// Every claim held now.
+    pub fn held(&self) -> Vec<Claim> {
+        let mut claims: Vec<Claim> = self.lock().claims.values().cloned().collect();
+        claims.sort_by(|a, b| a.slice.cmp(&b.slice));
+        claims
+    }
+
+    /// Serves the socket until the process ends, one thread per connection.
+    pub fn serve(self: Arc<Self>, listener: UnixListener, state: PathBuf) {
+        for stream in listener.incoming().flatten() {
+            let claims = Arc::clone(&self);
+            let state = state.clone();
+            std::thread::spawn(move || {
+                let _ = claims.connection(stream, &state);
+            });
+        }
+    }
+
+    fn connection(&self, stream: UnixStream, state: &Path) -> std::io::Result<()> {
+        let client = rustix::net::sockopt::socket_peercred(&stream)
+            .map(|c| c.pid.as_raw_nonzero().get() as u32)
+            .unwrap_or(0);
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut writer = stream.try_clone()?;
+        let mut send = |reply: &Reply| -> std::io::Result<()> {
+            let mut line = serde_json::to_vec(reply).map_err(std::io::Error::other)?;
+            line.push(b'\n');
+            writer.write_all(&line)
+        };
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        let want = match serde_json::from_str(&line) {
+            Ok(Request::Want(want)) => want,
+            _ => {
+                return send(&Reply::Refused {
+                    reason: "the first request must be a `want`".into(),
+                });
+            }
+        };
+        let conn = {
+            let mut board = self.lock();
+            let need = match resolve(&want, &board.policies) {
+                Ok(need) => need,
+                Err(reason) => {
+                    drop(board);
+                    return send(&Reply::Refused { reason });
+                }
+            };
+            board.next += 1;
+            let conn = board.next;
+            board.queue.push_back((conn, need));
+            board.assign();
+            conn
+        };
+        // Wait in line, telling the client where it stands; a client that hangs up leaves.
+        let mut shown = 0;
+        let granted = loop {
+            let mut board = self.lock();
+            if let Some(claim) = board.claims.get_mut(&conn) {
+                claim.client = client;
+                break claim.slice.clone();
+            }
+            if let Some(reason) = board.refused.remove(&conn) {
+                drop(board);
+                return send(&Reply::Refused { reason });
+            }
+            let position = board
+                .queue
+                .iter()
+                .position(|(c, _)| *c == conn)
+                .unwrap_or(0)
+                + 1;
+            if want.no_wait {
+                board.queue.retain(|(c, _)| *c != conn);
+                drop(board);
+                return send(&Reply::Refused {
+                    reason: format!("no free slice fits ({} ahead in line)", position - 1),
+                });
+            }
+            if position != shown {
+                shown = position;
+                drop(board);
+                if send(&Reply::Queued { position }).is_err() {
+                    return self.leave(conn);
+                }
+                continue;
+            }
+            let (board, _) = self
+                .changed
+                .wait_timeout(board, Duration::from_millis(500))
+                .unwrap_or_else(|p| p.into_inner());
+            drop(board);
+            if hung_up(&stream) {
+                return self.leave(conn);
+            }
+        };
+        let config = state.join("slices").join(&granted).join("config");
+        let device_uuid = gpuslice_node::slices::read_config(state, &granted)
+            .map(|c| c.device_uuid)
+            .unwrap_or_default();
+        if send(&Reply::Granted {
+            slice: granted,
+            config,
+            device_uuid,
+        })
+        .is_ok()
+        {
+            // Held until the client hangs up.
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 0 {
+                if let Ok(Request::Running { pid }) = serde_json::from_str(&line)
+                    && parent_of(pid) == Some(client)
+                    && let Some(claim) = self.lock().claims.get_mut(&conn)
+                {
+                    claim.workload = Some(pid);
+                }
+                line.clear();
+            }
+        }
+        self.leave(conn)
+    }
+
+    fn leave(&self, conn: u64) -> std::io::Result<()> {
+        let mut board = self.lock();
+        board.claims.remove(&conn);
+        board.queue.retain(|(c, _)| *c != conn);
+        board.assign();
+        self.changed.notify_all();
+        Ok(())
+    }
+}
+
+fn hung_up(stream: &UnixStream) -> bool {
+    use rustix::net::{RecvFlags, recv};
+    let mut byte = [0u8; 1];
+    matches!(
+        recv(stream, &mut byte[..], RecvFlags::PEEK | RecvFlags::DONTWAIT),
+        Ok((0, _))
+    )
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn resolve(want: &Want, policies: &BTreeMap<String, Need>) -> Result<Need, String> {
+    let mut need = match &want.policy {
+        Some(name) => *policies
+            .get(name)
+            .ok_or_else(|| format!("GpuSlicePolicy {name:?} is not in this node's source"))?,
+        None => Need {
+            memory: 0,
+            compute: 0,
+        },
+    };
+    if let Some(m) = want.memory_bytes {
+        need.memory = need.memory.max(m);
+    }
+    if let Some(c) = want.compute_percent {
+        need.compute = need.compute.max(c);
+    }
+    Ok(need)
+}
+
+/// What each policy of a config needs: its memory plus its pool's headroom, its compute limit.
+pub fn needs(config: &crate::standalone::Config) -> BTreeMap<String, Need> {
+    config
+        .policies
+        .iter()
+        .map(|(name, spec)| {
+            let headroom = config
+                .pools
+                .iter()
+                .find(|p| p.metadata.name.as_deref() == Some(spec.pool.as_str()))
+                .and_then(|p| p.spec.memory_headroom.as_ref())
+                .and_then(|h| gpuslice_api::bytes_of(&h.0).ok())
+                .unwrap_or(0);
+            let memory = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
+            let compute = spec.compute.as_ref().map_or(0, |c| c.limit);
+            (
+                name.clone(),
+                Need {
+                    memory: memory.saturating_add(headroom),
+                    compute,
+                },
+            )
+        })
+        .collect()
+}
+
+/// The slices whose configs the agent has written.
+pub fn slices_in(state: &Path) -> Vec<SliceConfig> {
+    let Ok(entries) = std::fs::read_dir(state.join("slices")) else {
+        return Vec::new();
+    };
+    let mut out: Vec<SliceConfig> = entries
+        .flatten()
+        .filter_map(|e| {
+            gpuslice_node::slices::read_config(state, &e.file_name().to_string_lossy()).ok()
+        })
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
+/// Whether a claim is on a slice of this kind (for reporting).
+pub fn kind_of(slices: &[SliceConfig], id: &str) -> Option<SliceKind> {
+    slices.iter().find(|s| s.id == id).map(|s| s.kind)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slice(id: &str, gib: u64, compute: u32) -> SliceConfig {
+        SliceConfig {
+            id: id.into(),
+            kind: SliceKind::Software,
+            gpu: 0,
+            device_uuid: "GPU-x".into(),
+            memory_bytes: gib << 30,
+            compute_percent: compute,
+        }
+    }
+
+    #[test]
+    fn waiters_get_the_smallest_fitting_slice_in_order_of_arrival() {
+        let mut board = Board {
+            slices: vec![slice("big", 40, 50), slice("small", 10, 25)],
+            ..Board::default()
+        };
+        let need = |gib: u64| Need {
+            memory: gib << 30,
+            compute: 10,
+        };
+        board.queue = VecDeque::from([(1, need(5)), (2, need(5)), (3, need(20)), (4, need(80))]);
+        board.assign();
+        assert_eq!(board.claims[&1].slice, "small", "the smallest that fits");
+        assert_eq!(board.claims[&2].slice, "big");
+        assert_eq!(
+            board.queue.iter().map(|(c, _)| *c).collect::<Vec<_>>(),
+            [3],
+            "3 waits"
+        );
+        assert!(
+            board.refused[&4].contains("80 Gi") || board.refused[&4].contains("80Gi"),
+            "{}",
+            board.refused[&4]
+        );
+        board.claims.remove(&2);
+        board.assign();
+        assert_eq!(board.claims[&3].slice, "big", "3 gets the slice 2 left");
+    }
+}

@@ -1,0 +1,104 @@
+//! `gpuslice run`: on a standalone node, ask the agent for a slice (waiting in line when none is
+//! free), run the command on it under the shim, and give the slice back when the command ends.
+//! The slice is held by the open connection to the agent, so a killed `gpuslice run` frees it.
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::claims::{Reply, Request, Want};
+
+/// Why a command could not run on a slice.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(
+        "cannot reach the agent at {path}: {source} (is `gpuslice agent` running with --state {state}?)"
+    )]
+    Agent {
+        path: String,
+        state: String,
+        source: std::io::Error,
+    },
+    #[error("the agent hung up: {0}")]
+    Lost(String),
+    #[error("no slice: {0}")]
+    Refused(String),
+    #[error("the shim (libgpuslice.so) is not next to {0}; build the workspace or pass --shim")]
+    NoShim(String),
+    #[error("cannot start {command}: {source}")]
+    Spawn {
+        command: String,
+        source: std::io::Error,
+    },
+}
+
+/// Where `libgpuslice.so` is: next to the running `gpuslice`, as cargo builds it.
+pub fn shim_library() -> Result<PathBuf, RunError> {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    [dir.join("libgpuslice.so"), dir.join("deps/libgpuslice.so")]
+        .into_iter()
+        .find(|p| p.exists())
+        .ok_or_else(|| RunError::NoShim(exe.display().to_string()))
+}
+
+/// Runs `command` on a slice; returns its exit code (128 + signal when killed).
+pub fn run(state: &Path, want: &Want, shim: &Path, command: &[String]) -> Result<i32, RunError> {
+    let path = state.join("agent.sock");
+    let stream = UnixStream::connect(&path).map_err(|source| RunError::Agent {
+        path: path.display().to_string(),
+        state: state.display().to_string(),
+        source,
+    })?;
+    let lost = |e: std::io::Error| RunError::Lost(e.to_string());
+    let mut writer = stream.try_clone().map_err(lost)?;
+    let mut send = |request: &Request| -> Result<(), RunError> {
+        let mut line = serde_json::to_vec(request).map_err(|e| RunError::Lost(e.to_string()))?;
+        line.push(b'\n');
+        writer.write_all(&line).map_err(lost)
+    };
+    send(&Request::Want(want.clone()))?;
+    let mut replies = BufReader::new(stream);
+    let (slice, config, device_uuid) = loop {
+        let mut line = String::new();
+        if replies.read_line(&mut line).map_err(lost)? == 0 {
+            return Err(RunError::Lost("no answer".into()));
+        }
+        match serde_json::from_str(&line).map_err(|e| RunError::Lost(e.to_string()))? {
+            Reply::Queued { position } => {
+                eprintln!("gpuslice run: no free slice fits; waiting, {position} in line");
+            }
+            Reply::Granted {
+                slice,
+                config,
+                device_uuid,
+            } => break (slice, config, device_uuid),
+            Reply::Refused { reason } => return Err(RunError::Refused(reason)),
+        }
+    };
+    eprintln!("gpuslice run: on slice {slice} ({device_uuid})");
+    let preload = match std::env::var("LD_PRELOAD") {
+        Ok(existing) if !existing.is_empty() => format!("{}:{existing}", shim.display()),
+        _ => shim.display().to_string(),
+    };
+    let mut child = Command::new(&command[0])
+        .args(&command[1..])
+        .env("LD_PRELOAD", preload)
+        .env("CUDA_VISIBLE_DEVICES", &device_uuid)
+        .env("NVIDIA_VISIBLE_DEVICES", &device_uuid)
+        .env(crate::SLICE_CONFIG_VAR, &config)
+        .env("GPUSLICE_SLICE", &slice)
+        .spawn()
+        .map_err(|source| RunError::Spawn {
+            command: command[0].clone(),
+            source,
+        })?;
+    // The agent drains the workload itself, not this process, when it needs the slice back.
+    let _ = send(&Request::Running { pid: child.id() });
+    let status = child.wait().map_err(lost)?;
+    use std::os::unix::process::ExitStatusExt as _;
+    Ok(status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}

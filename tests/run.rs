@@ -1,0 +1,177 @@
+//! `gpuslice run` against a running agent on an emulated node: a slice is granted with the
+//! shim and the slice's device and config in the environment, a claimed slice is busy (the agent
+//! will not re-slice under it), later callers wait in line or are refused with --no-wait, and a
+//! slice comes back when its command ends.
+
+use std::io::BufRead as _;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpuslice");
+
+fn pool(slices: u32, memory: &str) -> String {
+    format!(
+        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {{name: lab}}\nspec:\n  nodeSelector: {{matchLabels: {{lab: \"yes\"}}}}\n  layout:\n    software: {{slices: {slices}, memory: {memory}, compute: {}}}\n  memoryHeadroom: 1Gi\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {{name: small}}\nspec:\n  pool: lab\n  memory: 15Gi\n  compute: {{limit: 25}}\n",
+        100 / slices
+    )
+}
+
+/// Children killed when the test ends, passed or failed.
+struct Reaper(Vec<Child>);
+
+impl Reaper {
+    fn keep(&mut self, child: Child) -> &mut Child {
+        self.0.push(child);
+        self.0.last_mut().unwrap()
+    }
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn run(state: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("run").arg("--state").arg(state).args(args);
+    cmd
+}
+
+/// Waits (within a guard against hanging) until `check` holds.
+fn eventually(what: &str, check: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !check() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn slices_are_granted_held_busy_queued_and_given_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("pool.yaml"), pool(2, "40Gi")).unwrap();
+    let node = dir.path().join("node.yaml");
+    std::fs::write(
+        &node,
+        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB, uuid: GPU-a100-0}\n",
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let log = dir.path().join("agent.jsonl");
+    let mut children = Reaper(Vec::new());
+    children.keep(
+        Command::new(BIN)
+            .args([
+                "agent",
+                "--apply",
+                "--interval",
+                "1s",
+                "--output",
+                "json",
+                "--source",
+            ])
+            .arg(&source)
+            .arg("--emulate")
+            .arg(&node)
+            .arg("--state")
+            .arg(&state)
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s1/config").exists()
+    });
+
+    // The first command gets the smaller-numbered slice, with everything the shim needs.
+    let marker = dir.path().join("release");
+    let holder = children.keep(run(&state, &["--policy", "small", "--", "sh", "-c"])
+        .arg(format!(
+            "echo \"$CUDA_VISIBLE_DEVICES|$GPUSLICE_SLICE_CONFIG|$LD_PRELOAD\"; while [ ! -e {} ]; do sleep 0.1; done",
+            marker.display()
+        ))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap());
+    let mut first_line = String::new();
+    let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
+    out.read_line(&mut first_line).unwrap();
+    let parts: Vec<&str> = first_line.trim().split('|').collect();
+    assert_eq!(parts[0], "GPU-a100-0");
+    assert!(parts[1].ends_with("slices/gpu0-s0/config"), "{first_line}");
+    assert!(parts[2].ends_with("libgpuslice.so"), "{first_line}");
+
+    // The other slice is free: a second command runs at once.
+    let second = run(&state, &["--memory", "20Gi", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+
+    // Hold the second slice too; a third caller is refused with --no-wait, or waits in line.
+    children.keep(
+        run(&state, &["--memory", "20Gi", "--", "sh", "-c"])
+            .arg(format!(
+                "while [ ! -e {} ]; do sleep 0.1; done",
+                marker.display()
+            ))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let refused = run(&state, &["--memory", "20Gi", "--no-wait", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("no free slice fits"));
+    let waiter = run(&state, &["--memory", "20Gi", "--", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let too_big = run(&state, &["--memory", "60Gi", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&too_big.stderr).contains("no slice on this node has 60Gi"));
+
+    // Re-slicing the GPU under held slices is blocked, naming them.
+    std::fs::write(source.join("pool.yaml"), pool(4, "20Gi")).unwrap();
+    let last_pass = || -> serde_json::Value {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.lines()
+            .last()
+            .and_then(|l| serde_json::from_str(l).ok())
+            .unwrap_or_default()
+    };
+    eventually("the agent reports the claimed slices as busy", || {
+        last_pass()["outcomes"][0]["blockedBy"][0]
+            == serde_json::json!({"kind": "slices", "ids": ["gpu0-s0", "gpu0-s1"]})
+    });
+    let pass = last_pass();
+    assert_eq!(pass["claims"].as_array().unwrap().len(), 2, "{pass}");
+    let table = std::fs::read_to_string(state.join("gpu-0.slices.json")).unwrap();
+    assert_eq!(table.matches("\"id\"").count(), 2, "the old table stays");
+
+    // The commands end: the waiter ran, and the re-slicing goes ahead.
+    std::fs::write(&marker, "").unwrap();
+    let waited = waiter.wait_with_output().unwrap();
+    assert!(waited.status.success());
+    assert!(String::from_utf8_lossy(&waited.stderr).contains("waiting, 1 in line"));
+    eventually("four slices after the re-slicing", || {
+        state.join("slices/gpu0-s3/config").exists()
+    });
+}
