@@ -2,6 +2,7 @@
 //! operator, run). The library half holds what the commands do, so tests call it directly.
 
 pub mod agent;
+pub mod bench;
 pub mod claims;
 pub mod drain;
 pub mod plan;

@@ -123,6 +123,11 @@ enum Command {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// Benchmarks that print a table with a PASS/FAIL column and exit non-zero on FAIL.
+    Bench {
+        #[command(subcommand)]
+        which: Bench,
+    },
     /// Write the CustomResourceDefinitions, generated from the API types, into a folder.
     Crds {
         /// Where to write them.
@@ -131,6 +136,22 @@ enum Command {
         /// Do not write: fail if the folder differs from the types.
         #[arg(long)]
         check: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// Replay the Alibaba GPU-sharing traces under each placement policy (FGD paper method).
+    Placement {
+        /// The folder of cluster-trace-gpu-v2023 CSVs.
+        #[arg(long)]
+        data: PathBuf,
+        /// Seeds (shuffles) per trace; the paper uses 10.
+        #[arg(long, default_value_t = 10)]
+        seeds: u64,
+        /// Only these trace files (e.g. openb_pod_list_default.csv); every one in the folder by default.
+        #[arg(long = "trace")]
+        traces: Vec<String>,
     },
 }
 
@@ -350,6 +371,33 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let code = gpuslice::run::run(&state, &want, &shim, &command)?;
             Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+        }
+        Command::Bench {
+            which:
+                Bench::Placement {
+                    data,
+                    seeds,
+                    traces,
+                },
+        } => {
+            let nodes = gpuslice::bench::cluster(&data)?;
+            let files = if traces.is_empty() {
+                gpuslice::bench::traces(&data)?
+            } else {
+                traces.iter().map(|t| data.join(t)).collect()
+            };
+            let mut results = Vec::new();
+            for file in &files {
+                results.push(gpuslice::bench::run_trace(&nodes, file, seeds)?);
+                eprintln!("replayed {}", file.display());
+            }
+            let (table, ok) = gpuslice::bench::render(&results, seeds);
+            print!("{table}");
+            Ok(if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Command::Crds { dir, check } => {
             let mut drifted = Vec::new();

@@ -6,6 +6,7 @@ pub mod clock;
 pub mod cluster;
 pub mod fit;
 pub mod mig;
+pub mod placement;
 pub mod transition;
 pub mod validate;
 pub mod windows;

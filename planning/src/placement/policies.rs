@@ -1,0 +1,267 @@
+//! Placement policies: the baselines of the FGD paper, FGD itself, and ours.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
+
+use super::fragment::{Typical, after, expected, mix_of};
+use super::{Choice, Gpu, Node, Policy, Request, WHOLE};
+
+/// Any feasible node, uniformly.
+pub struct Random {
+    rng: StdRng,
+}
+
+impl Random {
+    pub fn new(seed: u64) -> Random {
+        Random {
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+}
+
+impl Policy for Random {
+    fn name(&self) -> &str {
+        "Random"
+    }
+    fn score(&mut self, _: &Node, _: &Request, _: &Choice) -> f64 {
+        self.rng.random()
+    }
+    /// The largest of `copies` uniform draws, so every node (not every distinct state) is equally
+    /// likely to win.
+    fn score_copies(&mut self, _: &Node, _: &Request, _: &Choice, copies: usize) -> f64 {
+        self.rng.random::<f64>().powf(1.0 / copies.max(1) as f64)
+    }
+    fn pick(&mut self, nodes: &BTreeSet<usize>) -> usize {
+        let i = self.rng.random_range(0..nodes.len());
+        *nodes.iter().nth(i).expect("index in range")
+    }
+}
+
+fn shares(node: &Node, request: &Request) -> [(f64, f64); 3] {
+    let gpus = (node.gpus.len().max(1) as f64) * f64::from(WHOLE);
+    [
+        (
+            request.cpu_milli as f64 / node.cpu_total.max(1) as f64,
+            node.cpu_free as f64 / node.cpu_total.max(1) as f64,
+        ),
+        (
+            request.memory_mib as f64 / node.memory_total.max(1) as f64,
+            node.memory_free as f64 / node.memory_total.max(1) as f64,
+        ),
+        (
+            request.gpu_milli() as f64 / gpus,
+            node.gpu_free() as f64 / gpus,
+        ),
+    ]
+}
+
+/// Tetris: the node whose free capacity lines up best with the request (largest dot product).
+pub struct DotProd;
+
+impl Policy for DotProd {
+    fn name(&self) -> &str {
+        "DotProd"
+    }
+    fn score(&mut self, node: &Node, request: &Request, _: &Choice) -> f64 {
+        shares(node, request)
+            .iter()
+            .map(|(want, free)| want * free)
+            .sum()
+    }
+}
+
+/// Least capacity left on the node after the placement (CPU, memory and GPU shares summed).
+pub struct BestFit;
+
+fn left_after(node: &Node, request: &Request) -> f64 {
+    shares(node, request)
+        .iter()
+        .map(|(want, free)| free - want)
+        .sum()
+}
+
+impl Policy for BestFit {
+    fn name(&self) -> &str {
+        "BestFit"
+    }
+    fn score(&mut self, node: &Node, request: &Request, _: &Choice) -> f64 {
+        -left_after(node, request)
+    }
+}
+
+/// Fill GPUs already in use first, then idle GPUs of busy nodes, then idle nodes.
+pub struct GpuPacking;
+
+impl Policy for GpuPacking {
+    fn name(&self) -> &str {
+        "GpuPacking"
+    }
+    fn score(&mut self, node: &Node, request: &Request, choice: &Choice) -> f64 {
+        let node_busy = node.gpus.iter().any(|g| g.free_milli() < WHOLE);
+        let gpu_busy = choice
+            .gpus
+            .iter()
+            .any(|&(g, _)| node.gpus[g].free_milli() < WHOLE);
+        let tier = if gpu_busy {
+            2.0
+        } else if node_busy {
+            1.0
+        } else {
+            0.0
+        };
+        let left: u32 = choice
+            .gpus
+            .iter()
+            .map(|&(g, m)| node.gpus[g].free_milli() - m)
+            .sum();
+        tier * 1e6 - f64::from(left) - left_after(node, request) * 1e-3
+    }
+}
+
+/// Fragmentation gradient descent: the placement that grows the expected fragment least, under a
+/// task mix known in advance (the paper uses the trace's own).
+pub struct Fgd {
+    mix: Vec<Typical>,
+    cache: HashMap<Node, f64>,
+}
+
+impl Fgd {
+    pub fn new(mix: Vec<Typical>) -> Fgd {
+        Fgd {
+            mix,
+            cache: HashMap::new(),
+        }
+    }
+}
+
+fn expected_cached(cache: &mut HashMap<Node, f64>, node: &Node, mix: &[Typical]) -> f64 {
+    // Keyed by capacity only: names differ between otherwise identical nodes.
+    let key = Node {
+        name: String::new(),
+        ..node.clone()
+    };
+    if let Some(v) = cache.get(&key) {
+        return *v;
+    }
+    let v = expected(node, mix);
+    cache.insert(key, v);
+    v
+}
+
+fn growth(
+    cache: &mut HashMap<Node, f64>,
+    mix: &[Typical],
+    node: &Node,
+    request: &Request,
+    choice: &Choice,
+) -> f64 {
+    let before = expected_cached(cache, node, mix);
+    let next = after(node, request, choice);
+    expected_cached(cache, &next, mix) - before
+}
+
+impl Policy for Fgd {
+    fn name(&self) -> &str {
+        "FGD"
+    }
+    fn score(&mut self, node: &Node, request: &Request, choice: &Choice) -> f64 {
+        -growth(&mut self.cache, &self.mix, node, request, choice)
+    }
+}
+
+/// Ours: fragmentation growth against the mix of *recent arrivals* (it needs no trace in
+/// advance and follows a workload that drifts), with CPU and memory stranding counted — GPUs on a
+/// node whose CPU or memory the placement would exhaust are as lost as fragments — and, among
+/// placements that fragment equally, the one that leaves the node fullest, so idle nodes stay
+/// whole for the multi-GPU tasks that need them.
+pub struct Mix {
+    window: VecDeque<Request>,
+    capacity: usize,
+    mix: Vec<Typical>,
+    arrivals_since_refresh: usize,
+    cache: HashMap<Node, f64>,
+}
+
+impl Mix {
+    /// Learns the mix from the last `window` arrivals.
+    pub fn new(window: usize) -> Mix {
+        Mix {
+            window: VecDeque::with_capacity(window.min(1 << 16)),
+            capacity: window.max(1),
+            mix: Vec::new(),
+            arrivals_since_refresh: 0,
+            cache: HashMap::new(),
+        }
+    }
+
+    fn refresh(&mut self) {
+        self.mix = mix_of(self.window.iter());
+        self.cache.clear();
+        self.arrivals_since_refresh = 0;
+    }
+}
+
+impl Default for Mix {
+    fn default() -> Mix {
+        Mix::new(2000)
+    }
+}
+
+/// How many arrivals between re-learning the mix (scores are cached between refreshes).
+const REFRESH_EVERY: usize = 200;
+
+impl Policy for Mix {
+    fn name(&self) -> &str {
+        "gpuslice"
+    }
+
+    fn observe(&mut self, request: &Request) {
+        if self.window.len() == self.capacity {
+            self.window.pop_front();
+        }
+        self.window.push_back(request.clone());
+        self.arrivals_since_refresh += 1;
+        // Learn quickly at first, then every so often.
+        if self.mix.is_empty()
+            || self.arrivals_since_refresh >= REFRESH_EVERY.min(self.window.len())
+        {
+            self.refresh();
+        }
+    }
+
+    fn score(&mut self, node: &Node, request: &Request, choice: &Choice) -> f64 {
+        let mix = std::mem::take(&mut self.mix);
+        let grow = if mix.is_empty() {
+            0.0
+        } else {
+            growth(&mut self.cache, &mix, node, request, choice)
+        };
+        self.mix = mix;
+        let next = after(node, request, choice);
+        let stranded = if next
+            .gpus
+            .iter()
+            .any(|g| matches!(g, Gpu::Shared { free } if *free > 0))
+            && (next.cpu_free == 0 || next.memory_free == 0)
+        {
+            next.gpu_free() as f64
+        } else {
+            0.0
+        };
+        -(grow + stranded) - left_after(node, request) * 1e-3
+    }
+}
+
+/// Every policy of the comparison, ours last.
+pub fn all(seed: u64, trace_mix: Vec<Typical>) -> Vec<Box<dyn Policy>> {
+    vec![
+        Box::new(Random::new(seed)),
+        Box::new(DotProd),
+        Box::new(GpuPacking),
+        Box::new(BestFit),
+        Box::new(Fgd::new(trace_mix)),
+        Box::new(Mix::default()),
+    ]
+}

@@ -1,0 +1,61 @@
+//! The placement benchmark's smoke run: one seed of the default Alibaba trace (FGD paper data),
+//! every policy. It checks the order the paper found holds in our replay (fragmentation-aware
+//! beats packing beats random) and that our policy leaves fewer GPUs unallocated than our FGD.
+//! The full comparison is `gpuslice bench placement --data <folder>`.
+
+use std::path::PathBuf;
+
+fn data() -> Option<PathBuf> {
+    let dir = std::env::var_os("GPUSLICE_TRACE_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/alibaba-gpu-v2023")
+        });
+    dir.join("openb_node_list_gpu_node.csv")
+        .exists()
+        .then_some(dir)
+}
+
+#[test]
+fn one_seed_of_the_default_trace_ranks_the_policies_as_the_paper_does() {
+    let Some(dir) = data() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the trace data is missing; set GPUSLICE_TRACE_DATA"
+        );
+        eprintln!(
+            "SKIPPED: no trace data (set GPUSLICE_TRACE_DATA to cluster-trace-gpu-v2023/csv)"
+        );
+        return;
+    };
+    let nodes = gpuslice::bench::cluster(&dir).unwrap();
+    assert_eq!(nodes.len(), 1213);
+    assert_eq!(nodes.iter().map(|n| n.gpus.len()).sum::<usize>(), 6212);
+    let result =
+        gpuslice::bench::run_trace(&nodes, &dir.join("openb_pod_list_default.csv"), 1).unwrap();
+    let at100 = |name: &str| {
+        result
+            .rows
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .unwrap_or_else(|| panic!("no {name}"))
+            .1
+    };
+    let (random, best_fit, fgd, ours) = (
+        at100("Random"),
+        at100("BestFit"),
+        at100("FGD"),
+        at100("gpuslice"),
+    );
+    assert!(
+        random > best_fit && best_fit > fgd,
+        "Random {random}, BestFit {best_fit}, FGD {fgd}"
+    );
+    assert!(ours < fgd, "ours {ours} vs FGD {fgd}");
+    for (name, a, b) in &result.rows {
+        assert!(
+            *b <= *a + 1e-9,
+            "{name}: more arrivals never free GPUs ({a} then {b})"
+        );
+    }
+}
