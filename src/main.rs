@@ -123,6 +123,9 @@ enum Command {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// The operator: reconcile GpuPools into each node's desired layout (GpuNode) and pool status.
+    /// Uses the in-cluster config or KUBECONFIG.
+    Operator,
     /// Benchmarks that print a table with a PASS/FAIL column and exit non-zero on FAIL.
     Bench {
         #[command(subcommand)]
@@ -371,6 +374,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let code = gpuslice::run::run(&state, &want, &shim, &command)?;
             Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+        }
+        Command::Operator => {
+            let clock = gpuslice_planning::clock::Clock::from_env()?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(async {
+                let client = kube::Client::try_default().await.context(
+                    "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
+                )?;
+                eprintln!("gpuslice operator: started");
+                gpuslice_operator::controller::run(client, clock).await?;
+                anyhow::Ok(())
+            })?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Bench {
             which:

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use gpuslice_testcluster::{Components, ControlPlane};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::discovery::{ApiResource, Discovery, Scope};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
@@ -48,51 +47,9 @@ where
 
 /// Applies the CRDs in `crds/` and waits until each is Established.
 async fn install_crds(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let mut names = Vec::new();
-    for entry in std::fs::read_dir(root().join("crds")).unwrap() {
-        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
-        let crd: CustomResourceDefinition = serde_yaml::from_str(&text).unwrap();
-        let name = crd.name_any();
-        crds.patch(
-            &name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&crd),
-        )
+    gpuslice_testcluster::install_crds(client, &root().join("crds"))
         .await
-        .unwrap();
-        names.push(name);
-    }
-    for name in names {
-        let crds = crds.clone();
-        eventually(
-            &format!("CRD {name} Established"),
-            Duration::from_secs(30),
-            || {
-                let crds = crds.clone();
-                let name = name.clone();
-                async move {
-                    let crd = crds.get(&name).await.ok()?;
-                    let conditions = crd.status.and_then(|s| s.conditions).unwrap_or_default();
-                    let is = |t: &str| {
-                        conditions
-                            .iter()
-                            .any(|c| c.type_ == t && c.status == "True")
-                    };
-                    assert!(
-                        !is("NonStructuralSchema"),
-                        "{name} has a non-structural schema: {conditions:?}"
-                    );
-                    if is("Established") && is("NamesAccepted") {
-                        None
-                    } else {
-                        Some(format!("{conditions:?}"))
-                    }
-                }
-            },
-        )
-        .await;
-    }
+        .expect("the CRDs install");
 }
 
 fn yaml_documents(path: &Path) -> Vec<Value> {

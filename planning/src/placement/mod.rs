@@ -243,7 +243,12 @@ impl Cluster {
         match best {
             Some((_, scored, choice, members)) => {
                 let picked = policy.pick(members);
-                Ok(same_on(&self.nodes[scored], &self.nodes[picked], picked, &choice))
+                Ok(same_on(
+                    &self.nodes[scored],
+                    &self.nodes[picked],
+                    picked,
+                    &choice,
+                ))
             }
             None if !seen_model => Err(NoFit::Model(request.models.join("|"))),
             None if !seen_cpu => Err(NoFit::CpuMemory {

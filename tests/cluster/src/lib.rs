@@ -57,6 +57,8 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error("kubeconfig: {0}")]
     Kubeconfig(String),
+    #[error("CRD {name}: {message}")]
+    Crd { name: String, message: String },
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
@@ -634,4 +636,60 @@ impl Drop for ControlPlane {
             p.stop();
         }
     }
+}
+
+/// Applies every CRD in `dir` (server-side apply) and waits until each is Established.
+pub async fn install_crds(client: &Client, dir: &Path) -> Result<(), Error> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::ResourceExt as _;
+    use kube::api::{Patch, PatchParams};
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let io = |what: String| move |source| Error::Io { what, source };
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io(dir.display().to_string()))? {
+        let path = entry.map_err(io(dir.display().to_string()))?.path();
+        let text = std::fs::read_to_string(&path).map_err(io(path.display().to_string()))?;
+        let crd: CustomResourceDefinition =
+            serde_yaml::from_str(&text).map_err(|e| Error::Crd {
+                name: path.display().to_string(),
+                message: e.to_string(),
+            })?;
+        let name = crd.name_any();
+        crds.patch(
+            &name,
+            &PatchParams::apply("gpuslice-test").force(),
+            &Patch::Apply(&crd),
+        )
+        .await?;
+        names.push(name);
+    }
+    for name in names {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let crd = crds.get(&name).await?;
+            let conditions = crd.status.and_then(|s| s.conditions).unwrap_or_default();
+            let is = |t: &str| {
+                conditions
+                    .iter()
+                    .any(|c| c.type_ == t && c.status == "True")
+            };
+            if is("NonStructuralSchema") {
+                return Err(Error::Crd {
+                    name,
+                    message: format!("non-structural schema: {conditions:?}"),
+                });
+            }
+            if is("Established") && is("NamesAccepted") {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Crd {
+                    name,
+                    message: format!("not Established within 30 s: {conditions:?}"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
 }

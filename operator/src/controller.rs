@@ -1,0 +1,212 @@
+//! The operator's I/O: watch pools, checkpoint policies, Nodes and GpuNodes into local caches;
+//! on any change (and at the next window boundary) rebuild the desired state with
+//! [`crate::desired`] and apply what differs — each node's `GpuNode.spec` and each pool's status —
+//! with server-side apply under one field manager. A failed write is logged and retried on the
+//! next pass; one bad object never stops the others.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use gpuslice_api::k8s_openapi::jiff::Timestamp;
+use gpuslice_api::{CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, NodeInventory};
+use gpuslice_planning::clock::Clock;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::{Client, Resource, ResourceExt as _};
+use tokio::sync::Notify;
+
+use crate::desired::{NodeReport, Observed, desired};
+
+/// The field manager of everything the operator writes.
+pub const MANAGER: &str = "gpuslice-operator";
+
+/// Why the operator stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("watching {kind}: the caches never filled ({message})")]
+    Cache { kind: &'static str, message: String },
+}
+
+fn cache<K>(api: Api<K>, changed: Arc<Notify>) -> Store<K>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    let (reader, writer) = reflector::store();
+    let stream = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .touched_objects();
+    tokio::spawn(async move {
+        futures::pin_mut!(stream);
+        while let Some(event) = stream.next().await {
+            if let Err(e) = event {
+                eprintln!("gpuslice operator: watch error: {e}");
+            }
+            changed.notify_one();
+        }
+    });
+    reader
+}
+
+/// Runs the operator until the process ends.
+pub async fn run(client: Client, clock: Clock) -> Result<(), OperatorError> {
+    let changed = Arc::new(Notify::new());
+    let pools = cache(Api::<GpuPool>::all(client.clone()), changed.clone());
+    let checkpoints = cache(
+        Api::<CheckpointPolicy>::all(client.clone()),
+        changed.clone(),
+    );
+    let nodes = cache(Api::<Node>::all(client.clone()), changed.clone());
+    let gpu_nodes = cache(Api::<GpuNode>::all(client.clone()), changed.clone());
+    for (kind, ready) in [
+        ("GpuPool", pools.wait_until_ready().await),
+        ("CheckpointPolicy", checkpoints.wait_until_ready().await),
+        ("Node", nodes.wait_until_ready().await),
+        ("GpuNode", gpu_nodes.wait_until_ready().await),
+    ] {
+        ready.map_err(|e| OperatorError::Cache {
+            kind,
+            message: e.to_string(),
+        })?;
+    }
+    let writer = Writer { client };
+    loop {
+        let observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
+        let now = clock.now();
+        let want = desired(&observed, now);
+        writer.apply(&want, &pools, &gpu_nodes).await;
+        // Wake on a change (a burst settles first) or at the next window boundary.
+        let until_boundary = want.next_change.map_or(Duration::from_secs(300), |t| {
+            clock.until(t) + Duration::from_millis(50)
+        });
+        tokio::select! {
+            _ = changed.notified() => tokio::time::sleep(Duration::from_millis(100)).await,
+            _ = tokio::time::sleep(until_boundary) => {}
+        }
+    }
+}
+
+fn observe(
+    pools: &Store<GpuPool>,
+    checkpoints: &Store<CheckpointPolicy>,
+    nodes: &Store<Node>,
+    gpu_nodes: &Store<GpuNode>,
+) -> Observed {
+    let mut pools: Vec<GpuPool> = pools.state().iter().map(|p| (**p).clone()).collect();
+    pools.sort_by_key(|p| p.name_any());
+    let mut reports = Vec::new();
+    for node in nodes.state() {
+        let name = node.name_any();
+        let Some(gpu_node) = gpu_nodes.get(&reflector::ObjectRef::new(&name)) else {
+            continue;
+        };
+        let Some(status) = &gpu_node.status else {
+            continue;
+        };
+        let Some(reported) = &status.inventory else {
+            continue;
+        };
+        let inventory = NodeInventory {
+            name: name.clone(),
+            labels: node.labels().clone().into_iter().collect(),
+            ..reported.clone()
+        };
+        let blocked = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Blocked" && c.status == "True")
+            .map(|c| c.message.clone());
+        reports.push(NodeReport {
+            inventory,
+            generation: gpu_node.metadata.generation,
+            applied_generation: status.applied_generation,
+            blocked,
+        });
+    }
+    reports.sort_by(|a, b| a.inventory.name.cmp(&b.inventory.name));
+    Observed {
+        pools,
+        checkpoint_policies: checkpoints.state().iter().map(|c| c.name_any()).collect(),
+        nodes: reports,
+    }
+}
+
+struct Writer {
+    client: Client,
+}
+
+impl Writer {
+    async fn apply(
+        &self,
+        want: &crate::desired::DesiredState,
+        pools: &Store<GpuPool>,
+        gpu_nodes: &Store<GpuNode>,
+    ) {
+        let params = PatchParams::apply(MANAGER).force();
+        let gpu_node_api: Api<GpuNode> = Api::all(self.client.clone());
+        for (name, spec) in &want.node_specs {
+            let current = gpu_nodes.get(&reflector::ObjectRef::new(name));
+            if current.as_ref().is_some_and(|c| c.spec == *spec) {
+                continue;
+            }
+            let patch = serde_json::json!({
+                "apiVersion": "gpuslice.io/v1alpha1",
+                "kind": "GpuNode",
+                "metadata": {"name": name},
+                "spec": spec,
+            });
+            if let Err(e) = gpu_node_api
+                .patch(name, &params, &Patch::Apply(&patch))
+                .await
+            {
+                eprintln!("gpuslice operator: GpuNode/{name}: writing the desired layout: {e}");
+            }
+        }
+        let pool_api: Api<GpuPool> = Api::all(self.client.clone());
+        for (name, status) in &want.pool_status {
+            let current = pools.get(&reflector::ObjectRef::new(name));
+            let old = current
+                .as_ref()
+                .and_then(|p| p.status.clone())
+                .unwrap_or_default();
+            let status = with_transition_times(status, &old);
+            if status == old {
+                continue;
+            }
+            let patch = serde_json::json!({
+                "apiVersion": "gpuslice.io/v1alpha1",
+                "kind": "GpuPool",
+                "metadata": {"name": name},
+                "status": status,
+            });
+            if let Err(e) = pool_api
+                .patch_status(name, &params, &Patch::Apply(&patch))
+                .await
+            {
+                eprintln!("gpuslice operator: GpuPool/{name}: writing status: {e}");
+            }
+        }
+    }
+}
+
+/// `status` with each condition's transition time kept from `old` while its status stays, and
+/// now when the status changed (Kubernetes API conventions).
+fn with_transition_times(status: &GpuPoolStatus, old: &GpuPoolStatus) -> GpuPoolStatus {
+    let mut out = status.clone();
+    for c in &mut out.conditions {
+        c.last_transition_time = old
+            .conditions
+            .iter()
+            .find(|o| o.type_ == c.type_ && o.status == c.status)
+            .map_or_else(
+                || Time(Timestamp::now()),
+                |o| o.last_transition_time.clone(),
+            );
+    }
+    out
+}

@@ -1,0 +1,374 @@
+//! The operator's pure core: from the cluster as read (pools, checkpoint policies, nodes with the
+//! GPUs their agents reported) to what should be written — each node's `GpuNode.spec` and each
+//! pool's status. No I/O: the controller reads, calls [`desired`], and applies.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, Utc};
+use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use gpuslice_api::k8s_openapi::jiff::Timestamp;
+use gpuslice_api::{
+    GpuAssignment, GpuNodeSpec, GpuPool, GpuPoolStatus, Layout, NodeInventory, SliceCounts,
+};
+use gpuslice_planning::cluster::plan_cluster;
+use gpuslice_planning::transition::Desired;
+
+/// What the agent of a node reported, and what it has applied.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeReport {
+    /// The node's labels (from the Node) and GPUs (from its agent).
+    pub inventory: NodeInventory,
+    /// `GpuNode.metadata.generation` and `status.appliedGeneration`.
+    pub generation: Option<i64>,
+    pub applied_generation: Option<i64>,
+    /// The agent's Blocked condition message, when a transition waits for busy instances.
+    pub blocked: Option<String>,
+}
+
+/// The cluster as the operator read it.
+#[derive(Clone, Debug, Default)]
+pub struct Observed {
+    pub pools: Vec<GpuPool>,
+    /// Names of the CheckpointPolicies that exist.
+    pub checkpoint_policies: BTreeSet<String>,
+    pub nodes: Vec<NodeReport>,
+}
+
+/// What should be written.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DesiredState {
+    /// Node name → the desired `GpuNode.spec` (only nodes whose agent reported GPUs).
+    pub node_specs: BTreeMap<String, GpuNodeSpec>,
+    /// Pool name → its status (conditions without transition times; the controller keeps those).
+    pub pool_status: BTreeMap<String, GpuPoolStatus>,
+    /// When a window opens or closes next: reconcile again then.
+    pub next_change: Option<DateTime<Utc>>,
+}
+
+fn condition(
+    kind: &str,
+    status: bool,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+) -> Condition {
+    Condition {
+        type_: kind.to_string(),
+        status: if status { "True" } else { "False" }.to_string(),
+        reason: reason.to_string(),
+        message,
+        observed_generation: generation,
+        last_transition_time: Time(Timestamp::UNIX_EPOCH),
+    }
+}
+
+/// Whether a planning error names the pool (pool names are DNS subdomains).
+fn names_pool(error: &str, pool: &str) -> bool {
+    error
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '.'))
+        .any(|word| word == pool)
+}
+
+/// A Kubernetes time for a chrono one.
+fn time(at: DateTime<Utc>) -> Option<Time> {
+    Timestamp::new(at.timestamp(), at.timestamp_subsec_nanos() as i32)
+        .ok()
+        .map(Time)
+}
+
+/// The layout a pool wants in force: a window's, or its default.
+fn layout_of(pool: &GpuPool, window: Option<&str>) -> Layout {
+    window
+        .and_then(|w| pool.spec.windows.iter().find(|x| x.name == w))
+        .map_or_else(|| pool.spec.layout.clone(), |w| w.layout.clone())
+}
+
+/// Builds the desired state at `at`.
+pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
+    let inventories: Vec<NodeInventory> =
+        observed.nodes.iter().map(|n| n.inventory.clone()).collect();
+    let plan = plan_cluster(&observed.pools, &inventories, at);
+    let mut out = DesiredState {
+        next_change: plan.pools.iter().filter_map(|p| p.next_change).min(),
+        ..DesiredState::default()
+    };
+
+    for node in &plan.nodes {
+        let gpus: Vec<GpuAssignment> = node
+            .gpus
+            .iter()
+            .filter(|g| g.error.is_none())
+            .filter_map(|g| {
+                let pool_name = g.pool.as_ref()?;
+                let pool = observed
+                    .pools
+                    .iter()
+                    .find(|p| p.metadata.name.as_ref() == Some(pool_name))?;
+                Some(GpuAssignment {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    pool: pool_name.clone(),
+                    window: g.window.clone(),
+                    layout: layout_of(pool, g.window.as_deref()),
+                    time_slice: pool.spec.time_slice,
+                })
+            })
+            .collect();
+        out.node_specs.insert(
+            node.node.clone(),
+            GpuNodeSpec {
+                gpus,
+                source_revision: None,
+            },
+        );
+    }
+
+    for (pool, timing) in observed.pools.iter().zip(&plan.pools) {
+        let name = pool.metadata.name.clone().unwrap_or_default();
+        let generation = pool.metadata.generation;
+        let mut problems: Vec<String> = Vec::new();
+        if let Some(cp) = &pool.spec.checkpoint_policy
+            && !observed.checkpoint_policies.contains(cp)
+        {
+            problems.push(format!(
+                "spec.checkpointPolicy: CheckpointPolicy {cp:?} does not exist; create it or remove the reference"
+            ));
+        }
+        let mut nodes = BTreeSet::new();
+        let mut gpus = 0u32;
+        let mut slices = 0u32;
+        let mut waiting = Vec::new();
+        let mut blocked = Vec::new();
+        for node in &plan.nodes {
+            let report = observed
+                .nodes
+                .iter()
+                .find(|n| n.inventory.name == node.node);
+            for g in &node.gpus {
+                let claimed = g.pool.as_deref() == Some(name.as_str());
+                if let Some(e) = &g.error
+                    && (claimed || names_pool(e, &name))
+                {
+                    problems.push(format!("node {} GPU {}: {e}", node.node, g.index));
+                }
+                if !claimed {
+                    continue;
+                }
+                nodes.insert(node.node.clone());
+                gpus += 1;
+                slices += match &g.desired {
+                    Some(Desired::Mig(counts)) => counts.values().sum(),
+                    Some(Desired::Software(table)) => table.slices,
+                    Some(Desired::Exclusive) => 1,
+                    None => 0,
+                };
+            }
+            if nodes.contains(&node.node)
+                && let Some(r) = report
+            {
+                if let Some(b) = &r.blocked {
+                    blocked.push(format!("{}: {b}", node.node));
+                } else if r.applied_generation.is_none() || r.applied_generation < r.generation {
+                    waiting.push(node.node.clone());
+                }
+            }
+        }
+        problems.sort();
+        problems.dedup();
+        let mut conditions = Vec::new();
+        let degraded = !problems.is_empty();
+        conditions.push(condition(
+            "Degraded",
+            degraded,
+            if degraded {
+                "InvalidConfiguration"
+            } else {
+                "AsExpected"
+            },
+            problems.join("; "),
+            generation,
+        ));
+        let progressing = !waiting.is_empty() || !blocked.is_empty();
+        let (reason, message) = if !blocked.is_empty() {
+            (
+                "Blocked",
+                format!(
+                    "waiting for busy instances to drain: {}",
+                    blocked.join("; ")
+                ),
+            )
+        } else if !waiting.is_empty() {
+            (
+                "Applying",
+                format!(
+                    "waiting for {} node(s) to apply the layout: {}",
+                    waiting.len(),
+                    waiting.join(", ")
+                ),
+            )
+        } else {
+            ("Converged", String::new())
+        };
+        conditions.push(condition(
+            "Progressing",
+            progressing,
+            reason,
+            message,
+            generation,
+        ));
+        let ready = !degraded && !progressing && !nodes.is_empty();
+        let (reason, message) = if degraded {
+            (
+                "InvalidConfiguration",
+                "see the Degraded condition".to_string(),
+            )
+        } else if nodes.is_empty() {
+            (
+                "NoNodes",
+                "no node with reported GPUs matches spec.nodeSelector and spec.gpuSelector"
+                    .to_string(),
+            )
+        } else if progressing {
+            ("Progressing", "see the Progressing condition".to_string())
+        } else {
+            (
+                "Converged",
+                format!("{} GPUs on {} nodes have the layout", gpus, nodes.len()),
+            )
+        };
+        conditions.push(condition("Ready", ready, reason, message, generation));
+        out.pool_status.insert(
+            name,
+            GpuPoolStatus {
+                conditions,
+                observed_generation: generation,
+                active_window: timing.window.clone(),
+                next_transition: timing.next_change.and_then(time),
+                nodes: nodes.len() as u32,
+                gpus,
+                slices: SliceCounts {
+                    total: slices,
+                    allocated: 0,
+                },
+            },
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(yaml: &str) -> GpuPool {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    fn node(name: &str, labels: &[(&str, &str)], applied: bool) -> NodeReport {
+        let mut inventory: NodeInventory = serde_yaml::from_str(&format!(
+            "name: {name}\ngpus:\n- {{index: 0, model: NVIDIA H200}}\n- {{index: 1, model: NVIDIA H200}}\n"
+        ))
+        .unwrap();
+        inventory.labels = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        NodeReport {
+            inventory,
+            generation: Some(2),
+            applied_generation: applied.then_some(2),
+            blocked: None,
+        }
+    }
+
+    const MIG: &str = "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: mig, generation: 3}\nspec:\n  nodeSelector: {matchLabels: {team: a}}\n  layout: {mig: {profiles: {3g.71gb: 2}}}\n  windows:\n  - {name: night, timeZone: UTC, days: [Mon, Tue, Wed, Thu, Fri, Sat, Sun], start: \"22:00\", end: \"06:00\", layout: {mig: {preset: whole}}}\n";
+    const SOFT: &str = "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: soft}\nspec:\n  nodeSelector: {matchLabels: {team: b}}\n  layout: {software: {slices: 4, memory: 30Gi, compute: 25}}\n";
+
+    fn at(text: &str) -> DateTime<Utc> {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn each_node_gets_the_layout_in_force_and_pools_count_what_they_hold() {
+        let observed = Observed {
+            pools: vec![pool(MIG), pool(SOFT)],
+            nodes: vec![
+                node("a", &[("team", "a")], true),
+                node("b", &[("team", "b")], false),
+            ],
+            ..Observed::default()
+        };
+        let day = desired(&observed, at("2026-12-02T10:00:00Z"));
+        let a = &day.node_specs["a"].gpus;
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[0].window, None);
+        assert!(
+            a[0].layout
+                .mig
+                .as_ref()
+                .unwrap()
+                .profiles
+                .contains_key("3g.71gb")
+        );
+        assert_eq!(day.next_change, Some(at("2026-12-02T22:00:00Z")));
+        let mig = &day.pool_status["mig"];
+        assert_eq!((mig.nodes, mig.gpus, mig.slices.total), (1, 2, 4));
+        assert_eq!(mig.observed_generation, Some(3));
+        let ready = |s: &GpuPoolStatus| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .unwrap()
+                .status
+                .clone()
+        };
+        assert_eq!(ready(mig), "True");
+        let soft = &day.pool_status["soft"];
+        assert_eq!(ready(soft), "False", "node b has not applied yet");
+        assert!(
+            soft.conditions
+                .iter()
+                .any(|c| c.reason == "Applying" && c.message.contains('b'))
+        );
+
+        let night = desired(&observed, at("2026-12-02T23:00:00Z"));
+        assert_eq!(
+            night.node_specs["a"].gpus[0].window.as_deref(),
+            Some("night")
+        );
+        assert_eq!(
+            night.pool_status["mig"].active_window.as_deref(),
+            Some("night")
+        );
+    }
+
+    #[test]
+    fn a_gpu_claimed_by_two_pools_degrades_both_and_gets_no_layout() {
+        let other = MIG.replace("name: mig", "name: other");
+        let observed = Observed {
+            pools: vec![pool(MIG), pool(&other)],
+            nodes: vec![node("a", &[("team", "a")], true)],
+            ..Observed::default()
+        };
+        let out = desired(&observed, at("2026-12-02T10:00:00Z"));
+        assert!(
+            out.node_specs["a"].gpus.is_empty(),
+            "nothing changes on a contested GPU"
+        );
+        for name in ["mig", "other"] {
+            let degraded = out.pool_status[name]
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Degraded")
+                .unwrap();
+            assert_eq!(degraded.status, "True", "{name}");
+            assert!(
+                degraded
+                    .message
+                    .contains("pools that share a node must select disjoint GPUs"),
+                "{}",
+                degraded.message
+            );
+        }
+    }
+}

@@ -1,0 +1,6 @@
+//! The gpuslice operator: reconciles `GpuPool`s into each node's desired layout (`GpuNode.spec`,
+//! which the node agent applies) and reports per-pool status, as a pipeline — read (watch
+//! caches) → build the desired state (pure, [`desired`]) → server-side apply → status.
+
+pub mod controller;
+pub mod desired;

@@ -1,0 +1,237 @@
+//! The operator binary against a real control plane (kube-apiserver, etcd, kwok nodes): pools
+//! become per-node desired layouts in GpuNodes and pool status with conditions; a node that gains
+//! the pool's label joins; an agent that applies turns the pool Ready; a pool naming a missing
+//! CheckpointPolicy is Degraded while the others reconcile.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpuslice_api::{GpuNode, GpuPool, NodeInventory};
+use gpuslice_testcluster::{Components, ControlPlane};
+use k8s_openapi::api::core::v1::Node;
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
+
+const AGENT: &str = "gpuslice-test-agent";
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+struct Operator(Child);
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(last) if Instant::now() > deadline => panic!("{what} did not happen; last: {last}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// What an agent on `node` would report: its GPUs.
+async fn report_gpus(client: &Client, node: &str, gpus: &str) {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let inventory: NodeInventory =
+        serde_yaml::from_str(&format!("name: {node}\ngpus:\n{gpus}")).unwrap();
+    let params = PatchParams::apply(AGENT).force();
+    // The object must exist (with its required, here empty, spec) before its status can be written.
+    let object = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": node}, "spec": {}});
+    api.patch(node, &params, &Patch::Apply(&object))
+        .await
+        .unwrap();
+    let status = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": node}, "status": {"inventory": inventory}});
+    api.patch_status(node, &params, &Patch::Apply(&status))
+        .await
+        .unwrap();
+}
+
+/// What an agent does once it has applied the spec. Like every apply, it states its whole status
+/// (server-side apply drops the fields a manager stops sending).
+async fn report_applied(client: &Client, node: &str) {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let current = api.get(node).await.unwrap();
+    let inventory = current.status.and_then(|s| s.inventory);
+    let status = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": node}, "status": {"inventory": inventory, "appliedGeneration": current.metadata.generation}});
+    api.patch_status(
+        node,
+        &PatchParams::apply(AGENT).force(),
+        &Patch::Apply(&status),
+    )
+    .await
+    .unwrap();
+}
+
+async fn apply_yaml(client: &Client, text: &str) {
+    for doc in text.split("\n---\n") {
+        let value: serde_json::Value = serde_yaml::from_str(doc).unwrap();
+        let name = value["metadata"]["name"].as_str().unwrap().to_string();
+        let params = PatchParams::apply("gpuslice-test-gitops").force();
+        match value["kind"].as_str().unwrap() {
+            "GpuPool" => {
+                let api: Api<GpuPool> = Api::all(client.clone());
+                api.patch(&name, &params, &Patch::Apply(&value))
+                    .await
+                    .unwrap();
+            }
+            "CheckpointPolicy" => {
+                let api: Api<gpuslice_api::CheckpointPolicy> = Api::all(client.clone());
+                api.patch(&name, &params, &Patch::Apply(&value))
+                    .await
+                    .unwrap();
+            }
+            other => panic!("{other}"),
+        }
+    }
+}
+
+fn condition(pool: &GpuPool, kind: &str) -> Option<(String, String, String)> {
+    pool.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == kind)
+        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+#[tokio::test]
+async fn pools_become_node_layouts_and_status() {
+    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
+        return;
+    };
+    let client = cluster.client().await.unwrap();
+    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+        .await
+        .unwrap();
+    for name in ["h200-a", "h200-b"] {
+        cluster
+            .create_node(name, &[("gpuslice.io/pool", "h200-mig")], &[])
+            .await
+            .unwrap();
+        report_gpus(
+            &client,
+            name,
+            "- {index: 0, model: NVIDIA H200}\n- {index: 1, model: NVIDIA H200}\n",
+        )
+        .await;
+    }
+    cluster.create_node("h200-c", &[], &[]).await.unwrap();
+    report_gpus(&client, "h200-c", "- {index: 0, model: NVIDIA H200}\n").await;
+
+    let _operator = Operator(
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .arg("operator")
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            // Mid-morning in Berlin on a Wednesday: the pool's default layout is in force.
+            .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let pool_text =
+        std::fs::read_to_string(root().join("examples/gitops/pools/h200-mig.yaml")).unwrap();
+    apply_yaml(&client, &pool_text).await;
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    let pools: Api<GpuPool> = Api::all(client.clone());
+
+    // Both labelled nodes get the layout for both GPUs; the unlabelled one nothing.
+    for name in ["h200-a", "h200-b"] {
+        let gpu_nodes = gpu_nodes.clone();
+        eventually(&format!("{name} gets its layout"), || {
+            let gpu_nodes = gpu_nodes.clone();
+            async move {
+                let n = gpu_nodes.get(name).await.map_err(|e| e.to_string())?;
+                let gpus = &n.spec.gpus;
+                (gpus.len() == 2
+                    && gpus
+                        .iter()
+                        .all(|g| g.pool == "h200-mig" && g.layout.mig.is_some()))
+                .then_some(())
+                .ok_or_else(|| format!("{:?}", n.spec))
+            }
+        })
+        .await;
+    }
+    assert!(gpu_nodes.get("h200-c").await.unwrap().spec.gpus.is_empty());
+
+    // The checkpoint policy the pool names does not exist yet: Degraded, saying what to change.
+    let pool = eventually("the pool reports its problem", || {
+        let pools = pools.clone();
+        async move {
+            let p = pools.get("h200-mig").await.map_err(|e| e.to_string())?;
+            match condition(&p, "Degraded") {
+                Some((s, _, _)) if s == "True" => Ok(p),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    let (_, reason, message) = condition(&pool, "Degraded").unwrap();
+    assert_eq!(reason, "InvalidConfiguration");
+    assert!(
+        message.contains("CheckpointPolicy \"standard\" does not exist"),
+        "{message}"
+    );
+    let status = pool.status.unwrap();
+    assert_eq!((status.nodes, status.gpus, status.slices.total), (2, 4, 16));
+    assert_eq!(status.observed_generation, pool.metadata.generation);
+    assert!(status.next_transition.is_some());
+
+    // The policy appears; the agents apply; the pool turns Ready.
+    let checkpoint =
+        std::fs::read_to_string(root().join("examples/gitops/policies/checkpoint-standard.yaml"))
+            .unwrap();
+    apply_yaml(&client, &checkpoint).await;
+    for name in ["h200-a", "h200-b"] {
+        report_applied(&client, name).await;
+    }
+    eventually("the pool is Ready", || {
+        let pools = pools.clone();
+        async move {
+            let p = pools.get("h200-mig").await.map_err(|e| e.to_string())?;
+            match condition(&p, "Ready") {
+                Some((s, _, _)) if s == "True" => Ok(()),
+                other => Err(format!("{other:?} / {:?}", condition(&p, "Progressing"))),
+            }
+        }
+    })
+    .await;
+
+    // A label added to the third node: it joins, and the pool waits for its agent.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let label = serde_json::json!({"metadata": {"labels": {"gpuslice.io/pool": "h200-mig"}}});
+    nodes
+        .patch("h200-c", &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+    eventually("the new node joins", || {
+        let (pools, gpu_nodes) = (pools.clone(), gpu_nodes.clone());
+        async move {
+            let n = gpu_nodes.get("h200-c").await.map_err(|e| e.to_string())?;
+            let p = pools.get("h200-mig").await.map_err(|e| e.to_string())?;
+            let progressing = condition(&p, "Progressing");
+            (n.spec.gpus.len() == 1
+                && progressing.as_ref().is_some_and(|(s, r, m)| {
+                    s == "True" && r == "Applying" && m.contains("h200-c")
+                }))
+            .then_some(())
+            .ok_or_else(|| format!("{:?} {progressing:?}", n.spec))
+        }
+    })
+    .await;
+}
