@@ -5,6 +5,7 @@ pub mod agent;
 pub mod bench;
 pub mod claims;
 pub mod drain;
+pub mod incluster;
 pub mod plan;
 pub mod run;
 pub mod standalone;

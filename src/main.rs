@@ -53,8 +53,13 @@ enum Command {
     Agent {
         /// A folder, a YAML file, a local Git repository or a Git URL holding the pools. Git
         /// sources are fetched on every pass; a bad commit leaves the last good config in force.
+        #[arg(long, required_unless_present = "kube", conflicts_with = "kube")]
+        source: Option<String>,
+        /// In a cluster: apply this node's GpuNode (written by the operator) and report its
+        /// status, instead of reading pools from a source. Uses the in-cluster config or
+        /// KUBECONFIG; the node name comes from --node-name, NODE_NAME or the host name.
         #[arg(long)]
-        source: String,
+        kube: bool,
         /// Git branch, tag or commit to follow (the remote's default branch when omitted).
         #[arg(long = "ref")]
         git_ref: Option<String>,
@@ -252,6 +257,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Agent {
             source,
+            kube,
             git_ref,
             path,
             node_file,
@@ -267,6 +273,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             output,
         } => {
             let clock = gpuslice_planning::clock::Clock::from_env()?;
+            let node_name =
+                node_name.or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()));
             let mut node = match emulate.as_ref().or(node_file.as_ref()) {
                 Some(file) => {
                     let text = std::fs::read_to_string(file)
@@ -292,9 +300,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 None => nvml,
             };
+            if kube {
+                let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .context("starting the async runtime")?;
+                runtime.block_on(async {
+                    let client = kube::Client::try_default().await.context(
+                        "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
+                    )?;
+                    eprintln!("gpuslice agent: node {} in the cluster", node.name);
+                    gpuslice::incluster::run(client, &gpus, &node.name, &state, interval.into())
+                        .await?;
+                    anyhow::Ok(())
+                })?;
+                return Ok(ExitCode::SUCCESS);
+            }
             let options = gpuslice::agent::Options {
                 source: SourceSpec {
-                    location: source,
+                    location: source.context("--source is required without --kube")?,
                     git_ref,
                     sub_path: path,
                 },

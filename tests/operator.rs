@@ -235,3 +235,107 @@ async fn pools_become_node_layouts_and_status() {
     })
     .await;
 }
+
+/// A child process killed when the test ends.
+struct Child2(Child);
+
+impl Drop for Child2 {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn the_operator_and_agents_converge_emulated_nodes() {
+    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
+        return;
+    };
+    let client = cluster.client().await.unwrap();
+    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut processes = Vec::new();
+    for name in ["gpu-a", "gpu-b"] {
+        cluster
+            .create_node(name, &[("gpuslice.io/pool", "h200-mig")], &[])
+            .await
+            .unwrap();
+        let node_file = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(
+            &node_file,
+            format!("name: {name}\ngpus:\n- {{index: 0, model: NVIDIA H200}}\n- {{index: 1, model: NVIDIA H200}}\n"),
+        )
+        .unwrap();
+        processes.push(Child2(
+            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+                .args(["agent", "--kube", "--interval", "2s", "--emulate"])
+                .arg(&node_file)
+                .arg("--state")
+                .arg(dir.path().join(name))
+                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        ));
+    }
+    processes.push(Child2(
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .arg("operator")
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    ));
+    let pool_text =
+        std::fs::read_to_string(root().join("examples/gitops/pools/h200-mig.yaml")).unwrap();
+    let checkpoint =
+        std::fs::read_to_string(root().join("examples/gitops/policies/checkpoint-standard.yaml"))
+            .unwrap();
+    apply_yaml(&client, &checkpoint).await;
+    apply_yaml(&client, &pool_text).await;
+
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    eventually("the pool is Ready once the agents applied", || {
+        let pools = pools.clone();
+        async move {
+            let p = pools.get("h200-mig").await.map_err(|e| e.to_string())?;
+            match condition(&p, "Ready") {
+                Some((s, _, _)) if s == "True" => Ok(()),
+                other => Err(format!(
+                    "{other:?} / {:?} / {:?}",
+                    condition(&p, "Progressing"),
+                    condition(&p, "Degraded")
+                )),
+            }
+        }
+    })
+    .await;
+    // The emulated GPUs really have the day layout: four instances each.
+    for name in ["gpu-a", "gpu-b"] {
+        let machine = gpuslice_emulator::Store::open(
+            &dir.path().join(name).join(format!("emulated-{name}.json")),
+        )
+        .unwrap()
+        .snapshot()
+        .unwrap();
+        for gpu in &machine.gpus {
+            assert_eq!(gpu.instances.len(), 4, "{name} GPU {}", gpu.index);
+        }
+    }
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    let node = gpu_nodes.get("gpu-a").await.unwrap();
+    let status = node.status.unwrap();
+    assert_eq!(status.applied_generation, node.metadata.generation);
+    let inventory = status.inventory.unwrap();
+    assert!(inventory.gpus.iter().all(|g| {
+        g.mig
+            .as_ref()
+            .is_some_and(|m| m.instances.iter().all(|i| i.uuid.is_some()))
+    }));
+    drop(processes);
+}

@@ -1,0 +1,219 @@
+//! `gpuslice agent --kube`: the node agent of a cluster, fed by its `GpuNode` instead of Git. It
+//! applies `GpuNode.spec` (written by the operator) to the GPUs through NVML and reports back in
+//! `GpuNode.status`: the inventory, the generation it applied, and `Ready` / `Blocked` conditions.
+//! It owns the status under its own field manager and states all of it in every apply.
+
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use gpuslice_api::k8s_openapi::jiff::Timestamp;
+use gpuslice_api::{GpuNode, GpuNodeStatus};
+use gpuslice_node::{GpuOutcome, NvmlGpus};
+use gpuslice_planning::catalog;
+use gpuslice_planning::transition::Desired;
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::watcher;
+
+/// The field manager of what the agent writes.
+pub const MANAGER: &str = "gpuslice-agent";
+
+/// Why the agent stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum InClusterError {
+    #[error("GpuNode/{node}: {source}")]
+    Kube { node: String, source: kube::Error },
+    #[error(transparent)]
+    Node(#[from] gpuslice_node::AgentError),
+    #[error(transparent)]
+    Nvml(#[from] gpuslice_node::NvmlError),
+}
+
+/// What one pass decided for each GPU the spec names: its desired layout, or why there is none.
+fn desired_from_spec(
+    node: &gpuslice_api::NodeInventory,
+    spec: &gpuslice_api::GpuNodeSpec,
+) -> (Vec<(u32, Desired)>, Vec<String>) {
+    let mut desired = Vec::new();
+    let mut problems = Vec::new();
+    for assignment in &spec.gpus {
+        let Some(gpu) = node.gpus.iter().find(|g| g.index == assignment.index) else {
+            problems.push(format!(
+                "GPU {}: this node has no such GPU",
+                assignment.index
+            ));
+            continue;
+        };
+        if let (Some(want), Some(have)) = (&assignment.uuid, &gpu.uuid)
+            && want != have
+        {
+            problems.push(format!(
+                "GPU {}: the spec is for {want} but the GPU is {have}; not applied",
+                assignment.index
+            ));
+            continue;
+        }
+        match Desired::of(
+            &assignment.layout,
+            catalog::model(&gpu.model).ok(),
+            &gpu.model,
+        ) {
+            Ok(d) => desired.push((assignment.index, d)),
+            Err(e) => problems.push(format!("GPU {}: {e}", assignment.index)),
+        }
+    }
+    (desired, problems)
+}
+
+fn condition(
+    kind: &str,
+    status: bool,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+) -> Condition {
+    Condition {
+        type_: kind.to_string(),
+        status: if status { "True" } else { "False" }.to_string(),
+        reason: reason.to_string(),
+        message,
+        observed_generation: generation,
+        last_transition_time: Time(Timestamp::now()),
+    }
+}
+
+/// The status to report after a pass.
+fn status(
+    inventory: gpuslice_api::NodeInventory,
+    generation: Option<i64>,
+    previous: Option<&GpuNodeStatus>,
+    outcomes: &[GpuOutcome],
+    problems: &[String],
+) -> GpuNodeStatus {
+    let blocked: Vec<String> = outcomes
+        .iter()
+        .filter(|o| !o.blocked_by.is_empty())
+        .map(|o| {
+            let what: Vec<String> = o.blocked_by.iter().map(ToString::to_string).collect();
+            let pids: Vec<String> = o.blocking.iter().map(|b| b.pid.to_string()).collect();
+            format!(
+                "GPU {}: {} (pids {})",
+                o.index,
+                what.join(", "),
+                pids.join(", ")
+            )
+        })
+        .collect();
+    let failed: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| o.error.as_ref().map(|e| format!("GPU {}: {e}", o.index)))
+        .chain(problems.iter().cloned())
+        .collect();
+    let converged = blocked.is_empty() && failed.is_empty() && outcomes.iter().all(|o| o.converged);
+    let mut conditions = vec![
+        condition(
+            "Ready",
+            converged,
+            if converged {
+                "Applied"
+            } else if !failed.is_empty() {
+                "Failed"
+            } else {
+                "Progressing"
+            },
+            failed.join("; "),
+            generation,
+        ),
+        condition(
+            "Blocked",
+            !blocked.is_empty(),
+            if blocked.is_empty() {
+                "NothingBusy"
+            } else {
+                "BusyInstances"
+            },
+            blocked.join("; "),
+            generation,
+        ),
+    ];
+    // A condition keeps its transition time while its status stays.
+    if let Some(previous) = previous {
+        for c in &mut conditions {
+            if let Some(old) = previous
+                .conditions
+                .iter()
+                .find(|o| o.type_ == c.type_ && o.status == c.status)
+            {
+                c.last_transition_time = old.last_transition_time.clone();
+            }
+        }
+    }
+    GpuNodeStatus {
+        inventory: Some(inventory),
+        applied_generation: if converged {
+            generation
+        } else {
+            previous.and_then(|p| p.applied_generation)
+        },
+        conditions,
+    }
+}
+
+/// Runs the agent for `node` until the process ends: a pass whenever its GpuNode changes, and
+/// every `interval` (processes come and go, blocked transitions retry).
+pub async fn run(
+    client: Client,
+    gpus: &NvmlGpus,
+    node: &str,
+    state: &std::path::Path,
+    interval: Duration,
+) -> Result<(), InClusterError> {
+    let api: Api<GpuNode> = Api::all(client);
+    let kube_err = |source| InClusterError::Kube {
+        node: node.to_string(),
+        source,
+    };
+    let params = PatchParams::apply(MANAGER).force();
+    // The object must exist (with an empty spec, which the operator fills) before its status.
+    let existing = api.get_opt(node).await.map_err(kube_err)?;
+    if existing.is_none() {
+        let object = serde_json::json!({
+            "apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
+            "metadata": {"name": node}, "spec": {},
+        });
+        api.patch(node, &params, &Patch::Apply(&object))
+            .await
+            .map_err(kube_err)?;
+    }
+    let changes = watcher(
+        api.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={node}")),
+    );
+    futures::pin_mut!(changes);
+    loop {
+        let current = api.get(node).await.map_err(kube_err)?;
+        let inventory = gpuslice_node::read_node(gpus, node, state, &[])?;
+        let (desired, problems) = desired_from_spec(&inventory, &current.spec);
+        let outcomes = gpuslice_node::converge(gpus, node, state, &desired, &[], true)?;
+        let after = gpuslice_node::read_node(gpus, node, state, &[])?;
+        let report = status(
+            after,
+            current.metadata.generation,
+            current.status.as_ref(),
+            &outcomes,
+            &problems,
+        );
+        if current.status.as_ref() != Some(&report) {
+            let patch = serde_json::json!({
+                "apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
+                "metadata": {"name": node}, "status": report,
+            });
+            if let Err(e) = api.patch_status(node, &params, &Patch::Apply(&patch)).await {
+                eprintln!("gpuslice agent: GpuNode/{node}: reporting status: {e}");
+            }
+        }
+        // Our own status write comes back as a change too; that pass finds nothing to do.
+        let _ = tokio::time::timeout(interval, changes.next()).await;
+    }
+}
