@@ -75,10 +75,7 @@ fn yaml_files(dir: &Path) -> Vec<PathBuf> {
 }
 
 async fn ensure_namespace(client: &Client, name: &str) {
-    let ns: Api<Namespace> = Api::all(client.clone());
-    let obj: Namespace =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
-    ns.patch(name, &PatchParams::apply(MANAGER), &Patch::Apply(&obj))
+    gpuslice_testcluster::ensure_namespace(client, name)
         .await
         .unwrap();
 }
@@ -90,30 +87,7 @@ async fn apply(
     doc: &Value,
     dry_run: bool,
 ) -> Option<Result<(), kube::Error>> {
-    let api_version = doc["apiVersion"].as_str()?;
-    let kind = doc["kind"].as_str()?;
-    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-    let gvk = kube::api::GroupVersionKind::gvk(group, version, kind);
-    let (resource, caps): (ApiResource, _) = discovery.resolve_gvk(&gvk)?;
-    let name = doc["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let api: Api<DynamicObject> = match caps.scope {
-        Scope::Cluster => Api::all_with(client.clone(), &resource),
-        Scope::Namespaced => {
-            let ns = doc["metadata"]["namespace"].as_str().unwrap_or("default");
-            ensure_namespace(client, ns).await;
-            Api::namespaced_with(client.clone(), ns, &resource)
-        }
-    };
-    let mut params = PatchParams::apply(MANAGER).validation_strict();
-    params.dry_run = dry_run;
-    Some(
-        api.patch(&name, &params, &Patch::Apply(doc))
-            .await
-            .map(|_| ()),
-    )
+    gpuslice_testcluster::apply_document(client, discovery, doc, dry_run).await
 }
 
 #[tokio::test]

@@ -693,3 +693,57 @@ pub async fn install_crds(client: &Client, dir: &Path) -> Result<(), Error> {
     }
     Ok(())
 }
+
+/// Creates a namespace if it does not exist.
+pub async fn ensure_namespace(client: &Client, name: &str) -> Result<(), Error> {
+    use kube::api::{Patch, PatchParams};
+    let ns: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    let object =
+        serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}});
+    ns.patch(
+        name,
+        &PatchParams::apply("gpuslice-test"),
+        &Patch::Apply(&object),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Server-side apply of one YAML/JSON document of any kind the server knows, with strict field
+/// validation, dry-run or for real; `None` when the document has no kind the server knows.
+/// Namespaced objects go to their namespace (created if needed; `default` when unset).
+pub async fn apply_document(
+    client: &Client,
+    discovery: &kube::discovery::Discovery,
+    doc: &serde_json::Value,
+    dry_run: bool,
+) -> Option<Result<(), kube::Error>> {
+    use kube::api::{DynamicObject, Patch, PatchParams};
+    use kube::discovery::Scope;
+    let api_version = doc["apiVersion"].as_str()?;
+    let kind = doc["kind"].as_str()?;
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let gvk = kube::api::GroupVersionKind::gvk(group, version, kind);
+    let (resource, caps) = discovery.resolve_gvk(&gvk)?;
+    let name = doc["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let api: Api<DynamicObject> = match caps.scope {
+        Scope::Cluster => Api::all_with(client.clone(), &resource),
+        Scope::Namespaced => {
+            let ns = doc["metadata"]["namespace"].as_str().unwrap_or("default");
+            if let Err(Error::Kube(e)) = ensure_namespace(client, ns).await {
+                return Some(Err(e));
+            }
+            Api::namespaced_with(client.clone(), ns, &resource)
+        }
+    };
+    let mut params = PatchParams::apply("gpuslice-test").validation_strict();
+    params.dry_run = dry_run;
+    Some(
+        api.patch(&name, &params, &Patch::Apply(doc))
+            .await
+            .map(|_| ()),
+    )
+}

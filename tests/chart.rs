@@ -1,0 +1,202 @@
+//! The Helm chart, with a real Helm (built by tests/helm/build.sh) and a real API server: it
+//! lints, renders, every rendered object is accepted, and the operator and an agent then run as
+//! the chart's own ServiceAccounts — which proves the roles it grants are enough — until a pool
+//! is Ready on an emulated node.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpuslice_api::GpuPool;
+use gpuslice_testcluster::{Components, ControlPlane};
+use kube::api::{Api, Patch, PatchParams};
+
+const NAMESPACE: &str = "gpuslice-system";
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn helm() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("GPUSLICE_HELM") {
+        return Some(PathBuf::from(path));
+    }
+    let out = Command::new("bash")
+        .arg(root().join("tests/helm/build.sh"))
+        .arg("--find")
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+struct Reaper(Vec<Child>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_chart_installs_and_its_roles_are_enough() {
+    let Some(helm) = helm() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no helm: run tests/helm/build.sh"
+        );
+        eprintln!("SKIPPED: no helm binary (bash tests/helm/build.sh builds one)");
+        return;
+    };
+    let chart = root().join("charts/gpuslice");
+    let lint = Command::new(&helm)
+        .arg("lint")
+        .arg(&chart)
+        .output()
+        .unwrap();
+    assert!(
+        lint.status.success(),
+        "{}",
+        String::from_utf8_lossy(&lint.stdout)
+    );
+    let rendered = Command::new(&helm)
+        .args(["template", "gs", "--namespace", NAMESPACE])
+        .arg(&chart)
+        .output()
+        .unwrap();
+    assert!(
+        rendered.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rendered.stderr)
+    );
+    let text = String::from_utf8(rendered.stdout).unwrap();
+    let docs: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .filter(|v: &serde_json::Value| !v.is_null())
+        .collect();
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    for kind in [
+        "Deployment",
+        "DaemonSet",
+        "ClusterRole",
+        "ServiceAccount",
+        "PodDisruptionBudget",
+    ] {
+        assert!(
+            kinds.contains(&kind),
+            "the chart renders a {kind}: {kinds:?}"
+        );
+    }
+    assert!(!text.contains("\"*\""), "no wildcards in the roles");
+
+    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
+        return;
+    };
+    let admin = cluster.client().await.unwrap();
+    gpuslice_testcluster::install_crds(&admin, &chart.join("crds"))
+        .await
+        .unwrap();
+    let discovery = kube::discovery::Discovery::new(admin.clone())
+        .run()
+        .await
+        .unwrap();
+    for doc in &docs {
+        gpuslice_testcluster::apply_document(&admin, &discovery, doc, false)
+            .await
+            .unwrap_or_else(|| panic!("unknown kind: {doc}"))
+            .unwrap_or_else(|e| panic!("{}: {e}", doc["metadata"]["name"]));
+    }
+
+    // The operator and an agent, each as its ServiceAccount from the chart.
+    let kubeconfig = |name: &str| {
+        cluster
+            .dir()
+            .join(format!("sa-{NAMESPACE}-{name}.kubeconfig"))
+    };
+    cluster
+        .service_account_client(NAMESPACE, "gs-operator")
+        .await
+        .unwrap();
+    cluster
+        .service_account_client(NAMESPACE, "gs-agent")
+        .await
+        .unwrap();
+    cluster
+        .create_node("gpu-0", &[("gpuslice.io/pool", "h200-mig")], &[])
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let node_file = dir.path().join("node.yaml");
+    std::fs::write(
+        &node_file,
+        "name: gpu-0\ngpus:\n- {index: 0, model: NVIDIA H200}\n",
+    )
+    .unwrap();
+    let bin = env!("CARGO_BIN_EXE_gpuslice");
+    let _children = Reaper(vec![
+        Command::new(bin)
+            .arg("operator")
+            .env("KUBECONFIG", kubeconfig("gs-operator"))
+            .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+        Command::new(bin)
+            .args(["agent", "--kube", "--interval", "2s", "--emulate"])
+            .arg(&node_file)
+            .arg("--state")
+            .arg(dir.path())
+            .env("KUBECONFIG", kubeconfig("gs-agent"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ]);
+    for file in [
+        "examples/gitops/policies/checkpoint-standard.yaml",
+        "examples/gitops/pools/h200-mig.yaml",
+    ] {
+        let doc: serde_json::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(root().join(file)).unwrap()).unwrap();
+        gpuslice_testcluster::apply_document(&admin, &discovery, &doc, false)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let pools: Api<GpuPool> = Api::all(admin.clone());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let pool = pools.get("h200-mig").await.unwrap();
+        let ready = pool.status.as_ref().and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .map(|c| (c.status.clone(), c.message.clone()))
+        });
+        if ready.as_ref().is_some_and(|(s, _)| s == "True") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not Ready under the chart's roles: {ready:?}\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // Nothing else: the agent could not, say, change a pool.
+    let agent = cluster
+        .service_account_client(NAMESPACE, "gs-agent")
+        .await
+        .unwrap();
+    let as_agent: Api<GpuPool> = Api::all(agent);
+    let denied = as_agent
+        .patch("h200-mig", &PatchParams::apply("intruder"), &Patch::Apply(serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuPool", "metadata": {"name": "h200-mig"}, "spec": {}})))
+        .await;
+    assert!(
+        matches!(denied, Err(kube::Error::Api(ref e)) if e.code == 403),
+        "{denied:?}"
+    );
+}
