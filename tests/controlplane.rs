@@ -9,14 +9,12 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use gpuslice_testcluster::{Components, ControlPlane};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
-use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
-use kube::discovery::{ApiResource, Discovery, Scope};
+use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
+use kube::discovery::{ApiResource, Discovery};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
-
-const MANAGER: &str = "gpuslice-test";
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
