@@ -15,6 +15,10 @@ use gpuslice_planning::transition::Desired;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::watcher;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// The field manager of what the agent writes.
 pub const MANAGER: &str = "gpuslice-agent";
@@ -160,6 +164,52 @@ fn status(
     }
 }
 
+/// The agent's metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    passes: Counter,
+    errors: Counter,
+    operations: Counter,
+    blocked_seconds: Counter<f64, AtomicU64>,
+    duration: Histogram,
+}
+
+impl Metrics {
+    /// Metrics registered under `gpuslice_agent_`.
+    pub fn register(registry: &mut Registry) -> Metrics {
+        let m = Metrics {
+            passes: Counter::default(),
+            errors: Counter::default(),
+            operations: Counter::default(),
+            blocked_seconds: Counter::default(),
+            duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+        };
+        let r = registry.sub_registry_with_prefix("gpuslice_agent");
+        r.register("passes", "Reconcile passes", m.passes.clone());
+        r.register(
+            "errors",
+            "GPUs a pass could not bring to their layout",
+            m.errors.clone(),
+        );
+        r.register(
+            "operations",
+            "MIG and slice-table operations applied",
+            m.operations.clone(),
+        );
+        r.register(
+            "blocked_seconds",
+            "Time transitions spent waiting for busy instances",
+            m.blocked_seconds.clone(),
+        );
+        r.register(
+            "pass_duration_seconds",
+            "Time of one pass, NVML changes included",
+            m.duration.clone(),
+        );
+        m
+    }
+}
+
 /// Runs the agent for `node` until the process ends: a pass whenever its GpuNode changes, and
 /// every `interval` (processes come and go, blocked transitions retry).
 pub async fn run(
@@ -168,6 +218,8 @@ pub async fn run(
     node: &str,
     state: &std::path::Path,
     interval: Duration,
+    metrics: Metrics,
+    telemetry: Option<gpuslice_operator::telemetry::Telemetry>,
 ) -> Result<(), InClusterError> {
     let api: Api<GpuNode> = Api::all(client);
     let kube_err = |source| InClusterError::Kube {
@@ -191,12 +243,36 @@ pub async fn run(
         watcher::Config::default().fields(&format!("metadata.name={node}")),
     );
     futures::pin_mut!(changes);
+    let mut blocked_since: Option<std::time::Instant> = None;
     loop {
+        let started = std::time::Instant::now();
         let current = api.get(node).await.map_err(kube_err)?;
         let inventory = gpuslice_node::read_node(gpus, node, state, &[])?;
         let (desired, problems) = desired_from_spec(&inventory, &current.spec);
         let outcomes = gpuslice_node::converge(gpus, node, state, &desired, &[], true)?;
         let after = gpuslice_node::read_node(gpus, node, state, &[])?;
+        metrics.passes.inc();
+        metrics
+            .errors
+            .inc_by(outcomes.iter().filter(|o| o.error.is_some()).count() as u64);
+        metrics.operations.inc_by(
+            outcomes
+                .iter()
+                .filter(|o| o.blocked_by.is_empty())
+                .map(|o| o.ops.len() as u64)
+                .sum(),
+        );
+        let blocked = outcomes.iter().any(|o| !o.blocked_by.is_empty());
+        if let Some(since) = blocked_since {
+            metrics
+                .blocked_seconds
+                .inc_by(since.elapsed().as_secs_f64());
+        }
+        blocked_since = blocked.then(std::time::Instant::now);
+        metrics.duration.observe(started.elapsed().as_secs_f64());
+        if let Some(t) = &telemetry {
+            t.pass_done();
+        }
         let report = status(
             after,
             current.metadata.generation,

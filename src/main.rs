@@ -60,6 +60,9 @@ enum Command {
         /// KUBECONFIG; the node name comes from --node-name, NODE_NAME or the host name.
         #[arg(long)]
         kube: bool,
+        /// With --kube: serve /metrics and /healthz here (e.g. 0.0.0.0:8081).
+        #[arg(long, requires = "kube")]
+        metrics_addr: Option<std::net::SocketAddr>,
         /// Git branch, tag or commit to follow (the remote's default branch when omitted).
         #[arg(long = "ref")]
         git_ref: Option<String>,
@@ -130,7 +133,11 @@ enum Command {
     },
     /// The operator: reconcile GpuPools into each node's desired layout (GpuNode) and pool status.
     /// Uses the in-cluster config or KUBECONFIG.
-    Operator,
+    Operator {
+        /// Serve /metrics and /healthz here (e.g. 0.0.0.0:8080).
+        #[arg(long)]
+        metrics_addr: Option<std::net::SocketAddr>,
+    },
     /// Benchmarks that print a table with a PASS/FAIL column and exit non-zero on FAIL.
     Bench {
         #[command(subcommand)]
@@ -258,6 +265,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Agent {
             source,
             kube,
+            metrics_addr,
             git_ref,
             path,
             node_file,
@@ -311,8 +319,29 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
                     )?;
                     eprintln!("gpuslice agent: node {} in the cluster", node.name);
-                    gpuslice::incluster::run(client, &gpus, &node.name, &state, interval.into())
-                        .await?;
+                    let interval: std::time::Duration = interval.into();
+                    let mut registry = prometheus_client::registry::Registry::default();
+                    let metrics = gpuslice::incluster::Metrics::register(&mut registry);
+                    let telemetry = gpuslice_operator::telemetry::Telemetry::new(
+                        registry,
+                        interval * 3 + std::time::Duration::from_secs(60),
+                    );
+                    if let Some(addr) = metrics_addr {
+                        telemetry
+                            .serve(addr)
+                            .await
+                            .with_context(|| format!("serving metrics on {addr}"))?;
+                    }
+                    gpuslice::incluster::run(
+                        client,
+                        &gpus,
+                        &node.name,
+                        &state,
+                        interval,
+                        metrics,
+                        Some(telemetry),
+                    )
+                    .await?;
                     anyhow::Ok(())
                 })?;
                 return Ok(ExitCode::SUCCESS);
@@ -400,7 +429,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let code = gpuslice::run::run(&state, &want, &shim, &command)?;
             Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
         }
-        Command::Operator => {
+        Command::Operator { metrics_addr } => {
             let clock = gpuslice_planning::clock::Clock::from_env()?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -410,8 +439,21 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let client = kube::Client::try_default().await.context(
                     "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
                 )?;
+                let mut registry = prometheus_client::registry::Registry::default();
+                let metrics = gpuslice_operator::controller::Metrics::register(&mut registry);
+                // The loop passes at least every 5 minutes (it sleeps no longer between passes).
+                let telemetry = gpuslice_operator::telemetry::Telemetry::new(
+                    registry,
+                    std::time::Duration::from_secs(600),
+                );
+                if let Some(addr) = metrics_addr {
+                    telemetry
+                        .serve(addr)
+                        .await
+                        .with_context(|| format!("serving metrics on {addr}"))?;
+                }
                 eprintln!("gpuslice operator: started");
-                gpuslice_operator::controller::run(client, clock).await?;
+                gpuslice_operator::controller::run(client, clock, metrics, Some(telemetry)).await?;
                 anyhow::Ok(())
             })?;
             Ok(ExitCode::SUCCESS)

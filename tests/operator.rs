@@ -246,8 +246,35 @@ impl Drop for Child2 {
     }
 }
 
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET path` on a local port: (status line, body).
+fn http_get(port: u16, path: &str) -> (String, String) {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (
+        head.lines().next().unwrap_or_default().to_string(),
+        body.to_string(),
+    )
+}
+
 #[tokio::test]
 async fn the_operator_and_agents_converge_emulated_nodes() {
+    let (operator_port, agent_port) = (free_port(), free_port());
     let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
         return;
     };
@@ -268,10 +295,15 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
             format!("name: {name}\ngpus:\n- {{index: 0, model: NVIDIA H200}}\n- {{index: 1, model: NVIDIA H200}}\n"),
         )
         .unwrap();
+        let mut agent = Command::new(env!("CARGO_BIN_EXE_gpuslice"));
+        agent
+            .args(["agent", "--kube", "--interval", "2s", "--emulate"])
+            .arg(&node_file);
+        if name == "gpu-a" {
+            agent.args(["--metrics-addr", &format!("127.0.0.1:{agent_port}")]);
+        }
         processes.push(Child2(
-            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-                .args(["agent", "--kube", "--interval", "2s", "--emulate"])
-                .arg(&node_file)
+            agent
                 .arg("--state")
                 .arg(dir.path().join(name))
                 .env("KUBECONFIG", cluster.kubeconfig_path())
@@ -284,6 +316,7 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     processes.push(Child2(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .arg("operator")
+            .args(["--metrics-addr", &format!("127.0.0.1:{operator_port}")])
             .env("KUBECONFIG", cluster.kubeconfig_path())
             // 21:59:30 in Berlin on a Wednesday: the night window opens in 30 s.
             .env("GPUSLICE_CLOCK_START", "2026-12-02T20:59:30Z")
@@ -341,6 +374,27 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
         }
     })
     .await;
+    // Both binaries report what they did, and are healthy.
+    let (status_line, operator_metrics) = http_get(operator_port, "/metrics");
+    assert!(status_line.contains("200"), "{status_line}");
+    assert!(
+        operator_metrics.contains("gpuslice_pool_slices{pool=\"h200-mig\"} 4"),
+        "{operator_metrics}"
+    );
+    assert!(operator_metrics.contains("gpuslice_operator_reconciles_total"));
+    let (_, agent_metrics) = http_get(agent_port, "/metrics");
+    let operations = agent_metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("gpuslice_agent_operations_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("{agent_metrics}"));
+    assert!(
+        operations >= 10.0,
+        "day and night layouts on two GPUs: {operations}"
+    );
+    assert!(http_get(agent_port, "/healthz").0.contains("200"));
+    assert!(http_get(operator_port, "/healthz").0.contains("200"));
+
     let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
     let node = gpu_nodes.get("gpu-a").await.unwrap();
     let status = node.status.unwrap();

@@ -20,6 +20,13 @@ use kube::{Client, Resource, ResourceExt as _};
 use tokio::sync::Notify;
 
 use crate::desired::{NodeReport, Observed, desired};
+use crate::telemetry::Telemetry;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
 
 /// The field manager of everything the operator writes.
 pub const MANAGER: &str = "gpuslice-operator";
@@ -53,8 +60,63 @@ where
     reader
 }
 
+/// The operator's metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    reconciles: Counter,
+    errors: Counter,
+    duration: Histogram,
+    pool_nodes: Family<PoolLabel, Gauge>,
+    pool_gpus: Family<PoolLabel, Gauge>,
+    pool_slices: Family<PoolLabel, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabel {
+    pool: String,
+}
+
+impl Metrics {
+    /// Metrics registered under `gpuslice_`.
+    pub fn register(registry: &mut Registry) -> Metrics {
+        let m = Metrics {
+            reconciles: Counter::default(),
+            errors: Counter::default(),
+            duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            pool_nodes: Family::default(),
+            pool_gpus: Family::default(),
+            pool_slices: Family::default(),
+        };
+        let r = registry.sub_registry_with_prefix("gpuslice");
+        r.register(
+            "operator_reconciles",
+            "Reconcile passes",
+            m.reconciles.clone(),
+        );
+        r.register(
+            "operator_reconcile_errors",
+            "Writes that failed (retried on the next pass)",
+            m.errors.clone(),
+        );
+        r.register(
+            "operator_reconcile_duration_seconds",
+            "Time of one reconcile pass, writes included",
+            m.duration.clone(),
+        );
+        r.register("pool_nodes", "Nodes a pool selects", m.pool_nodes.clone());
+        r.register("pool_gpus", "GPUs in a pool", m.pool_gpus.clone());
+        r.register("pool_slices", "Slices in a pool", m.pool_slices.clone());
+        m
+    }
+}
+
 /// Runs the operator until the process ends.
-pub async fn run(client: Client, clock: Clock) -> Result<(), OperatorError> {
+pub async fn run(
+    client: Client,
+    clock: Clock,
+    metrics: Metrics,
+    telemetry: Option<Telemetry>,
+) -> Result<(), OperatorError> {
     let changed = Arc::new(Notify::new());
     let pools = cache(Api::<GpuPool>::all(client.clone()), changed.clone());
     let checkpoints = cache(
@@ -76,10 +138,35 @@ pub async fn run(client: Client, clock: Clock) -> Result<(), OperatorError> {
     }
     let writer = Writer { client };
     loop {
+        let started = std::time::Instant::now();
         let observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
         let now = clock.now();
         let want = desired(&observed, now);
-        writer.apply(&want, &pools, &gpu_nodes).await;
+        let failed = writer.apply(&want, &pools, &gpu_nodes).await;
+        metrics.reconciles.inc();
+        metrics.errors.inc_by(failed);
+        metrics.duration.observe(started.elapsed().as_secs_f64());
+        metrics.pool_nodes.clear();
+        metrics.pool_gpus.clear();
+        metrics.pool_slices.clear();
+        for (pool, status) in &want.pool_status {
+            let label = PoolLabel { pool: pool.clone() };
+            metrics
+                .pool_nodes
+                .get_or_create(&label)
+                .set(i64::from(status.nodes));
+            metrics
+                .pool_gpus
+                .get_or_create(&label)
+                .set(i64::from(status.gpus));
+            metrics
+                .pool_slices
+                .get_or_create(&label)
+                .set(i64::from(status.slices.total));
+        }
+        if let Some(t) = &telemetry {
+            t.pass_done();
+        }
         // Wake on a change (a burst settles first) or at the next window boundary.
         let until_boundary = want.next_change.map_or(Duration::from_secs(300), |t| {
             clock.until(t) + Duration::from_millis(50)
@@ -146,7 +233,8 @@ impl Writer {
         want: &crate::desired::DesiredState,
         pools: &Store<GpuPool>,
         gpu_nodes: &Store<GpuNode>,
-    ) {
+    ) -> u64 {
+        let mut failed = 0;
         let params = PatchParams::apply(MANAGER).force();
         let gpu_node_api: Api<GpuNode> = Api::all(self.client.clone());
         for (name, spec) in &want.node_specs {
@@ -165,6 +253,7 @@ impl Writer {
                 .await
             {
                 eprintln!("gpuslice operator: GpuNode/{name}: writing the desired layout: {e}");
+                failed += 1;
             }
         }
         let pool_api: Api<GpuPool> = Api::all(self.client.clone());
@@ -189,8 +278,10 @@ impl Writer {
                 .await
             {
                 eprintln!("gpuslice operator: GpuPool/{name}: writing status: {e}");
+                failed += 1;
             }
         }
+        failed
     }
 }
 
