@@ -212,8 +212,38 @@ async fn pools_become_node_layouts_and_status() {
     })
     .await;
 
-    // A label added to the third node: it joins, and the pool waits for its agent.
+    // A pool whose layout the GPUs it selects cannot have: Degraded, and h200-mig stays Ready.
+    apply_yaml(
+        &client,
+        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: broken}\nspec:\n  nodeSelector: {matchLabels: {team: x}}\n  layout: {mig: {profiles: {3g.71gb: 3}}}\n",
+    )
+    .await;
     let nodes: Api<Node> = Api::all(client.clone());
+    let team = serde_json::json!({"metadata": {"labels": {"team": "x"}}});
+    nodes
+        .patch("h200-c", &PatchParams::default(), &Patch::Merge(&team))
+        .await
+        .unwrap();
+    eventually("the broken pool says what is wrong", || {
+        let pools = pools.clone();
+        async move {
+            let p = pools.get("broken").await.map_err(|e| e.to_string())?;
+            match condition(&p, "Degraded") {
+                Some((s, _, m)) if s == "True" && m.contains("h200-c") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    let still = pools.get("h200-mig").await.unwrap();
+    assert_eq!(condition(&still, "Ready").unwrap().0, "True");
+    let unlabel = serde_json::json!({"metadata": {"labels": {"team": null}}});
+    nodes
+        .patch("h200-c", &PatchParams::default(), &Patch::Merge(&unlabel))
+        .await
+        .unwrap();
+
+    // A label added to the third node: it joins, and the pool waits for its agent.
     let label = serde_json::json!({"metadata": {"labels": {"gpuslice.io/pool": "h200-mig"}}});
     nodes
         .patch("h200-c", &PatchParams::default(), &Patch::Merge(&label))
@@ -352,6 +382,36 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
         },
     )
     .await;
+
+    // A workload on one of gpu-a's instances: at the boundary that GPU cannot be re-sliced, and
+    // the pool says why until the workload ends.
+    let state_a = dir.path().join("gpu-a").join("emulated-gpu-a.json");
+    let mut workload = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    gpuslice_emulator::Store::open(&state_a)
+        .unwrap()
+        .update(|m| {
+            let gi = m.gpu(0).unwrap().instances[0].id;
+            m.attach_real_process(0, workload.id(), 1 << 30, Some(gi))
+        })
+        .unwrap()
+        .unwrap();
+    eventually("the pool reports the busy instance", || {
+        let pools = pools.clone();
+        async move {
+            let p = pools.get("h200-mig").await.map_err(|e| e.to_string())?;
+            match condition(&p, "Progressing") {
+                Some((s, r, m)) if s == "True" && r == "Blocked" && m.contains("gpu-a") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    workload.kill().unwrap();
+    workload.wait().unwrap();
+
     // At the boundary the operator re-slices every node for the night: one whole-GPU instance each.
     let instances = |name: &str| -> Vec<usize> {
         let path = dir.path().join(name).join(format!("emulated-{name}.json"));
