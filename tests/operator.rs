@@ -434,6 +434,23 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
         }
     })
     .await;
+    // The pool's story is in its Events: the block, then the window change.
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    let reasons: Vec<String> = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("h200-mig"))
+        .filter_map(|e| e.reason)
+        .collect();
+    assert!(
+        reasons.iter().any(|r| r == "WindowChanged") && reasons.iter().any(|r| r == "Blocked"),
+        "{reasons:?}"
+    );
+
     // Both binaries report what they did, and are healthy.
     let (status_line, operator_metrics) = http_get(operator_port, "/metrics");
     assert!(status_line.contains("200"), "{status_line}");

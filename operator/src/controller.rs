@@ -14,6 +14,7 @@ use gpuslice_api::{CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, NodeInvent
 use gpuslice_planning::clock::Clock;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Client, Resource, ResourceExt as _};
@@ -136,7 +137,16 @@ pub async fn run(
             message: e.to_string(),
         })?;
     }
-    let writer = Writer { client };
+    let writer = Writer {
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: MANAGER.into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        ),
+        client,
+    };
     loop {
         let started = std::time::Instant::now();
         let observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
@@ -225,6 +235,7 @@ fn observe(
 
 struct Writer {
     client: Client,
+    recorder: Recorder,
 }
 
 impl Writer {
@@ -266,6 +277,24 @@ impl Writer {
             let status = with_transition_times(status, &old);
             if status == old {
                 continue;
+            }
+            if let Some(pool) = &current {
+                for e in crate::desired::events(pool.status.as_ref(), &status) {
+                    let event = Event {
+                        type_: if e.warning {
+                            EventType::Warning
+                        } else {
+                            EventType::Normal
+                        },
+                        reason: e.reason.into(),
+                        note: Some(e.note.chars().take(1000).collect()),
+                        action: "Reconcile".into(),
+                        secondary: None,
+                    };
+                    if let Err(err) = self.recorder.publish(&event, &pool.object_ref(&())).await {
+                        eprintln!("gpuslice operator: GpuPool/{name}: recording an event: {err}");
+                    }
+                }
             }
             let patch = serde_json::json!({
                 "apiVersion": "gpuslice.io/v1alpha1",
