@@ -137,6 +137,12 @@ enum Command {
         /// Serve /metrics and /healthz here (e.g. 0.0.0.0:8080).
         #[arg(long)]
         metrics_addr: Option<std::net::SocketAddr>,
+        /// The namespace of the leader-election Lease (default: POD_NAMESPACE, else default).
+        #[arg(long)]
+        lease_namespace: Option<String>,
+        /// How long a leader's lease lasts without renewal (Go duration).
+        #[arg(long, default_value = "15s")]
+        lease_duration: gpuslice_api::Duration,
     },
     /// Benchmarks that print a table with a PASS/FAIL column and exit non-zero on FAIL.
     Bench {
@@ -429,7 +435,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let code = gpuslice::run::run(&state, &want, &shim, &command)?;
             Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
         }
-        Command::Operator { metrics_addr } => {
+        Command::Operator {
+            metrics_addr,
+            lease_namespace,
+            lease_duration,
+        } => {
             let clock = gpuslice_planning::clock::Clock::from_env()?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -452,8 +462,30 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         .await
                         .with_context(|| format!("serving metrics on {addr}"))?;
                 }
-                eprintln!("gpuslice operator: started");
-                gpuslice_operator::controller::run(client, clock, metrics, Some(telemetry)).await?;
+                let namespace = lease_namespace
+                    .or_else(|| std::env::var("POD_NAMESPACE").ok())
+                    .unwrap_or_else(|| "default".into());
+                let identity = std::env::var("POD_NAME").unwrap_or_else(|_| {
+                    let host =
+                        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+                    format!("{}-{}", host.trim(), std::process::id())
+                });
+                let leadership = gpuslice_operator::election::start(
+                    client.clone(),
+                    &namespace,
+                    "gpuslice-operator",
+                    &identity,
+                    lease_duration.into(),
+                );
+                eprintln!("gpuslice operator: started as {identity}");
+                gpuslice_operator::controller::run(
+                    client,
+                    clock,
+                    metrics,
+                    Some(telemetry),
+                    leadership,
+                )
+                .await?;
                 anyhow::Ok(())
             })?;
             Ok(ExitCode::SUCCESS)

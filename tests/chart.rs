@@ -139,7 +139,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     let bin = env!("CARGO_BIN_EXE_gpuslice");
     let _children = Reaper(vec![
         Command::new(bin)
-            .arg("operator")
+            .args(["operator", "--lease-namespace", NAMESPACE])
             .env("KUBECONFIG", kubeconfig("gs-operator"))
             .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
             .stdout(Stdio::null())

@@ -484,3 +484,91 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     }));
     drop(processes);
 }
+
+#[tokio::test]
+async fn a_standby_operator_takes_over_when_the_leader_dies() {
+    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
+        return;
+    };
+    let client = cluster.client().await.unwrap();
+    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+        .await
+        .unwrap();
+    for name in ["n1", "n2"] {
+        cluster.create_node(name, &[], &[]).await.unwrap();
+        report_gpus(&client, name, "- {index: 0, model: NVIDIA H200}\n").await;
+    }
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .args(["operator", "--lease-duration", "2s"])
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut operators = vec![Operator(spawn()), Operator(spawn())];
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), "default");
+    let holder = eventually("one operator holds the lease", || {
+        let leases = leases.clone();
+        async move {
+            let lease = leases
+                .get("gpuslice-operator")
+                .await
+                .map_err(|e| e.to_string())?;
+            lease
+                .spec
+                .and_then(|s| s.holder_identity)
+                .ok_or_else(|| "no holder".to_string())
+        }
+    })
+    .await;
+    let leader = operators
+        .iter()
+        .position(|o| holder.ends_with(&format!("-{}", o.0.id())))
+        .unwrap_or_else(|| panic!("{holder} is none of ours"));
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    apply_yaml(
+        &client,
+        &std::fs::read_to_string(root().join("examples/gitops/pools/h200-mig.yaml"))
+            .unwrap()
+            .replace("  checkpointPolicy: standard\n", ""),
+    )
+    .await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    let join = |name: &'static str| {
+        let nodes = nodes.clone();
+        async move {
+            let label =
+                serde_json::json!({"metadata": {"labels": {"gpuslice.io/pool": "h200-mig"}}});
+            nodes
+                .patch(name, &PatchParams::default(), &Patch::Merge(&label))
+                .await
+                .unwrap();
+        }
+    };
+    let has_layout = |name: &'static str| {
+        let gpu_nodes = gpu_nodes.clone();
+        move || {
+            let gpu_nodes = gpu_nodes.clone();
+            async move {
+                let n = gpu_nodes.get(name).await.map_err(|e| e.to_string())?;
+                (!n.spec.gpus.is_empty())
+                    .then_some(())
+                    .ok_or_else(|| format!("{:?}", n.spec))
+            }
+        }
+    };
+    join("n1").await;
+    eventually("the leader writes n1's layout", has_layout("n1")).await;
+
+    // The leader dies; the standby takes the lease over and carries on.
+    drop(operators.remove(leader));
+    join("n2").await;
+    eventually("the standby writes n2's layout", has_layout("n2")).await;
+    let lease = leases.get("gpuslice-operator").await.unwrap().spec.unwrap();
+    assert_ne!(lease.holder_identity.as_deref(), Some(holder.as_str()));
+    assert!(lease.lease_transitions.unwrap_or(0) >= 1);
+}

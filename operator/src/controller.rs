@@ -21,6 +21,7 @@ use kube::{Client, Resource, ResourceExt as _};
 use tokio::sync::Notify;
 
 use crate::desired::{NodeReport, Observed, desired};
+use crate::election::Leadership;
 use crate::telemetry::Telemetry;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -117,6 +118,7 @@ pub async fn run(
     clock: Clock,
     metrics: Metrics,
     telemetry: Option<Telemetry>,
+    leadership: Leadership,
 ) -> Result<(), OperatorError> {
     let changed = Arc::new(Notify::new());
     let pools = cache(Api::<GpuPool>::all(client.clone()), changed.clone());
@@ -152,7 +154,12 @@ pub async fn run(
         let observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
         let now = clock.now();
         let want = desired(&observed, now);
-        let failed = writer.apply(&want, &pools, &gpu_nodes).await;
+        // Only the leader writes; the others keep their caches warm to take over at once.
+        let failed = if leadership.is_leader() {
+            writer.apply(&want, &pools, &gpu_nodes).await
+        } else {
+            0
+        };
         metrics.reconciles.inc();
         metrics.errors.inc_by(failed);
         metrics.duration.observe(started.elapsed().as_secs_f64());
@@ -181,6 +188,11 @@ pub async fn run(
         let until_boundary = want.next_change.map_or(Duration::from_secs(300), |t| {
             clock.until(t) + Duration::from_millis(50)
         });
+        let until_boundary = if leadership.is_leader() {
+            until_boundary
+        } else {
+            until_boundary.min(Duration::from_secs(1))
+        };
         tokio::select! {
             _ = changed.notified() => tokio::time::sleep(Duration::from_millis(100)).await,
             _ = tokio::time::sleep(until_boundary) => {}

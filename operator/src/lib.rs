@@ -4,4 +4,5 @@
 
 pub mod controller;
 pub mod desired;
+pub mod election;
 pub mod telemetry;
