@@ -528,7 +528,6 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
         .iter()
         .position(|o| holder.ends_with(&format!("-{}", o.0.id())))
         .unwrap_or_else(|| panic!("{holder} is none of ours"));
-    let pools: Api<GpuPool> = Api::all(client.clone());
     apply_yaml(
         &client,
         &std::fs::read_to_string(root().join("examples/gitops/pools/h200-mig.yaml"))
