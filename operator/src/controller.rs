@@ -30,6 +30,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// GpuNode writes in flight at once.
+const WRITES_IN_FLIGHT: usize = 32;
+
 /// The field manager of everything the operator writes.
 pub const MANAGER: &str = "gpuslice-operator";
 
@@ -260,10 +263,11 @@ impl Writer {
         let mut failed = 0;
         let params = PatchParams::apply(MANAGER).force();
         let gpu_node_api: Api<GpuNode> = Api::all(self.client.clone());
-        for (name, spec) in &want.node_specs {
+        // Nodes are independent: write their layouts a few at a time, not one after another.
+        let writes = want.node_specs.iter().filter_map(|(name, spec)| {
             let current = gpu_nodes.get(&reflector::ObjectRef::new(name));
             if current.as_ref().is_some_and(|c| c.spec == *spec) {
-                continue;
+                return None;
             }
             let patch = serde_json::json!({
                 "apiVersion": "gpuslice.io/v1alpha1",
@@ -271,14 +275,23 @@ impl Writer {
                 "metadata": {"name": name},
                 "spec": spec,
             });
-            if let Err(e) = gpu_node_api
-                .patch(name, &params, &Patch::Apply(&patch))
-                .await
-            {
-                eprintln!("gpuslice operator: GpuNode/{name}: writing the desired layout: {e}");
-                failed += 1;
-            }
-        }
+            let (api, params) = (&gpu_node_api, &params);
+            Some(async move {
+                match api.patch(name, params, &Patch::Apply(&patch)).await {
+                    Ok(_) => 0,
+                    Err(e) => {
+                        eprintln!(
+                            "gpuslice operator: GpuNode/{name}: writing the desired layout: {e}"
+                        );
+                        1
+                    }
+                }
+            })
+        });
+        failed += futures::stream::iter(writes)
+            .buffer_unordered(WRITES_IN_FLIGHT)
+            .fold(0u64, |sum, f| async move { sum + f })
+            .await;
         let pool_api: Api<GpuPool> = Api::all(self.client.clone());
         for (name, status) in &want.pool_status {
             let current = pools.get(&reflector::ObjectRef::new(name));
