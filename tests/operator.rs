@@ -94,6 +94,12 @@ async fn apply_yaml(client: &Client, text: &str) {
                     .await
                     .unwrap();
             }
+            "GpuSlicePolicy" => {
+                let api: Api<gpuslice_api::GpuSlicePolicy> = Api::all(client.clone());
+                api.patch(&name, &params, &Patch::Apply(&value))
+                    .await
+                    .unwrap();
+            }
             other => panic!("{other}"),
         }
     }
@@ -211,6 +217,41 @@ async fn pools_become_node_layouts_and_status() {
         }
     })
     .await;
+
+    // Policies say whether workloads can use them: one fits a slice, one names no pool.
+    let policy =
+        std::fs::read_to_string(root().join("examples/gitops/policies/llm-inference.yaml"))
+            .unwrap();
+    apply_yaml(&client, &policy).await;
+    apply_yaml(
+        &client,
+        &policy
+            .replace("name: llm-inference", "name: lost")
+            .replace("pool: h200-mig", "pool: gone"),
+    )
+    .await;
+    let policies: Api<gpuslice_api::GpuSlicePolicy> = Api::all(client.clone());
+    for (name, want_ready, want_reason) in [
+        ("llm-inference", "True", "SliceFits"),
+        ("lost", "False", "PoolNotFound"),
+    ] {
+        let policies = policies.clone();
+        eventually(&format!("GpuSlicePolicy {name} is {want_reason}"), || {
+            let policies = policies.clone();
+            async move {
+                let p = policies.get(name).await.map_err(|e| e.to_string())?;
+                let ready = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready").cloned());
+                ready
+                    .filter(|c| c.status == want_ready && c.reason == want_reason)
+                    .map(|_| ())
+                    .ok_or_else(|| format!("{:?}", p.status))
+            }
+        })
+        .await;
+    }
 
     // A pool whose layout the GPUs it selects cannot have: Degraded, and h200-mig stays Ready.
     apply_yaml(

@@ -10,7 +10,9 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use gpuslice_api::k8s_openapi::jiff::Timestamp;
-use gpuslice_api::{CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, NodeInventory};
+use gpuslice_api::{
+    CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, GpuSlicePolicy, NodeInventory,
+};
 use gpuslice_planning::clock::Clock;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
@@ -129,11 +131,13 @@ pub async fn run(
         Api::<CheckpointPolicy>::all(client.clone()),
         changed.clone(),
     );
+    let policies = cache(Api::<GpuSlicePolicy>::all(client.clone()), changed.clone());
     let nodes = cache(Api::<Node>::all(client.clone()), changed.clone());
     let gpu_nodes = cache(Api::<GpuNode>::all(client.clone()), changed.clone());
     for (kind, ready) in [
         ("GpuPool", pools.wait_until_ready().await),
         ("CheckpointPolicy", checkpoints.wait_until_ready().await),
+        ("GpuSlicePolicy", policies.wait_until_ready().await),
         ("Node", nodes.wait_until_ready().await),
         ("GpuNode", gpu_nodes.wait_until_ready().await),
     ] {
@@ -154,12 +158,14 @@ pub async fn run(
     };
     loop {
         let started = std::time::Instant::now();
-        let observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
+        let mut observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
+        observed.policies = policies.state().iter().map(|p| (**p).clone()).collect();
         let now = clock.now();
         let want = desired(&observed, now);
         // Only the leader writes; the others keep their caches warm to take over at once.
         let failed = if leadership.is_leader() {
             writer.apply(&want, &pools, &gpu_nodes).await
+                + writer.apply_policies(&want, &policies).await
         } else {
             0
         };
@@ -243,6 +249,7 @@ fn observe(
     reports.sort_by(|a, b| a.inventory.name.cmp(&b.inventory.name));
     Observed {
         pools,
+        policies: Vec::new(),
         checkpoint_policies: checkpoints.state().iter().map(|c| c.name_any()).collect(),
         nodes: reports,
     }
@@ -339,13 +346,48 @@ impl Writer {
     }
 }
 
-/// `status` with each condition's transition time kept from `old` while its status stays, and
-/// now when the status changed (Kubernetes API conventions).
-fn with_transition_times(status: &GpuPoolStatus, old: &GpuPoolStatus) -> GpuPoolStatus {
-    let mut out = status.clone();
-    for c in &mut out.conditions {
+impl Writer {
+    async fn apply_policies(
+        &self,
+        want: &crate::desired::DesiredState,
+        policies: &Store<GpuSlicePolicy>,
+    ) -> u64 {
+        let api: Api<GpuSlicePolicy> = Api::all(self.client.clone());
+        let params = PatchParams::apply(MANAGER).force();
+        let mut failed = 0;
+        for (name, status) in &want.policy_status {
+            let old = policies
+                .get(&reflector::ObjectRef::new(name))
+                .and_then(|p| p.status.clone())
+                .unwrap_or_default();
+            let mut status = status.clone();
+            keep_transition_times(&mut status.conditions, &old.conditions);
+            if status == old {
+                continue;
+            }
+            let patch = serde_json::json!({
+                "apiVersion": "gpuslice.io/v1alpha1",
+                "kind": "GpuSlicePolicy",
+                "metadata": {"name": name},
+                "status": status,
+            });
+            if let Err(e) = api.patch_status(name, &params, &Patch::Apply(&patch)).await {
+                eprintln!("gpuslice operator: GpuSlicePolicy/{name}: writing status: {e}");
+                failed += 1;
+            }
+        }
+        failed
+    }
+}
+
+/// Gives each condition the transition time of the old one of its type while its status stays,
+/// and now when the status changed (Kubernetes API conventions).
+fn keep_transition_times(
+    conditions: &mut [gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+    old: &[gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+) {
+    for c in conditions {
         c.last_transition_time = old
-            .conditions
             .iter()
             .find(|o| o.type_ == c.type_ && o.status == c.status)
             .map_or_else(
@@ -353,5 +395,12 @@ fn with_transition_times(status: &GpuPoolStatus, old: &GpuPoolStatus) -> GpuPool
                 |o| o.last_transition_time.clone(),
             );
     }
+}
+
+/// `status` with each condition's transition time kept from `old` while its status stays, and
+/// now when the status changed (Kubernetes API conventions).
+fn with_transition_times(status: &GpuPoolStatus, old: &GpuPoolStatus) -> GpuPoolStatus {
+    let mut out = status.clone();
+    keep_transition_times(&mut out.conditions, &old.conditions);
     out
 }

@@ -8,7 +8,8 @@ use chrono::{DateTime, Utc};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use gpuslice_api::k8s_openapi::jiff::Timestamp;
 use gpuslice_api::{
-    GpuAssignment, GpuNodeSpec, GpuPool, GpuPoolStatus, Layout, NodeInventory, SliceCounts,
+    GpuAssignment, GpuNodeSpec, GpuPool, GpuPoolStatus, GpuSlicePolicy, GpuSlicePolicyStatus,
+    Layout, NodeInventory, SliceCounts,
 };
 use gpuslice_planning::cluster::plan_cluster;
 use gpuslice_planning::transition::Desired;
@@ -29,6 +30,7 @@ pub struct NodeReport {
 #[derive(Clone, Debug, Default)]
 pub struct Observed {
     pub pools: Vec<GpuPool>,
+    pub policies: Vec<GpuSlicePolicy>,
     /// Names of the CheckpointPolicies that exist.
     pub checkpoint_policies: BTreeSet<String>,
     pub nodes: Vec<NodeReport>,
@@ -41,6 +43,8 @@ pub struct DesiredState {
     pub node_specs: BTreeMap<String, GpuNodeSpec>,
     /// Pool name → its status (conditions without transition times; the controller keeps those).
     pub pool_status: BTreeMap<String, GpuPoolStatus>,
+    /// GpuSlicePolicy name → its status.
+    pub policy_status: BTreeMap<String, GpuSlicePolicyStatus>,
     /// When a window opens or closes next: reconcile again then.
     pub next_change: Option<DateTime<Utc>>,
 }
@@ -253,7 +257,114 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             },
         );
     }
+    for policy in &observed.policies {
+        let name = policy.metadata.name.clone().unwrap_or_default();
+        let (ready, reason, message) = policy_ready(observed, &plan, policy);
+        out.policy_status.insert(
+            name,
+            GpuSlicePolicyStatus {
+                conditions: vec![condition(
+                    "Ready",
+                    ready,
+                    reason,
+                    message,
+                    policy.metadata.generation,
+                )],
+                observed_generation: policy.metadata.generation,
+            },
+        );
+    }
     out
+}
+
+/// Whether a policy can be used now: its pool and checkpoint policy exist and one of the pool's
+/// slices (in the layout in force) holds its memory plus the pool's headroom and its compute limit.
+fn policy_ready(
+    observed: &Observed,
+    plan: &gpuslice_planning::cluster::ClusterPlan,
+    policy: &GpuSlicePolicy,
+) -> (bool, &'static str, String) {
+    let spec = &policy.spec;
+    let Some(pool) = observed
+        .pools
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some(spec.pool.as_str()))
+    else {
+        return (
+            false,
+            "PoolNotFound",
+            format!(
+                "spec.pool: GpuPool {:?} does not exist; create it or name another pool",
+                spec.pool
+            ),
+        );
+    };
+    if let Some(cp) = &spec.checkpoint_policy
+        && !observed.checkpoint_policies.contains(cp)
+    {
+        return (
+            false,
+            "CheckpointPolicyNotFound",
+            format!("spec.checkpointPolicy: CheckpointPolicy {cp:?} does not exist"),
+        );
+    }
+    let headroom = pool
+        .spec
+        .memory_headroom
+        .as_ref()
+        .and_then(|h| gpuslice_api::bytes_of(&h.0).ok())
+        .unwrap_or(0);
+    let request = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
+    let limit = spec.compute.as_ref().map(|c| c.limit);
+    let mut gpus = 0;
+    for node in &plan.nodes {
+        let inventory = observed
+            .nodes
+            .iter()
+            .find(|n| n.inventory.name == node.node);
+        for g in node
+            .gpus
+            .iter()
+            .filter(|g| g.pool.as_deref() == Some(spec.pool.as_str()))
+        {
+            gpus += 1;
+            let Some(desired) = &g.desired else { continue };
+            let memory = inventory
+                .and_then(|n| n.inventory.gpus.iter().find(|x| x.index == g.index))
+                .and_then(|x| x.memory.as_ref())
+                .and_then(|m| gpuslice_api::bytes_of(&m.0).ok());
+            let model = gpuslice_planning::catalog::model(&g.model).ok();
+            if let Some(choice) = gpuslice_planning::fit::smallest_fitting(
+                desired, model, memory, request, headroom, limit,
+            ) {
+                return (
+                    true,
+                    "SliceFits",
+                    format!("fits {choice:?} on {} GPU {}", node.node, g.index),
+                );
+            }
+        }
+    }
+    if gpus == 0 {
+        (
+            false,
+            "NoGpus",
+            format!("GpuPool {:?} has no GPUs yet", spec.pool),
+        )
+    } else {
+        (
+            false,
+            "NoSliceFits",
+            format!(
+                "no slice of GpuPool {:?} holds spec.memory {} + memoryHeadroom{}; ask for less or change the pool's layout",
+                spec.pool,
+                spec.memory.0,
+                limit
+                    .map(|l| format!(" with {l}% compute"))
+                    .unwrap_or_default()
+            ),
+        )
+    }
 }
 
 #[cfg(test)]
