@@ -611,4 +611,41 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
     let lease = leases.get("gpuslice-operator").await.unwrap().spec.unwrap();
     assert_ne!(lease.holder_identity.as_deref(), Some(holder.as_str()));
     assert!(lease.lease_transitions.unwrap_or(0) >= 1);
+
+    // Every operator gone, a new one started: it takes over without rewriting what is right
+    // (no new generation on the nodes) and carries on with what changed meanwhile.
+    let generation = |n: GpuNode| n.metadata.generation;
+    let before = generation(gpu_nodes.get("n1").await.unwrap());
+    operators.clear();
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    let edit = serde_json::json!({"spec": {"layout": {"mig": {"profiles": {"3g.71gb": 2, "2g.35gb": null, "1g.18gb": null}}}}});
+    pools
+        .patch("h200-mig", &PatchParams::default(), &Patch::Merge(&edit))
+        .await
+        .unwrap();
+    let _restarted = Operator(spawn());
+    eventually("the restarted operator applies the edit", || {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let n = gpu_nodes.get("n2").await.map_err(|e| e.to_string())?;
+            let profiles = n
+                .spec
+                .gpus
+                .first()
+                .and_then(|g| g.layout.mig.as_ref())
+                .map(|m| m.profiles.clone());
+            (profiles
+                .as_ref()
+                .is_some_and(|p| p.get("3g.71gb") == Some(&2) && p.len() == 1))
+            .then_some(())
+            .ok_or_else(|| format!("{profiles:?}"))
+        }
+    })
+    .await;
+    let after = generation(gpu_nodes.get("n1").await.unwrap());
+    assert_eq!(
+        after,
+        before.map(|g| g + 1),
+        "exactly one new generation: the edit"
+    );
 }
