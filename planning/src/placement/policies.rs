@@ -6,7 +6,7 @@ use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 
 use super::fragment::{Typical, after, expected, mix_of};
-use super::{Choice, Gpu, Node, Policy, Request, WHOLE};
+use super::{Choice, Gpu, GpuAsk, Node, Policy, Request, WHOLE};
 
 /// Any feasible node, uniformly.
 pub struct Random {
@@ -173,9 +173,9 @@ impl Policy for Fgd {
 
 /// Ours: fragmentation growth against the mix of *recent arrivals* (it needs no trace in
 /// advance and follows a workload that drifts), with CPU and memory stranding counted — GPUs on a
-/// node whose CPU or memory the placement would exhaust are as lost as fragments — and, among
-/// placements that fragment equally, the one that leaves the node fullest, so idle nodes stay
-/// whole for the multi-GPU tasks that need them.
+/// node whose CPU or memory the placement would exhaust are as lost as fragments; GPU-less tasks
+/// go where the fewest idle GPUs are at stake; and among whole-GPU placements that fragment
+/// equally, the one that leaves the node fullest, so idle nodes stay whole for multi-GPU tasks.
 pub struct Mix {
     window: VecDeque<Request>,
     capacity: usize,
@@ -250,7 +250,16 @@ impl Policy for Mix {
         } else {
             0.0
         };
-        -(grow + stranded) - left_after(node, request) * 1e-3
+        let nudge = match request.gpu {
+            // Among equally fragmenting shares the fragment measure already chose the GPU; a fill
+            // preference here only packs shares onto nodes that whole-GPU tasks need.
+            GpuAsk::Share(_) => 0.0,
+            // A GPU-less task uses CPU and memory that the idle GPUs of its node will need: it
+            // goes where the fewest idle GPUs are at stake.
+            GpuAsk::None => node.gpu_free() as f64 * 0.1,
+            _ => left_after(node, request) * 1e-3,
+        };
+        -(grow + stranded) - nudge
     }
 }
 
