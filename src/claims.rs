@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use gpuslice_node::slices::{SliceConfig, SliceKind};
+use gpuslice_node::slices::SliceConfig;
 use serde::{Deserialize, Serialize};
 
 /// What a client asks for.
@@ -369,14 +369,10 @@ pub fn slices_in(state: &Path) -> Vec<SliceConfig> {
     out
 }
 
-/// Whether a claim is on a slice of this kind (for reporting).
-pub fn kind_of(slices: &[SliceConfig], id: &str) -> Option<SliceKind> {
-    slices.iter().find(|s| s.id == id).map(|s| s.kind)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpuslice_node::slices::SliceKind;
 
     fn slice(id: &str, gib: u64, compute: u32) -> SliceConfig {
         SliceConfig {

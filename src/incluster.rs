@@ -6,10 +6,9 @@
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use gpuslice_api::k8s_openapi::jiff::Timestamp;
 use gpuslice_api::{GpuNode, GpuNodeStatus};
 use gpuslice_node::{GpuOutcome, NvmlGpus};
+use gpuslice_operator::desired::{condition, keep_transition_times};
 use gpuslice_planning::catalog;
 use gpuslice_planning::transition::Desired;
 use kube::Client;
@@ -70,23 +69,6 @@ fn desired_from_spec(
     (desired, problems)
 }
 
-fn condition(
-    kind: &str,
-    status: bool,
-    reason: &str,
-    message: String,
-    generation: Option<i64>,
-) -> Condition {
-    Condition {
-        type_: kind.to_string(),
-        status: if status { "True" } else { "False" }.to_string(),
-        reason: reason.to_string(),
-        message,
-        observed_generation: generation,
-        last_transition_time: Time(Timestamp::now()),
-    }
-}
-
 /// The status to report after a pass.
 fn status(
     inventory: gpuslice_api::NodeInventory,
@@ -141,18 +123,10 @@ fn status(
             generation,
         ),
     ];
-    // A condition keeps its transition time while its status stays.
-    if let Some(previous) = previous {
-        for c in &mut conditions {
-            if let Some(old) = previous
-                .conditions
-                .iter()
-                .find(|o| o.type_ == c.type_ && o.status == c.status)
-            {
-                c.last_transition_time = old.last_transition_time.clone();
-            }
-        }
-    }
+    keep_transition_times(
+        &mut conditions,
+        previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]),
+    );
     GpuNodeStatus {
         inventory: Some(inventory),
         applied_generation: if converged {

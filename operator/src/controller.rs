@@ -8,8 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use gpuslice_api::k8s_openapi::jiff::Timestamp;
 use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, GpuSlicePolicy, NodeInventory,
 };
@@ -22,7 +20,7 @@ use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Client, Resource, ResourceExt as _};
 use tokio::sync::Notify;
 
-use crate::desired::{NodeReport, Observed, desired};
+use crate::desired::{NodeReport, Observed, desired, keep_transition_times};
 use crate::election::Leadership;
 use crate::telemetry::Telemetry;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -377,23 +375,6 @@ impl Writer {
             }
         }
         failed
-    }
-}
-
-/// Gives each condition the transition time of the old one of its type while its status stays,
-/// and now when the status changed (Kubernetes API conventions).
-fn keep_transition_times(
-    conditions: &mut [gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
-    old: &[gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
-) {
-    for c in conditions {
-        c.last_transition_time = old
-            .iter()
-            .find(|o| o.type_ == c.type_ && o.status == c.status)
-            .map_or_else(
-                || Time(Timestamp::now()),
-                |o| o.last_transition_time.clone(),
-            );
     }
 }
 

@@ -49,7 +49,8 @@ pub struct DesiredState {
     pub next_change: Option<DateTime<Utc>>,
 }
 
-fn condition(
+/// A condition; its transition time is set by [`keep_transition_times`].
+pub fn condition(
     kind: &str,
     status: bool,
     reason: &str,
@@ -63,6 +64,20 @@ fn condition(
         message,
         observed_generation: generation,
         last_transition_time: Time(Timestamp::UNIX_EPOCH),
+    }
+}
+
+/// Gives each condition the transition time of the old one of its type while its status stays,
+/// and now when the status changed (Kubernetes API conventions).
+pub fn keep_transition_times(conditions: &mut [Condition], old: &[Condition]) {
+    for c in conditions {
+        c.last_transition_time = old
+            .iter()
+            .find(|o| o.type_ == c.type_ && o.status == c.status)
+            .map_or_else(
+                || Time(Timestamp::now()),
+                |o| o.last_transition_time.clone(),
+            );
     }
 }
 

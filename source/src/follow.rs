@@ -48,10 +48,6 @@ impl Follower {
         Follower { spec, mirror }
     }
 
-    pub fn spec(&self) -> &SourceSpec {
-        &self.spec
-    }
-
     /// Reads the source as it is now, or as last fetched when it cannot be reached.
     pub fn poll(&mut self) -> Result<Poll, SourceError> {
         let Some(mirror) = &self.mirror else {
