@@ -4,6 +4,7 @@
 //! keeps doing so: every interval, at each window boundary, and sooner while a transition waits
 //! for busy processes, which it drains as their CheckpointPolicy says.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -244,17 +245,38 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Agent
         if options.apply {
             drain(&mut pass, &config, &options.state, now)?;
         }
-        claims.update(
-            crate::claims::slices_in(&options.state),
-            crate::claims::needs(&config),
-        );
+        let slices = crate::claims::slices_in(&options.state);
+        let needs = crate::claims::needs(&config);
+        claims.update(slices.clone(), needs.clone());
         pass.claims = claims.held();
+        claims.compute().set(&crate::compute::shares(
+            &slices,
+            &pass.claims,
+            &needs,
+            &time_slices(&pass, &config.pools),
+        ));
         emit(&pass);
         if options.once {
             return Ok(pass);
         }
         std::thread::sleep(next_wake(&pass, options));
     }
+}
+
+/// Each GPU's minimum compute slice: its pool's `timeSlice`.
+fn time_slices(pass: &Pass, pools: &[gpuslice_api::GpuPool]) -> BTreeMap<u32, Duration> {
+    pass.plan
+        .nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .filter_map(|gpu| {
+            let pool = pools
+                .iter()
+                .find(|p| p.metadata.name.as_ref() == gpu.pool.as_ref())?;
+            let slice = pool.spec.time_slice.as_ref()?;
+            Some((gpu.index, Duration::from(*slice)))
+        })
+        .collect()
 }
 
 /// The socket `gpuslice run` talks to: `<state>/agent.sock`, open to every local user (the

@@ -16,6 +16,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use gpuslice_node::slices::SliceConfig;
+
+use crate::compute::Compute;
 use serde::{Deserialize, Serialize};
 
 /// What a client asks for.
@@ -42,6 +44,10 @@ pub enum Request {
     Running {
         pid: u32,
     },
+    /// A process under the shim asks for compute arbitration on its slice (see [`crate::compute`]).
+    Compute {
+        slice: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,7 +71,10 @@ pub enum Reply {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Need {
     pub memory: u64,
+    /// The policy's compute limit (0: none).
     pub compute: u32,
+    /// The policy's compute guarantee (0: none).
+    pub guarantee: u32,
 }
 
 impl Need {
@@ -84,6 +93,9 @@ pub struct Claim {
     /// The workload it started.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workload: Option<u32>,
+    /// The policy it asked with: its compute limit and guarantee govern the slice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
 }
 
 #[derive(Default)]
@@ -92,7 +104,7 @@ struct Board {
     /// Policy name → need.
     policies: BTreeMap<String, Need>,
     claims: HashMap<u64, Claim>,
-    queue: VecDeque<(u64, Need)>,
+    queue: VecDeque<(u64, Need, Option<String>)>,
     refused: HashMap<u64, String>,
     next: u64,
 }
@@ -101,7 +113,7 @@ impl Board {
     /// Grants free slices to waiters in order of arrival, each the smallest free slice that fits.
     fn assign(&mut self) {
         let mut waiting = VecDeque::new();
-        while let Some((conn, need)) = self.queue.pop_front() {
+        while let Some((conn, need, policy)) = self.queue.pop_front() {
             let taken: Vec<&str> = self.claims.values().map(|c| c.slice.as_str()).collect();
             let best = self
                 .slices
@@ -117,6 +129,7 @@ impl Board {
                             slice,
                             client: 0,
                             workload: None,
+                            policy,
                         },
                     );
                 }
@@ -130,7 +143,7 @@ impl Board {
                         ),
                     );
                 }
-                None => waiting.push_back((conn, need)),
+                None => waiting.push_back((conn, need, policy)),
             }
         }
         self.queue = waiting;
@@ -142,6 +155,7 @@ impl Board {
 pub struct Claims {
     board: Mutex<Board>,
     changed: Condvar,
+    compute: Arc<Compute>,
 }
 
 impl Claims {
@@ -165,8 +179,14 @@ impl Claims {
         claims
     }
 
+    /// The node's compute arbiters.
+    pub fn compute(&self) -> &Arc<Compute> {
+        &self.compute
+    }
+
     /// Serves the socket until the process ends, one thread per connection.
     pub fn serve(self: Arc<Self>, listener: UnixListener, state: PathBuf) {
+        self.compute.start_timer();
         for stream in listener.incoming().flatten() {
             let claims = Arc::clone(&self);
             let state = state.clone();
@@ -191,9 +211,13 @@ impl Claims {
         reader.read_line(&mut line)?;
         let want = match serde_json::from_str(&line) {
             Ok(Request::Want(want)) => want,
+            Ok(Request::Compute { slice }) => {
+                let claims = self.held();
+                return self.compute.serve(stream, reader, &slice, client, &claims);
+            }
             _ => {
                 return send(&Reply::Refused {
-                    reason: "the first request must be a `want`".into(),
+                    reason: "the first request must be a `want` or `compute`".into(),
                 });
             }
         };
@@ -208,7 +232,7 @@ impl Claims {
             };
             board.next += 1;
             let conn = board.next;
-            board.queue.push_back((conn, need));
+            board.queue.push_back((conn, need, want.policy.clone()));
             board.assign();
             conn
         };
@@ -227,11 +251,11 @@ impl Claims {
             let position = board
                 .queue
                 .iter()
-                .position(|(c, _)| *c == conn)
+                .position(|(c, _, _)| *c == conn)
                 .unwrap_or(0)
                 + 1;
             if want.no_wait {
-                board.queue.retain(|(c, _)| *c != conn);
+                board.queue.retain(|(c, _, _)| *c != conn);
                 drop(board);
                 return send(&Reply::Refused {
                     reason: format!("no free slice fits ({} ahead in line)", position - 1),
@@ -283,7 +307,7 @@ impl Claims {
     fn leave(&self, conn: u64) -> std::io::Result<()> {
         let mut board = self.lock();
         board.claims.remove(&conn);
-        board.queue.retain(|(c, _)| *c != conn);
+        board.queue.retain(|(c, _, _)| *c != conn);
         board.assign();
         self.changed.notify_all();
         Ok(())
@@ -299,7 +323,7 @@ fn hung_up(stream: &UnixStream) -> bool {
     )
 }
 
-fn parent_of(pid: u32) -> Option<u32> {
+pub(crate) fn parent_of(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(')')?
         .1
@@ -317,6 +341,7 @@ fn resolve(want: &Want, policies: &BTreeMap<String, Need>) -> Result<Need, Strin
         None => Need {
             memory: 0,
             compute: 0,
+            guarantee: 0,
         },
     };
     if let Some(m) = want.memory_bytes {
@@ -343,11 +368,13 @@ pub fn needs(config: &crate::standalone::Config) -> BTreeMap<String, Need> {
                 .unwrap_or(0);
             let memory = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
             let compute = spec.compute.as_ref().map_or(0, |c| c.limit);
+            let guarantee = spec.compute.as_ref().and_then(|c| c.guarantee).unwrap_or(0);
             (
                 name.clone(),
                 Need {
                     memory: memory.saturating_add(headroom),
                     compute,
+                    guarantee,
                 },
             )
         })
@@ -394,13 +421,19 @@ mod tests {
         let need = |gib: u64| Need {
             memory: gib << 30,
             compute: 10,
+            guarantee: 0,
         };
-        board.queue = VecDeque::from([(1, need(5)), (2, need(5)), (3, need(20)), (4, need(80))]);
+        board.queue = VecDeque::from([
+            (1, need(5), None),
+            (2, need(5), None),
+            (3, need(20), None),
+            (4, need(80), None),
+        ]);
         board.assign();
         assert_eq!(board.claims[&1].slice, "small", "the smallest that fits");
         assert_eq!(board.claims[&2].slice, "big");
         assert_eq!(
-            board.queue.iter().map(|(c, _)| *c).collect::<Vec<_>>(),
+            board.queue.iter().map(|(c, _, _)| *c).collect::<Vec<_>>(),
             [3],
             "3 waits"
         );

@@ -4,6 +4,8 @@
 pub mod agent;
 pub mod bench;
 pub mod claims;
+pub mod compute;
+pub mod compute_bench;
 pub mod drain;
 pub mod incluster;
 pub mod plan;

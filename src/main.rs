@@ -174,6 +174,42 @@ enum Bench {
         #[arg(long = "trace")]
         traces: Vec<String>,
     },
+    /// Compute shares: real processes under the shim on the emulated GPU, target vs achieved
+    /// share per slice in every 1 s window, and the arbitration's launch overhead.
+    Compute {
+        /// Seconds per scenario (the first is warm-up).
+        #[arg(long, default_value_t = 4)]
+        seconds: u64,
+        /// Only scenarios whose names contain this (repeatable).
+        #[arg(long = "scenario")]
+        scenarios: Vec<String>,
+        /// Skip the launch-overhead measurement.
+        #[arg(long)]
+        no_overhead: bool,
+    },
+    /// A process the compute benchmark runs under the shim.
+    #[command(hide = true)]
+    ComputeWorker {
+        #[arg(long)]
+        kernel_us: u64,
+        #[arg(long, default_value_t = 1.0)]
+        seconds: f64,
+        #[arg(long)]
+        busy_ms: Option<u64>,
+        #[arg(long, default_value_t = 0)]
+        idle_ms: u64,
+        /// Launch CUDA graphs of this many kernels.
+        #[arg(long)]
+        graph: Option<u32>,
+        #[arg(long)]
+        cooperative: bool,
+        /// Launch with cuLaunchKernelEx.
+        #[arg(long)]
+        ex: bool,
+        /// Launch this many kernels as fast as possible and report the rate.
+        #[arg(long)]
+        launches: Option<u64>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -516,6 +552,51 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::FAILURE
             })
+        }
+        Command::Bench {
+            which:
+                Bench::Compute {
+                    seconds,
+                    scenarios,
+                    no_overhead,
+                },
+        } => {
+            let (table, ok) =
+                gpuslice::compute_bench::run_all(seconds.max(2), &scenarios, !no_overhead)?;
+            print!("{table}");
+            Ok(if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::Bench {
+            which:
+                Bench::ComputeWorker {
+                    kernel_us,
+                    seconds,
+                    busy_ms,
+                    idle_ms,
+                    graph,
+                    cooperative,
+                    ex,
+                    launches,
+                },
+        } => {
+            let report =
+                gpuslice::compute_bench::worker::run(gpuslice::compute_bench::worker::Plan {
+                    kernel_us,
+                    seconds,
+                    busy_ms,
+                    idle_ms,
+                    graph,
+                    cooperative,
+                    ex,
+                    launches,
+                })
+                .map_err(anyhow::Error::msg)?;
+            println!("{report}");
+            Ok(ExitCode::SUCCESS)
         }
         Command::Crds { dir, check } => {
             let mut drifted = Vec::new();

@@ -85,6 +85,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         "ClusterRole",
         "ServiceAccount",
         "PodDisruptionBudget",
+        "Service",
     ] {
         assert!(
             kinds.contains(&kind),
@@ -92,6 +93,11 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         );
     }
     assert!(!text.contains("\"*\""), "no wildcards in the roles");
+    assert!(
+        !kinds.contains(&"ServiceMonitor"),
+        "ServiceMonitors are opt-in: {kinds:?}"
+    );
+    service_monitors_select_the_pods(&helm, &chart);
 
     let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
         return;
@@ -199,4 +205,70 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         matches!(denied, Err(kube::Error::Api(ref e)) if e.code == 403),
         "{denied:?}"
     );
+}
+
+/// With `metrics.serviceMonitor.enabled`, each component gets a ServiceMonitor whose selector
+/// picks its metrics Service, and that Service selects the component's pods on their `metrics` port.
+fn service_monitors_select_the_pods(helm: &Path, chart: &Path) {
+    let rendered = Command::new(helm)
+        .args(["template", "gs", "--namespace", NAMESPACE])
+        .args(["--set", "metrics.serviceMonitor.enabled=true"])
+        .args(["--set", "metrics.serviceMonitor.labels.release=prometheus"])
+        .arg(chart)
+        .output()
+        .unwrap();
+    assert!(
+        rendered.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rendered.stderr)
+    );
+    let docs: Vec<serde_json::Value> =
+        serde_yaml::Deserializer::from_str(&String::from_utf8(rendered.stdout).unwrap())
+            .map(|d| serde::Deserialize::deserialize(d).unwrap())
+            .filter(|v: &serde_json::Value| !v.is_null())
+            .collect();
+    let of_kind = |kind: &str| -> Vec<&serde_json::Value> {
+        docs.iter().filter(|d| d["kind"] == kind).collect()
+    };
+    let monitors = of_kind("ServiceMonitor");
+    assert_eq!(monitors.len(), 2, "one per component");
+    let matches = |selector: &serde_json::Value, labels: &serde_json::Value| {
+        selector
+            .as_object()
+            .unwrap()
+            .iter()
+            .all(|(k, v)| &labels[k] == v)
+    };
+    for (workload, component) in [("Deployment", "operator"), ("DaemonSet", "agent")] {
+        let monitor = monitors
+            .iter()
+            .find(|m| m["metadata"]["labels"]["app.kubernetes.io/component"] == component)
+            .unwrap_or_else(|| panic!("a ServiceMonitor for the {component}"));
+        assert_eq!(monitor["metadata"]["labels"]["release"], "prometheus");
+        assert_eq!(monitor["spec"]["endpoints"][0]["port"], "metrics");
+        let service = of_kind("Service")
+            .into_iter()
+            .find(|s| {
+                matches(
+                    &monitor["spec"]["selector"]["matchLabels"],
+                    &s["metadata"]["labels"],
+                )
+            })
+            .unwrap_or_else(|| panic!("the {component} ServiceMonitor selects a Service"));
+        assert_eq!(service["spec"]["ports"][0]["name"], "metrics");
+        let pods = of_kind(workload)[0]["spec"]["template"]["metadata"]["labels"].clone();
+        assert!(
+            matches(&service["spec"]["selector"], &pods),
+            "the {component} Service selects its pods"
+        );
+        let ports = &of_kind(workload)[0]["spec"]["template"]["spec"]["containers"][0]["ports"];
+        assert!(
+            ports
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["name"] == "metrics"),
+            "the {component} pods have a metrics port"
+        );
+    }
 }

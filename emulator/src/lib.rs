@@ -6,6 +6,7 @@
 
 pub mod model;
 pub mod store;
+pub mod timeline;
 
 pub use model::{Fault, FaultAction, Gpu, GpuInstance, Machine, NvmlError};
 pub use store::{Store, StoreError};

@@ -2,6 +2,7 @@
 //! planning core, applies it step by step, and re-reads to confirm. Software slice tables are
 //! written to the agent's state directory (see [`slices`]), of which the agent is the only writer.
 
+pub mod arbiter;
 pub mod nvml;
 pub mod slices;
 

@@ -134,6 +134,29 @@ hooks! {
         (f: Handle, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
          shared: c_uint, stream: Handle, params: *mut *mut c_void, extra: *mut *mut c_void)
         => launch::launch;
+    Cuda cuLaunchCooperativeKernel "cuLaunchCooperativeKernel" 9000 false
+        (f: Handle, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
+         shared: c_uint, stream: Handle, params: *mut *mut c_void) => launch::cooperative;
+    Cuda cuLaunchCooperativeKernel_ptsz "cuLaunchCooperativeKernel" 9000 true
+        (f: Handle, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
+         shared: c_uint, stream: Handle, params: *mut *mut c_void) => launch::cooperative;
+    Cuda cuLaunchKernelEx "cuLaunchKernelEx" 11060 false
+        (config: *const launch::LaunchConfig, f: Handle, params: *mut *mut c_void,
+         extra: *mut *mut c_void) => launch::ex;
+    Cuda cuLaunchKernelEx_ptsz "cuLaunchKernelEx" 11060 true
+        (config: *const launch::LaunchConfig, f: Handle, params: *mut *mut c_void,
+         extra: *mut *mut c_void) => launch::ex;
+    Cuda cuGraphLaunch "cuGraphLaunch" 10000 false (exec: Handle, stream: Handle) => launch::graph;
+    Cuda cuGraphLaunch_ptsz "cuGraphLaunch" 10000 true
+        (exec: Handle, stream: Handle) => launch::graph;
+    Cuda cuStreamBeginCapture_v2 "cuStreamBeginCapture" 10010 false
+        (stream: Handle, mode: c_int) => launch::begin_capture;
+    Cuda cuStreamBeginCapture_v2_ptsz "cuStreamBeginCapture" 10010 true
+        (stream: Handle, mode: c_int) => launch::begin_capture;
+    Cuda cuStreamEndCapture "cuStreamEndCapture" 10000 false
+        (stream: Handle, graph: *mut Handle) => launch::end_capture;
+    Cuda cuStreamEndCapture_ptsz "cuStreamEndCapture" 10000 true
+        (stream: Handle, graph: *mut Handle) => launch::end_capture;
     Nvml nvmlDeviceGetMemoryInfo "" 0 false
         (device: Handle, memory: *mut nvml::Memory) => nvml::memory_info;
     Nvml nvmlDeviceGetMemoryInfo_v2 "" 0 false

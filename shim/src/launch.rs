@@ -1,7 +1,10 @@
-//! Kernel launches. Passed through for now; the compute-share arbiter (#9) hooks in here.
+//! Kernel launches of every kind — plain, cooperative, `cuLaunchKernelEx`, CUDA graphs — go
+//! through the compute gate ([`crate::compute::gate`]), so none is a way around the slice's share.
+//! Stream captures are followed so that launches recorded into a graph (which run nothing) pass.
 
 use std::ffi::{c_int, c_uint, c_void};
 
+use crate::compute::{capture_ended, capture_started, gate};
 use crate::hooks::Handle;
 
 type Launch = unsafe extern "C" fn(
@@ -34,5 +37,105 @@ pub fn launch(
     extra: *mut *mut c_void,
 ) -> c_int {
     // SAFETY: the program's call, forwarded unchanged.
-    unsafe { real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra) }
+    gate(stream, || unsafe {
+        real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+    })
+}
+
+type Cooperative = unsafe extern "C" fn(
+    Handle,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    Handle,
+    *mut *mut c_void,
+) -> c_int;
+
+#[allow(clippy::too_many_arguments)] // the driver's signature
+pub fn cooperative(
+    real: Cooperative,
+    f: Handle,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: Handle,
+    params: *mut *mut c_void,
+) -> c_int {
+    // SAFETY: the program's call, forwarded unchanged.
+    gate(stream, || unsafe {
+        real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
+    })
+}
+
+/// `CUlaunchConfig`: grid and block sizes, shared memory, then the stream.
+#[repr(C)]
+pub struct LaunchConfig {
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    shared_mem_bytes: c_uint,
+    stream: Handle,
+}
+
+pub fn ex(
+    real: unsafe extern "C" fn(
+        *const LaunchConfig,
+        Handle,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> c_int,
+    config: *const LaunchConfig,
+    f: Handle,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> c_int {
+    let stream = if config.is_null() {
+        std::ptr::null_mut()
+    } else {
+        // SAFETY: non-null, the caller's CUlaunchConfig (the driver reads it the same way).
+        unsafe { (*config).stream }
+    };
+    // SAFETY: the program's call, forwarded unchanged.
+    gate(stream, || unsafe { real(config, f, params, extra) })
+}
+
+pub fn graph(
+    real: unsafe extern "C" fn(Handle, Handle) -> c_int,
+    exec: Handle,
+    stream: Handle,
+) -> c_int {
+    // SAFETY: the program's call, forwarded unchanged.
+    gate(stream, || unsafe { real(exec, stream) })
+}
+
+pub fn begin_capture(
+    real: unsafe extern "C" fn(Handle, c_int) -> c_int,
+    stream: Handle,
+    mode: c_int,
+) -> c_int {
+    // SAFETY: the program's call, forwarded unchanged.
+    let rc = unsafe { real(stream, mode) };
+    if rc == 0 {
+        capture_started(stream);
+    }
+    rc
+}
+
+pub fn end_capture(
+    real: unsafe extern "C" fn(Handle, *mut Handle) -> c_int,
+    stream: Handle,
+    graph: *mut Handle,
+) -> c_int {
+    // SAFETY: the program's call, forwarded unchanged.
+    let rc = unsafe { real(stream, graph) };
+    // A failed end (an invalidated capture) still ends it.
+    capture_ended(stream);
+    rc
 }

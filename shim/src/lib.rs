@@ -7,13 +7,15 @@
 //! - [`hooks`]: the one table of hooked symbols, from which exports and lookups are answered;
 //! - [`dl`]: real functions resolved once, and the `dlsym` the shim answers;
 //! - [`limits`]: the slice config the agent wrote, checked so a workload cannot raise its cap;
-//! - [`memory`], [`nvml`], [`launch`], [`proc_address`]: what each hook does.
+//! - [`memory`], [`nvml`], [`launch`], [`proc_address`]: what each hook does;
+//! - [`compute`]: the slice's compute share, granted by the node agent around kernel launches.
 //!
 //! Without `GPUSLICE_SLICE_CONFIG` the shim passes every call through untouched.
 
 // The exports take the C caller's pointers, as the functions they stand in for do.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+pub mod compute;
 pub mod dl;
 pub mod hooks;
 pub mod launch;

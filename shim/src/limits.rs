@@ -23,6 +23,8 @@ pub const LIMIT_VAR: &str = "GPUSLICE_MEMORY_LIMIT";
 #[serde(rename_all = "camelCase")]
 struct Config {
     id: String,
+    #[serde(default)]
+    kind: String,
     memory_bytes: u64,
 }
 
@@ -39,6 +41,8 @@ pub enum Kind {
 pub struct Slice {
     pub id: String,
     pub cap: u64,
+    /// The node agent's socket, for a software slice's compute share.
+    pub agent_socket: Option<PathBuf>,
     ledger: Ledger,
     row: RowId,
     held: Mutex<HashMap<(Kind, u64), u64>>,
@@ -94,6 +98,9 @@ fn load(path: &Path) -> Result<Slice, String> {
         .row_for(Process::current(), 0)
         .map_err(|e| e.to_string())?;
     Ok(Slice {
+        agent_socket: (config.kind == "software")
+            .then(|| crate::compute::agent_socket(path))
+            .flatten(),
         id: config.id,
         cap,
         ledger,

@@ -321,6 +321,7 @@ pub fn ctx_create(
 }
 
 pub fn ctx_destroy(real: unsafe extern "C" fn(Handle) -> c_int, ctx: Handle) -> c_int {
+    crate::compute::forget_context(ctx);
     // SAFETY: the program's call, forwarded unchanged.
     let rc = unsafe { real(ctx) };
     if rc == SUCCESS {

@@ -21,9 +21,10 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpuslice_emulator::shm::{Ledger, Process, RowId, alive};
+use gpuslice_emulator::timeline::{Timeline, now_ns, timeline_path};
 use gpuslice_emulator::{Store, cuda_ledger_path, device_key};
 
 pub type CUresult = c_int;
@@ -70,11 +71,21 @@ struct Driver {
     primary: HashMap<usize, (u64, u32)>,
     /// Every allocation (pointer, VMM handle or array) → (device ordinal, bytes).
     held: HashMap<u64, (usize, u64)>,
-    /// Stream → when the work queued on it ends.
-    streams: HashMap<u64, Instant>,
-    events: HashMap<u64, Option<Instant>>,
+    /// Stream → when the work queued on it ends (monotonic ns).
+    streams: HashMap<u64, u64>,
+    events: HashMap<u64, Option<u64>>,
     modules: HashSet<u64>,
-    functions: HashMap<u64, Duration>,
+    /// Function → how long its kernel runs (ns).
+    functions: HashMap<u64, u64>,
+    /// Streams being captured into a graph → the kernels captured so far.
+    capturing: HashMap<u64, Vec<u64>>,
+    /// Graphs and their executable instances → their kernels, in order.
+    graphs: HashMap<u64, Vec<u64>>,
+    graph_execs: HashMap<u64, Vec<u64>>,
+    /// The state file, next to which each device's timeline lives.
+    state: PathBuf,
+    /// Device key → its timeline, opened at the first kernel.
+    timelines: HashMap<u32, Timeline>,
     next_id: u64,
     next_address: u64,
 }
@@ -220,6 +231,7 @@ fn init() -> Result<(), CUresult> {
     ledger.reclaim(alive);
     *lock = Some(Driver {
         devices: discover(&machine),
+        state: path,
         ledger: Some(ledger),
         process: Some(Process::current()),
         next_id: 1,
@@ -334,25 +346,48 @@ impl Driver {
             .functions
             .get(&(function as u64))
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        let now = Instant::now();
-        let end = self.streams.entry(stream as u64).or_insert(now);
-        *end = (*end).max(now) + run;
+        self.enqueue(stream, &[run])
+    }
+
+    /// Queues kernels of these lengths on a stream: captured into its graph while it is being
+    /// captured, else run on the device's timeline, after the stream's earlier work.
+    fn enqueue(&mut self, stream: Handle, kernels: &[u64]) -> Result<(), CUresult> {
+        let ordinal = self.current_device()?;
+        if let Some(graph) = self.capturing.get_mut(&(stream as u64)) {
+            graph.extend_from_slice(kernels);
+            return Ok(());
+        }
+        let key = self.devices[ordinal].key;
+        if !self.timelines.contains_key(&key) {
+            let timeline = Timeline::open(&timeline_path(&self.state, key)).map_err(|e| {
+                eprintln!("gpuslice CUDA emulator: {e}");
+                CUDA_ERROR_UNKNOWN
+            })?;
+            self.timelines.insert(key, timeline);
+        }
+        let pid = self.process.map_or(0, |p| p.pid);
+        let now = now_ns();
+        let mut end = self.streams.get(&(stream as u64)).copied().unwrap_or(now);
+        for &run in kernels {
+            end = self.timelines[&key].run(pid, end.max(now), run);
+        }
+        self.streams.insert(stream as u64, end);
         Ok(())
     }
 
-    fn stream_end(&self, stream: Handle) -> Result<Instant, CUresult> {
+    fn stream_end(&self, stream: Handle) -> Result<u64, CUresult> {
         match self.streams.get(&(stream as u64)) {
             Some(end) => Ok(*end),
-            None if stream.is_null() => Ok(Instant::now()),
+            None if stream.is_null() => Ok(now_ns()),
             None => Err(CUDA_ERROR_INVALID_HANDLE),
         }
     }
 }
 
-fn wait_until(end: Instant) {
-    let now = Instant::now();
+fn wait_until(end: u64) {
+    let now = now_ns();
     if end > now {
-        std::thread::sleep(end - now);
+        std::thread::sleep(Duration::from_nanos(end - now));
     }
 }
 
@@ -787,7 +822,7 @@ pub extern "C" fn cuStreamCreate(stream: *mut Handle, _flags: c_uint) -> CUresul
         let id = with(|d| {
             d.current_device()?;
             let id = d.id();
-            d.streams.insert(id, Instant::now());
+            d.streams.insert(id, now_ns());
             Ok(id)
         })?;
         put(stream, id as Handle)
@@ -843,7 +878,7 @@ pub extern "C" fn cuEventRecord(event: Handle, stream: Handle) -> CUresult {
 fn event_record(event: Handle, stream: Handle) -> CUresult {
     guard(|| {
         with(|d| {
-            let at = d.stream_end(stream)?.max(Instant::now());
+            let at = d.stream_end(stream)?.max(now_ns());
             let slot = d
                 .events
                 .get_mut(&(event as u64))
@@ -888,7 +923,7 @@ pub extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Handle, end: Handle) -
             };
             Ok((at(start)?, at(end)?))
         })?;
-        put(ms, b.saturating_duration_since(a).as_secs_f32() * 1e3)
+        put(ms, b.saturating_sub(a) as f32 / 1e6)
     })
 }
 
@@ -939,7 +974,7 @@ pub extern "C" fn cuModuleGetFunction(
             .strip_prefix("sleep_")
             .and_then(|n| n.strip_suffix("us"))
             .and_then(|n| n.parse().ok())
-            .map_or(Duration::ZERO, Duration::from_micros);
+            .map_or(0, |us: u64| us * 1_000);
         let id = with(|d| {
             if !d.modules.contains(&(module as u64)) {
                 return Err(CUDA_ERROR_INVALID_HANDLE);
@@ -1003,6 +1038,208 @@ pub extern "C" fn cuLaunchKernel_ptsz(
 ) -> CUresult {
     let _ = (gx, gy, gz, bx, by, bz, shared, params, extra);
     launch(function, stream)
+}
+
+/// `CUlaunchConfig`, as `cuLaunchKernelEx` takes it.
+#[repr(C)]
+pub struct LaunchConfig {
+    pub grid: [c_uint; 3],
+    pub block: [c_uint; 3],
+    pub shared_mem_bytes: c_uint,
+    pub stream: Handle,
+    pub attrs: *mut c_void,
+    pub num_attrs: c_uint,
+}
+
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)] // the driver's signature
+pub extern "C" fn cuLaunchCooperativeKernel(
+    function: Handle,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: Handle,
+    params: *mut *mut c_void,
+) -> CUresult {
+    let _ = (gx, gy, gz, bx, by, bz, shared, params);
+    launch(function, stream)
+}
+
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)] // the driver's signature
+pub extern "C" fn cuLaunchCooperativeKernel_ptsz(
+    function: Handle,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    stream: Handle,
+    params: *mut *mut c_void,
+) -> CUresult {
+    let _ = (gx, gy, gz, bx, by, bz, shared, params);
+    launch(function, stream)
+}
+
+fn launch_ex(config: *const LaunchConfig, function: Handle) -> CUresult {
+    guard(|| {
+        if config.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null, pointing at the caller's CUlaunchConfig as the API requires.
+        let stream = unsafe { (*config).stream };
+        with(|d| d.launch(function, stream))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchKernelEx(
+    config: *const LaunchConfig,
+    function: Handle,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    launch_ex(config, function)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchKernelEx_ptsz(
+    config: *const LaunchConfig,
+    function: Handle,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    launch_ex(config, function)
+}
+
+// ---- graphs, captured from streams ----
+
+fn begin_capture(stream: Handle) -> CUresult {
+    guard(|| {
+        with(|d| {
+            d.current_device()?;
+            d.capturing.insert(stream as u64, Vec::new());
+            Ok(())
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamBeginCapture_v2(stream: Handle, _mode: c_int) -> CUresult {
+    begin_capture(stream)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamBeginCapture_v2_ptsz(stream: Handle, _mode: c_int) -> CUresult {
+    begin_capture(stream)
+}
+
+fn end_capture(stream: Handle, graph: *mut Handle) -> CUresult {
+    guard(|| {
+        let id = with(|d| {
+            let kernels = d
+                .capturing
+                .remove(&(stream as u64))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let id = d.id();
+            d.graphs.insert(id, kernels);
+            Ok(id)
+        })?;
+        put(graph, id as Handle)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamEndCapture(stream: Handle, graph: *mut Handle) -> CUresult {
+    end_capture(stream, graph)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamEndCapture_ptsz(stream: Handle, graph: *mut Handle) -> CUresult {
+    end_capture(stream, graph)
+}
+
+/// `CUstreamCaptureStatus`: 0 none, 1 active.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamIsCapturing(stream: Handle, status: *mut c_int) -> CUresult {
+    guard(|| {
+        let active = with(|d| Ok(d.capturing.contains_key(&(stream as u64))))?;
+        put(status, c_int::from(active))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphInstantiateWithFlags(
+    exec: *mut Handle,
+    graph: Handle,
+    _flags: u64,
+) -> CUresult {
+    guard(|| {
+        let id = with(|d| {
+            let kernels = d
+                .graphs
+                .get(&(graph as u64))
+                .cloned()
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            let id = d.id();
+            d.graph_execs.insert(id, kernels);
+            Ok(id)
+        })?;
+        put(exec, id as Handle)
+    })
+}
+
+fn graph_launch(exec: Handle, stream: Handle) -> CUresult {
+    guard(|| {
+        with(|d| {
+            let kernels = d
+                .graph_execs
+                .get(&(exec as u64))
+                .cloned()
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            d.enqueue(stream, &kernels)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch(exec: Handle, stream: Handle) -> CUresult {
+    graph_launch(exec, stream)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch_ptsz(exec: Handle, stream: Handle) -> CUresult {
+    graph_launch(exec, stream)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphExecDestroy(exec: Handle) -> CUresult {
+    guard(|| {
+        with(|d| {
+            d.graph_execs
+                .remove(&(exec as u64))
+                .map(|_| ())
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)
+        })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphDestroy(graph: Handle) -> CUresult {
+    guard(|| {
+        with(|d| {
+            d.graphs
+                .remove(&(graph as u64))
+                .map(|_| ())
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)
+        })
+    })
 }
 
 // ---- errors ----
@@ -1137,6 +1374,25 @@ fn entries() -> &'static [Entry] {
             e!("cuModuleUnload", 2000, cuModuleUnload),
             e!("cuLaunchKernel", 4000, cuLaunchKernel),
             e!("cuLaunchKernel", 7000, ptsz cuLaunchKernel_ptsz),
+            e!("cuLaunchCooperativeKernel", 9000, cuLaunchCooperativeKernel),
+            e!("cuLaunchCooperativeKernel", 9000, ptsz cuLaunchCooperativeKernel_ptsz),
+            e!("cuLaunchKernelEx", 11060, cuLaunchKernelEx),
+            e!("cuLaunchKernelEx", 11060, ptsz cuLaunchKernelEx_ptsz),
+            e!("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2),
+            e!("cuStreamBeginCapture", 10010, ptsz cuStreamBeginCapture_v2_ptsz),
+            e!("cuStreamEndCapture", 10000, cuStreamEndCapture),
+            e!("cuStreamEndCapture", 10000, ptsz cuStreamEndCapture_ptsz),
+            e!("cuStreamIsCapturing", 10000, cuStreamIsCapturing),
+            e!("cuGraphInstantiate", 11040, cuGraphInstantiateWithFlags),
+            e!(
+                "cuGraphInstantiateWithFlags",
+                11040,
+                cuGraphInstantiateWithFlags
+            ),
+            e!("cuGraphLaunch", 10000, cuGraphLaunch),
+            e!("cuGraphLaunch", 10000, ptsz cuGraphLaunch_ptsz),
+            e!("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
+            e!("cuGraphDestroy", 10000, cuGraphDestroy),
             e!("cuGetErrorString", 6000, cuGetErrorString),
             e!("cuGetErrorName", 6000, cuGetErrorName),
             e!("cuGetProcAddress", 11030, cuGetProcAddress),

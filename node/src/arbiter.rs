@@ -1,0 +1,632 @@
+//! Compute arbitration on one GPU: which process may run kernels now. Pure: the caller hands in
+//! the time (nanoseconds on one monotonic clock) and carries out the orders that come back.
+//!
+//! One client (a process under the shim) holds the GPU at a time. Each slice has a **limit**
+//! (a cap on its share of time, enforced with a token bucket that fills at the limit's rate, so
+//! it holds even when the slice is alone), a **weight** (its fair share when slices contend:
+//! the waiter with the least weighted time used goes next) and a **guarantee** (a floor: a slice
+//! below it goes before everyone else as soon as the holder has had its minimum slice). A holder
+//! keeps the GPU for at least the time slice, gives it up at once when it runs out of work, and
+//! is asked to yield when its cap is reached or a waiter should go next. Processes of one slice
+//! share its budget. Time is charged from grant to release: the shim releases only once the
+//! work it queued has finished, so that is the GPU time the slice's work took.
+
+use std::collections::BTreeMap;
+
+/// A client: one connection from one process.
+pub type ClientId = u64;
+
+/// What a slice may have of the GPU, in percent of its time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    /// Relative weight under contention (the layout's compute share).
+    pub weight: u32,
+    /// Cap, even on an idle GPU (1–100).
+    pub limit: u32,
+    /// Floor while it has work queued (0–limit).
+    pub guarantee: u32,
+}
+
+impl Share {
+    /// A slice whose weight and cap are its compute share, with no guarantee.
+    pub fn capped(percent: u32) -> Share {
+        Share {
+            weight: percent,
+            limit: percent,
+            guarantee: 0,
+        }
+    }
+}
+
+/// What the arbiter wants done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// The client may run kernels until told to yield.
+    Grant(ClientId),
+    /// The client should finish what it queued and release.
+    Yield(ClientId),
+}
+
+/// Why a client cannot join.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ArbiterError {
+    #[error("slice {0} has no compute share on this GPU")]
+    UnknownSlice(String),
+}
+
+/// What a slice has had, for reports and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// GPU time held (ns).
+    pub used: u64,
+    /// Grants.
+    pub grants: u64,
+    /// Longest wait from asking to being granted (ns).
+    pub max_wait: u64,
+}
+
+#[derive(Debug)]
+struct Slice {
+    share: Share,
+    /// Cap budget (ns × 100, exact): fills at `limit`%, drains while holding.
+    tokens: i64,
+    /// Guarantee credit (ns × 100): fills at `guarantee`% while the slice wants the GPU, drains
+    /// while it holds; positive means it is behind its floor.
+    credit: i64,
+    /// Weighted time used, for fair order.
+    virtual_time: f64,
+    usage: Usage,
+}
+
+#[derive(Debug)]
+struct Client {
+    slice: String,
+    /// Asking since (ns), when it wants the GPU and does not hold it.
+    waiting_since: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Hold {
+    client: ClientId,
+    since: u64,
+    /// When it was asked to yield.
+    yield_asked: Option<u64>,
+}
+
+/// The arbiter of one GPU.
+#[derive(Debug)]
+pub struct Arbiter {
+    time_slice: u64,
+    slices: BTreeMap<String, Slice>,
+    clients: BTreeMap<ClientId, Client>,
+    holder: Option<Hold>,
+    last: u64,
+    switches: u64,
+}
+
+impl Arbiter {
+    /// An arbiter whose holders keep the GPU at least `time_slice` ns.
+    pub fn new(time_slice: u64, now: u64) -> Arbiter {
+        Arbiter {
+            time_slice: time_slice.max(1),
+            slices: BTreeMap::new(),
+            clients: BTreeMap::new(),
+            holder: None,
+            last: now,
+            switches: 0,
+        }
+    }
+
+    pub fn time_slice(&self) -> u64 {
+        self.time_slice
+    }
+
+    /// Changes the minimum slice (the pool's `timeSlice`).
+    pub fn set_time_slice(&mut self, time_slice: u64) {
+        self.time_slice = time_slice.max(1);
+    }
+
+    /// A holder that ignores a yield keeps the GPU this long after being asked, no longer.
+    fn revoke_after(&self) -> u64 {
+        self.time_slice.max(50_000_000)
+    }
+
+    /// The most cap budget a slice can save up (ns × 100): a cap holds within this much in any
+    /// window.
+    fn burst(&self) -> i64 {
+        200 * self.time_slice as i64
+    }
+
+    /// The budget a slice needs to be granted (ns × 100): a whole time slice.
+    fn threshold(&self) -> i64 {
+        100 * self.time_slice as i64
+    }
+
+    /// Sets the slices and their shares; a slice that is gone keeps its clients' budget until
+    /// they leave.
+    pub fn set_shares(&mut self, shares: &BTreeMap<String, Share>, now: u64) {
+        self.advance(now);
+        let start = self.threshold();
+        for (id, share) in shares {
+            self.slices
+                .entry(id.clone())
+                .and_modify(|s| s.share = *share)
+                .or_insert(Slice {
+                    share: *share,
+                    tokens: start,
+                    credit: 0,
+                    virtual_time: 0.0,
+                    usage: Usage::default(),
+                });
+        }
+        let clients = &self.clients;
+        self.slices
+            .retain(|id, _| shares.contains_key(id) || clients.values().any(|c| &c.slice == id));
+    }
+
+    /// A process of `slice` joins.
+    pub fn connect(&mut self, client: ClientId, slice: &str) -> Result<(), ArbiterError> {
+        if !self.slices.contains_key(slice) {
+            return Err(ArbiterError::UnknownSlice(slice.to_string()));
+        }
+        self.clients.insert(
+            client,
+            Client {
+                slice: slice.to_string(),
+                waiting_since: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// The client has work and asks for the GPU.
+    pub fn acquire(&mut self, client: ClientId, now: u64) {
+        self.advance(now);
+        if self.holder.is_some_and(|h| h.client == client) {
+            return;
+        }
+        let Some(slice) = self.clients.get(&client).map(|c| c.slice.clone()) else {
+            return;
+        };
+        if !self.wants(&slice) {
+            // A slice coming back from idle starts level with those already waiting: fair
+            // share is not saved up while idle.
+            let floor = self
+                .slices
+                .iter()
+                .filter(|(id, _)| self.wants(id))
+                .map(|(_, s)| s.virtual_time)
+                .fold(f64::INFINITY, f64::min);
+            if let Some(s) = self.slices.get_mut(&slice)
+                && floor.is_finite()
+            {
+                s.virtual_time = s.virtual_time.max(floor);
+            }
+        }
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.waiting_since.get_or_insert(now);
+        }
+    }
+
+    /// The client finished its work (or yielded) and gives the GPU back.
+    pub fn release(&mut self, client: ClientId, now: u64) {
+        self.advance(now);
+        if self.holder.is_some_and(|h| h.client == client) {
+            self.holder = None;
+        }
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.waiting_since = None;
+        }
+    }
+
+    /// The client is gone (its connection closed: the process exited or was killed).
+    pub fn disconnect(&mut self, client: ClientId, now: u64) {
+        self.release(client, now);
+        self.clients.remove(&client);
+    }
+
+    /// Decides: a yield for a holder that should stop, a grant when the GPU is free.
+    pub fn step(&mut self, now: u64) -> Vec<Order> {
+        self.advance(now);
+        let mut orders = Vec::new();
+        if let Some(hold) = self.holder {
+            match hold.yield_asked {
+                // A holder that does not yield in time loses the GPU anyway.
+                Some(asked) if now >= asked + self.revoke_after() => {
+                    self.holder = None;
+                    if let Some(c) = self.clients.get_mut(&hold.client) {
+                        c.waiting_since = None;
+                    }
+                }
+                Some(_) => return orders,
+                None => {
+                    if self.should_yield(hold, now) {
+                        self.holder = Some(Hold {
+                            yield_asked: Some(now),
+                            ..hold
+                        });
+                        orders.push(Order::Yield(hold.client));
+                    }
+                    return orders;
+                }
+            }
+        }
+        if let Some(client) = self.next_client(None) {
+            let c = self.clients.get_mut(&client).expect("a waiting client");
+            let waited = now.saturating_sub(c.waiting_since.take().unwrap_or(now));
+            let slice = self.slices.get_mut(&c.slice).expect("a client's slice");
+            slice.usage.grants += 1;
+            slice.usage.max_wait = slice.usage.max_wait.max(waited);
+            self.holder = Some(Hold {
+                client,
+                since: now,
+                yield_asked: None,
+            });
+            self.switches += 1;
+            orders.push(Order::Grant(client));
+        }
+        orders
+    }
+
+    /// When [`Arbiter::step`] should run next if nothing else happens.
+    pub fn next_wake(&self, now: u64) -> Option<u64> {
+        let mut wake: Option<u64> = None;
+        let mut at = |t: u64| wake = Some(wake.map_or(t, |w| w.min(t)));
+        let threshold = self.threshold();
+        // Time (ns, rounded up) for a budget changing at `rate` per ns to cover `gap`.
+        let after = |gap: i64, rate: i64| now + (gap.max(0) + rate - 1) as u64 / rate.max(1) as u64;
+        if let Some(hold) = self.holder {
+            if let Some(asked) = hold.yield_asked {
+                at(asked + self.revoke_after());
+                return wake;
+            }
+            let id = &self.clients[&hold.client].slice;
+            let slice = &self.slices[id];
+            if slice.share.limit < 100 {
+                at(after(slice.tokens, 100 - i64::from(slice.share.limit)));
+            }
+            if let Some(next) = self.next_client(Some(hold.client)) {
+                let end = hold.since + self.time_slice;
+                if now < end {
+                    at(end);
+                } else if slice.share.guarantee > 0 && slice.credit > 0 {
+                    // It keeps the GPU until it has caught up with its floor.
+                    at(after(
+                        slice.credit,
+                        100 - i64::from(slice.share.guarantee.min(99)),
+                    ));
+                } else {
+                    // It keeps the GPU until its fair-share clock passes the next waiter's.
+                    let other = &self.clients[&next].slice;
+                    if self.rank(other).0 == self.rank(id).0 {
+                        let gap = self.slices[other].virtual_time - slice.virtual_time;
+                        let weight = f64::from(slice.share.weight.max(1));
+                        at(now + (gap.max(0.0) * weight).ceil() as u64 + 1);
+                    }
+                }
+            }
+        }
+        for (id, slice) in &self.slices {
+            let waiting = self
+                .clients
+                .values()
+                .any(|c| &c.slice == id && c.waiting_since.is_some());
+            if !waiting {
+                continue;
+            }
+            if slice.tokens < threshold {
+                at(after(
+                    threshold - slice.tokens,
+                    i64::from(slice.share.limit.max(1)),
+                ));
+            }
+            // A guaranteed waiter coming within a time slice of its floor goes first.
+            if slice.share.guarantee > 0 && slice.credit <= -threshold {
+                at(after(
+                    1 - threshold - slice.credit,
+                    i64::from(slice.share.guarantee),
+                ));
+            }
+        }
+        wake
+    }
+
+    /// What each slice has had.
+    pub fn usage(&self) -> BTreeMap<String, Usage> {
+        self.slices
+            .iter()
+            .map(|(id, s)| (id.clone(), s.usage))
+            .collect()
+    }
+
+    /// How many times the GPU changed hands.
+    pub fn switches(&self) -> u64 {
+        self.switches
+    }
+
+    /// The client holding the GPU.
+    pub fn holder(&self) -> Option<ClientId> {
+        self.holder.map(|h| h.client)
+    }
+
+    fn holding_slice(&self) -> Option<&str> {
+        self.holder
+            .and_then(|h| self.clients.get(&h.client))
+            .map(|c| c.slice.as_str())
+    }
+
+    fn wants(&self, slice: &str) -> bool {
+        self.holding_slice() == Some(slice)
+            || self
+                .clients
+                .values()
+                .any(|c| c.slice == slice && c.waiting_since.is_some())
+    }
+
+    /// Brings budgets, credits and fair-share clocks up to `now`.
+    fn advance(&mut self, now: u64) {
+        let dt = now.saturating_sub(self.last) as i64;
+        self.last = self.last.max(now);
+        if dt == 0 {
+            return;
+        }
+        let burst = self.burst();
+        let holding = self.holding_slice().map(str::to_string);
+        let wanting: Vec<bool> = self.slices.keys().map(|id| self.wants(id)).collect();
+        for ((id, slice), wants) in self.slices.iter_mut().zip(wanting) {
+            let holds = holding.as_deref() == Some(id.as_str());
+            slice.tokens += dt * i64::from(slice.share.limit);
+            if holds {
+                slice.tokens -= dt * 100;
+                slice.usage.used += dt as u64;
+                slice.virtual_time += dt as f64 / f64::from(slice.share.weight.max(1));
+            }
+            slice.tokens = slice.tokens.min(burst);
+            if wants {
+                slice.credit += dt * i64::from(slice.share.guarantee);
+                if holds {
+                    slice.credit -= dt * 100;
+                }
+                slice.credit = slice.credit.clamp(-burst, burst);
+            } else {
+                slice.credit = 0;
+            }
+        }
+    }
+
+    /// Order among waiting slices: guaranteed slices that are not a whole time slice ahead of
+    /// their floor first (so one waits at most one time slice), then least weighted time used.
+    fn rank(&self, slice: &str) -> (bool, f64) {
+        let s = &self.slices[slice];
+        (
+            !(s.share.guarantee > 0 && s.credit > -self.threshold()),
+            s.virtual_time,
+        )
+    }
+
+    /// The waiting client that should have the GPU next (other than `except`): from the best
+    /// ranked slice whose cap allows a full time slice, its longest waiting process.
+    fn next_client(&self, except: Option<ClientId>) -> Option<ClientId> {
+        let threshold = self.threshold();
+        self.clients
+            .iter()
+            .filter(|(id, c)| Some(**id) != except && c.waiting_since.is_some())
+            .filter(|(_, c)| self.slices[&c.slice].tokens >= threshold)
+            .min_by(|(a_id, a), (b_id, b)| {
+                let (ra, rb) = (self.rank(&a.slice), self.rank(&b.slice));
+                ra.0.cmp(&rb.0)
+                    .then(ra.1.total_cmp(&rb.1))
+                    .then(a.waiting_since.cmp(&b.waiting_since))
+                    .then(a_id.cmp(b_id))
+            })
+            .map(|(id, _)| *id)
+    }
+
+    fn should_yield(&self, hold: Hold, now: u64) -> bool {
+        let slice = &self.clients[&hold.client].slice;
+        if self.slices[slice].tokens <= 0 {
+            return true; // its cap
+        }
+        if now < hold.since + self.time_slice {
+            return false; // its minimum slice
+        }
+        let share = &self.slices[slice];
+        if share.share.guarantee > 0 && share.credit > 0 {
+            return false; // still behind its floor
+        }
+        let Some(next) = self.next_client(Some(hold.client)) else {
+            return false;
+        };
+        let other = &self.clients[&next].slice;
+        // A process of the same slice takes turns; another slice goes when it ranks first.
+        other == slice || self.rank(other) < self.rank(slice)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A GPU where every client always has work: grants are taken at once and yields obeyed
+    /// at once. Returns each slice's share (%) over `[from, to)` ms.
+    fn simulate(
+        shares: &[(&str, Share, usize)],
+        time_slice_ms: u64,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> BTreeMap<String, f64> {
+        simulate_with_usage(shares, time_slice_ms, from_ms, to_ms).0
+    }
+
+    fn simulate_with_usage(
+        shares: &[(&str, Share, usize)],
+        time_slice_ms: u64,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> (BTreeMap<String, f64>, BTreeMap<String, Usage>) {
+        let mut arbiter = Arbiter::new(time_slice_ms * MS, 0);
+        let table = shares
+            .iter()
+            .map(|(id, s, _)| (id.to_string(), *s))
+            .collect();
+        arbiter.set_shares(&table, 0);
+        let mut next = 1;
+        for (id, _, processes) in shares {
+            for _ in 0..*processes {
+                arbiter.connect(next, id).unwrap();
+                arbiter.acquire(next, 0);
+                next += 1;
+            }
+        }
+        let mut held: BTreeMap<String, u64> = BTreeMap::new();
+        let mut now = 0;
+        let mut owner: Option<(ClientId, u64)> = None;
+        while now < to_ms * MS {
+            let mut released = false;
+            for order in arbiter.step(now) {
+                match order {
+                    Order::Grant(c) => owner = Some((c, now)),
+                    Order::Yield(c) => {
+                        let (_, since) = owner.take().unwrap();
+                        let slice = arbiter.clients[&c].slice.clone();
+                        let a = since.max(from_ms * MS);
+                        *held.entry(slice).or_default() += now.saturating_sub(a);
+                        arbiter.release(c, now);
+                        arbiter.acquire(c, now);
+                        released = true;
+                    }
+                }
+            }
+            if !released {
+                now = arbiter.next_wake(now).unwrap_or(now + MS).max(now + 1);
+            }
+        }
+        if let Some((c, since)) = owner {
+            let slice = arbiter.clients[&c].slice.clone();
+            *held.entry(slice).or_default() += (to_ms * MS).saturating_sub(since.max(from_ms * MS));
+        }
+        let span = ((to_ms - from_ms) * MS) as f64;
+        let shares = held
+            .into_iter()
+            .map(|(k, v)| (k, v as f64 / span * 100.0))
+            .collect();
+        (shares, arbiter.usage())
+    }
+
+    fn near(actual: &BTreeMap<String, f64>, expected: &[(&str, f64)]) {
+        for (id, want) in expected {
+            let got = actual.get(*id).copied().unwrap_or(0.0);
+            assert!(
+                (got - want).abs() <= 1.5,
+                "{id}: {got:.2}% instead of {want}% ({actual:?})"
+            );
+        }
+    }
+
+    #[test]
+    fn caps_split_a_contended_gpu_10_90() {
+        let s = simulate(
+            &[("a", Share::capped(10), 1), ("b", Share::capped(90), 1)],
+            10,
+            1000,
+            3000,
+        );
+        near(&s, &[("a", 10.0), ("b", 90.0)]);
+    }
+
+    #[test]
+    fn a_cap_holds_when_the_slice_is_alone() {
+        let s = simulate(&[("a", Share::capped(25), 1)], 10, 1000, 3000);
+        near(&s, &[("a", 25.0)]);
+    }
+
+    #[test]
+    fn weights_share_what_caps_allow_and_guarantees_go_first() {
+        let best_effort = Share {
+            weight: 25,
+            limit: 100,
+            guarantee: 0,
+        };
+        let guaranteed = Share {
+            weight: 10,
+            limit: 100,
+            guarantee: 50,
+        };
+        let (s, usage) = simulate_with_usage(
+            &[
+                ("g", guaranteed, 1),
+                ("x", best_effort, 1),
+                ("y", best_effort, 1),
+            ],
+            10,
+            1000,
+            3000,
+        );
+        // Weights alone would give g 1/6; its guarantee lifts it to 50.
+        near(&s, &[("g", 50.0), ("x", 25.0), ("y", 25.0)]);
+        assert!(
+            usage["g"].max_wait <= 10 * MS,
+            "the guaranteed slice waited {} ms",
+            usage["g"].max_wait as f64 / MS as f64
+        );
+    }
+
+    #[test]
+    fn processes_of_one_slice_share_its_budget() {
+        let s = simulate(
+            &[("a", Share::capped(30), 3), ("b", Share::capped(70), 1)],
+            10,
+            1000,
+            3000,
+        );
+        near(&s, &[("a", 30.0), ("b", 70.0)]);
+    }
+
+    #[test]
+    fn a_holder_is_asked_to_yield_after_its_time_slice_and_revoked_if_it_ignores_it() {
+        let mut arbiter = Arbiter::new(10 * MS, 0);
+        let shares = [
+            ("a".to_string(), Share::capped(50)),
+            ("b".to_string(), Share::capped(50)),
+        ]
+        .into();
+        arbiter.set_shares(&shares, 0);
+        arbiter.connect(1, "a").unwrap();
+        arbiter.connect(2, "b").unwrap();
+        arbiter.acquire(1, 0);
+        assert_eq!(arbiter.step(0), [Order::Grant(1)]);
+        arbiter.acquire(2, MS);
+        assert_eq!(arbiter.step(MS), [], "a keeps its minimum slice");
+        assert_eq!(arbiter.next_wake(MS), Some(10 * MS));
+        assert_eq!(arbiter.step(10 * MS), [Order::Yield(1)]);
+        // a never releases: b gets the GPU once the revocation time has passed.
+        let revoke = 10 * MS + arbiter.revoke_after();
+        assert_eq!(arbiter.next_wake(11 * MS), Some(revoke));
+        assert_eq!(arbiter.step(revoke - 1), []);
+        assert_eq!(arbiter.step(revoke), [Order::Grant(2)]);
+    }
+
+    #[test]
+    fn a_disconnected_holder_frees_the_gpu_at_once() {
+        let mut arbiter = Arbiter::new(10 * MS, 0);
+        arbiter.set_shares(&[("a".to_string(), Share::capped(100))].into(), 0);
+        arbiter.connect(1, "a").unwrap();
+        arbiter.connect(2, "a").unwrap();
+        arbiter.acquire(1, 0);
+        arbiter.acquire(2, 0);
+        assert_eq!(arbiter.step(0), [Order::Grant(1)]);
+        arbiter.disconnect(1, 2 * MS);
+        assert_eq!(arbiter.step(2 * MS), [Order::Grant(2)]);
+    }
+
+    #[test]
+    fn an_unknown_slice_is_refused() {
+        let mut arbiter = Arbiter::new(10 * MS, 0);
+        assert_eq!(
+            arbiter.connect(1, "gpu0-s9"),
+            Err(ArbiterError::UnknownSlice("gpu0-s9".into()))
+        );
+    }
+}

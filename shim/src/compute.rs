@@ -1,0 +1,409 @@
+//! Compute shares, the shim's half (design: `docs/compute.md`). A process on a software slice
+//! runs kernels only while the node agent's arbiter has granted its slice the GPU. The launch
+//! path costs two atomic operations while the grant lasts; everything else happens on a monitor
+//! thread that talks to the agent:
+//!
+//! - the first launch without a grant asks for one (`"acquire"`) and waits;
+//! - on `"grant"` the launches go through;
+//! - on `"yield"`, or when the process has had nothing queued for a moment, the monitor stops new
+//!   launches, waits for the work already queued to finish (so the time the agent charges is the
+//!   GPU time the slice's work took) and gives the GPU back (`"release"`).
+//!
+//! The agent is the only judge: the process can delay its release, never grant itself time, and
+//! a holder that ignores a yield is overruled (see `gpuslice_node::arbiter`). When the agent
+//! cannot be reached the shim passes launches through (an internal failure must not stop the
+//! program); when the agent refuses the process (its slice belongs to another workload),
+//! launches fail with `CUDA_ERROR_NOT_PERMITTED`.
+
+use std::collections::HashSet;
+use std::ffi::c_int;
+use std::io::{ErrorKind, Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::dl::{Lib, resolve};
+use crate::hooks::Handle;
+use crate::limits::{Limits, limits};
+
+/// `CUDA_ERROR_NOT_PERMITTED`.
+const NOT_PERMITTED: c_int = 800;
+
+/// The launch gate in one word: launches in flight (bits 0–19), the grant (bit 20), and a
+/// launch counter (bits 21–63, wrapping) by which the monitor sees activity.
+static GATE: AtomicU64 = AtomicU64::new(0);
+const IN_FLIGHT: u64 = (1 << 20) - 1;
+const HOLD: u64 = 1 << 20;
+const ONE_LAUNCH: u64 = (1 << 21) | 1;
+
+/// Set in a forked child, which has no monitor thread: it is not governed.
+static FORKED: AtomicBool = AtomicBool::new(false);
+/// Streams being captured into graphs: their launches queue nothing, and no context may be
+/// synchronised while a capture is open.
+static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+static CAPTURING: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+/// How often the monitor looks for idleness while it holds the GPU.
+const POLL: Duration = Duration::from_micros(200);
+/// After its queued work has finished, a holder keeps the GPU this long for its next launch
+/// (a training loop's host-side gap between steps) before giving it up.
+const IDLE_GRACE: Duration = Duration::from_micros(500);
+
+enum Arbitration {
+    /// Not on a software slice, or the agent is unreachable: launches go through.
+    Off,
+    /// The agent refused this process: launches fail.
+    Refused,
+    On(Session),
+}
+
+struct Session {
+    socket: UnixStream,
+    local: Mutex<Local>,
+    granted: Condvar,
+    /// The agent went away: launches go through from now on.
+    lost: AtomicBool,
+}
+
+#[derive(Default)]
+struct Local {
+    /// An `acquire` is outstanding or granted.
+    asked: bool,
+    /// Contexts that launched, to wait for their work before releasing.
+    contexts: Vec<usize>,
+}
+
+static ARBITRATION: OnceLock<Arbitration> = OnceLock::new();
+
+fn arbitration() -> &'static Arbitration {
+    ARBITRATION.get_or_init(|| match connect() {
+        Ok(Some(session)) => Arbitration::On(session),
+        Ok(None) => Arbitration::Off,
+        Err(Refusal::Refused(reason)) => {
+            eprintln!(
+                "gpuslice: the node agent refused compute time: {reason}; kernel launches fail"
+            );
+            Arbitration::Refused
+        }
+        Err(Refusal::Unreachable(reason)) => {
+            eprintln!("gpuslice: compute share not enforced: {reason}");
+            Arbitration::Off
+        }
+    })
+}
+
+enum Refusal {
+    Refused(String),
+    Unreachable(String),
+}
+
+/// Connects to the agent when this process is on a software slice.
+fn connect() -> Result<Option<Session>, Refusal> {
+    let Limits::Capped(slice) = limits() else {
+        return Ok(None);
+    };
+    let Some(socket_path) = slice.agent_socket.as_deref() else {
+        return Ok(None);
+    };
+    let unreachable = |e: std::io::Error| {
+        Refusal::Unreachable(format!("the node agent at {}: {e}", socket_path.display()))
+    };
+    let mut socket = UnixStream::connect(socket_path).map_err(unreachable)?;
+    let hello = serde_json::json!({"compute": {"slice": slice.id}});
+    socket
+        .write_all(format!("{hello}\n").as_bytes())
+        .map_err(unreachable)?;
+    let reply = read_line(&mut socket, &mut Vec::new()).map_err(unreachable)?;
+    let reply: serde_json::Value = serde_json::from_str(&reply)
+        .map_err(|e| Refusal::Unreachable(format!("the node agent's answer: {e}")))?;
+    if let Some(reason) = reply["refused"]["reason"].as_str() {
+        return Err(Refusal::Refused(reason.to_string()));
+    }
+    // SAFETY: registering a fork handler that only stores to an atomic.
+    unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+    let monitor = socket.try_clone().map_err(unreachable)?;
+    std::thread::Builder::new()
+        .name("gpuslice-compute".into())
+        .spawn(move || run_monitor(monitor))
+        .map_err(unreachable)?;
+    Ok(Some(Session {
+        socket,
+        local: Mutex::new(Local::default()),
+        granted: Condvar::new(),
+        lost: AtomicBool::new(false),
+    }))
+}
+
+extern "C" fn forked() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+fn session() -> Option<&'static Session> {
+    match ARBITRATION.get() {
+        Some(Arbitration::On(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// Reads one line (without its newline), keeping what follows in `buffer`.
+fn read_line(socket: &mut UnixStream, buffer: &mut Vec<u8>) -> std::io::Result<String> {
+    loop {
+        if let Some(end) = buffer.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = buffer.drain(..=end).collect();
+            return Ok(String::from_utf8_lossy(&line[..end]).into_owned());
+        }
+        let mut chunk = [0u8; 256];
+        match socket.read(&mut chunk)? {
+            0 => return Err(ErrorKind::UnexpectedEof.into()),
+            n => buffer.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+fn send(session: &Session, message: &str) -> bool {
+    (&session.socket)
+        .write_all(format!("\"{message}\"\n").as_bytes())
+        .is_ok()
+}
+
+/// Runs a launch on `stream` when the slice holds the GPU, waiting for a grant if needed.
+pub fn gate(stream: Handle, launch: impl FnOnce() -> c_int) -> c_int {
+    let session = match arbitration() {
+        Arbitration::Off => return launch(),
+        Arbitration::Refused => return NOT_PERMITTED,
+        Arbitration::On(s) => s,
+    };
+    if FORKED.load(Ordering::Relaxed) || session.lost.load(Ordering::Relaxed) || captured(stream) {
+        return launch();
+    }
+    loop {
+        let before = GATE.fetch_add(ONE_LAUNCH, Ordering::SeqCst);
+        if before & HOLD != 0 {
+            let rc = launch();
+            GATE.fetch_sub(1, Ordering::SeqCst);
+            return rc;
+        }
+        GATE.fetch_sub(ONE_LAUNCH, Ordering::SeqCst);
+        if !wait_for_grant(session) {
+            return launch();
+        }
+    }
+}
+
+/// Asks for the GPU (once) and waits for it; false when the agent is gone.
+fn wait_for_grant(session: &Session) -> bool {
+    let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
+    remember_context(&mut local);
+    if !local.asked {
+        local.asked = true;
+        if !send(session, "acquire") {
+            lose(session);
+            return false;
+        }
+    }
+    while GATE.load(Ordering::SeqCst) & HOLD == 0 {
+        if session.lost.load(Ordering::Relaxed) {
+            return false;
+        }
+        local = session
+            .granted
+            .wait_timeout(local, Duration::from_millis(100))
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+    true
+}
+
+fn lose(session: &Session) {
+    if !session.lost.swap(true, Ordering::SeqCst) {
+        eprintln!("gpuslice: lost the node agent; compute share no longer enforced");
+    }
+    GATE.fetch_or(HOLD, Ordering::SeqCst);
+    session.granted.notify_all();
+}
+
+type CtxGet = unsafe extern "C" fn(*mut Handle) -> c_int;
+type CtxSet = unsafe extern "C" fn(Handle) -> c_int;
+type CtxSync = unsafe extern "C" fn() -> c_int;
+
+static CTX_GET: AtomicUsize = AtomicUsize::new(0);
+static CTX_SET: AtomicUsize = AtomicUsize::new(0);
+static CTX_SYNC: AtomicUsize = AtomicUsize::new(0);
+
+fn remember_context(local: &mut Local) {
+    let Some(get) = resolve(&CTX_GET, Lib::Cuda, b"cuCtxGetCurrent\0") else {
+        return;
+    };
+    let mut ctx: Handle = std::ptr::null_mut();
+    // SAFETY: the driver's cuCtxGetCurrent with a valid out-pointer.
+    let get = unsafe { std::mem::transmute::<usize, CtxGet>(get) };
+    // SAFETY: as above.
+    if unsafe { get(&mut ctx) } == 0 && !ctx.is_null() && !local.contexts.contains(&(ctx as usize))
+    {
+        local.contexts.push(ctx as usize);
+    }
+}
+
+/// The program destroyed a context: never touch it again.
+pub fn forget_context(ctx: Handle) {
+    if let Some(session) = session() {
+        let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
+        local.contexts.retain(|c| *c != ctx as usize);
+    }
+}
+
+/// Waits for the work this process queued on its contexts to finish.
+fn drain(session: &Session) {
+    if CAPTURES.load(Ordering::SeqCst) > 0 {
+        return; // synchronising now would break the program's capture
+    }
+    let (Some(set), Some(sync)) = (
+        resolve(&CTX_SET, Lib::Cuda, b"cuCtxSetCurrent\0"),
+        resolve(&CTX_SYNC, Lib::Cuda, b"cuCtxSynchronize\0"),
+    ) else {
+        return;
+    };
+    // SAFETY: the driver's own functions, with their signatures.
+    let (set, sync) = unsafe {
+        (
+            std::mem::transmute::<usize, CtxSet>(set),
+            std::mem::transmute::<usize, CtxSync>(sync),
+        )
+    };
+    let contexts = session
+        .local
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contexts
+        .clone();
+    for ctx in contexts {
+        // SAFETY: a context the program created and has not destroyed (cuCtxDestroy forgets
+        // it), made current on this, the monitor's own, thread.
+        unsafe {
+            if set(ctx as Handle) == 0 {
+                sync();
+            }
+        }
+    }
+}
+
+/// Stops new launches, waits for those in flight and the queued work, and releases the GPU.
+fn release(session: &Session) {
+    GATE.fetch_and(!HOLD, Ordering::SeqCst);
+    while GATE.load(Ordering::SeqCst) & IN_FLIGHT != 0 {
+        std::hint::spin_loop();
+    }
+    drain(session);
+    let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
+    local.asked = false;
+    drop(local);
+    if !send(session, "release") {
+        lose(session);
+    }
+}
+
+/// Releases if nothing was launched since `seen` and the queued work is done; keeps holding
+/// (returns false) when a launch comes in meanwhile.
+fn release_if_idle(session: &Session, seen: u64) -> bool {
+    drain(session);
+    let started = Instant::now();
+    while started.elapsed() < IDLE_GRACE {
+        std::thread::sleep(POLL / 4);
+        if GATE.load(Ordering::SeqCst) >> 21 != seen {
+            return false;
+        }
+    }
+    // Only if still nothing in flight and no launch since: take the grant back atomically.
+    let current = GATE.load(Ordering::SeqCst);
+    if current >> 21 != seen
+        || current & IN_FLIGHT != 0
+        || GATE
+            .compare_exchange(current, current & !HOLD, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+    {
+        return false;
+    }
+    let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
+    local.asked = false;
+    drop(local);
+    if !send(session, "release") {
+        lose(session);
+    }
+    true
+}
+
+fn run_monitor(mut socket: UnixStream) {
+    let mut buffer = Vec::new();
+    // The session is published once connect() returns; the agent sends nothing before an
+    // acquire, which only a launch (after publication) sends.
+    let session = loop {
+        if let Some(s) = session() {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let mut seen = GATE.load(Ordering::SeqCst) >> 21;
+    loop {
+        let holding = GATE.load(Ordering::SeqCst) & HOLD != 0;
+        let _ = socket.set_read_timeout(Some(if holding {
+            POLL
+        } else {
+            Duration::from_secs(3600)
+        }));
+        match read_line(&mut socket, &mut buffer) {
+            Ok(line) => match line.trim() {
+                "\"grant\"" => {
+                    let _local = session.local.lock().unwrap_or_else(|p| p.into_inner());
+                    GATE.fetch_or(HOLD, Ordering::SeqCst);
+                    session.granted.notify_all();
+                    seen = GATE.load(Ordering::SeqCst) >> 21;
+                }
+                "\"yield\"" => release(session),
+                _ => {}
+            },
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                let now = GATE.load(Ordering::SeqCst) >> 21;
+                if holding && now == seen {
+                    release_if_idle(session, now);
+                }
+                seen = GATE.load(Ordering::SeqCst) >> 21;
+            }
+            Err(_) => {
+                lose(session);
+                return;
+            }
+        }
+    }
+}
+
+fn captured(stream: Handle) -> bool {
+    CAPTURES.load(Ordering::Relaxed) > 0
+        && CAPTURING
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|s| s.contains(&(stream as usize)))
+}
+
+/// A stream starts capturing into a graph.
+pub fn capture_started(stream: Handle) {
+    let mut set = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
+    if set.get_or_insert_with(HashSet::new).insert(stream as usize) {
+        CAPTURES.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A stream's capture ended.
+pub fn capture_ended(stream: Handle) {
+    let mut set = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
+    if set.as_mut().is_some_and(|s| s.remove(&(stream as usize))) {
+        CAPTURES.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The agent's socket for a slice config at `<state>/slices/<id>/config`.
+pub fn agent_socket(config: &Path) -> Option<std::path::PathBuf> {
+    Some(config.parent()?.parent()?.parent()?.join("agent.sock"))
+}
