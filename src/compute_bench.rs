@@ -627,6 +627,8 @@ pub mod worker {
             *mut *mut c_void,
         ) -> c_int,
         sync: unsafe extern "C" fn(Handle) -> c_int,
+        event_record: unsafe extern "C" fn(Handle, Handle) -> c_int,
+        event_sync: unsafe extern "C" fn(Handle) -> c_int,
         begin_capture: unsafe extern "C" fn(Handle, c_int) -> c_int,
         end_capture: unsafe extern "C" fn(Handle, *mut Handle) -> c_int,
         instantiate: unsafe extern "C" fn(*mut Handle, Handle, u64) -> c_int,
@@ -661,11 +663,15 @@ pub mod worker {
             sym!(b"cuModuleGetFunction\0");
         let stream_create: unsafe extern "C" fn(*mut Handle, c_uint) -> c_int =
             sym!(b"cuStreamCreate\0");
+        let event_create: unsafe extern "C" fn(*mut Handle, c_uint) -> c_int =
+            sym!(b"cuEventCreate\0");
         let driver = Driver {
             launch: sym!(b"cuLaunchKernel\0"),
             cooperative: sym!(b"cuLaunchCooperativeKernel\0"),
             launch_ex: sym!(b"cuLaunchKernelEx\0"),
             sync: sym!(b"cuStreamSynchronize\0"),
+            event_record: sym!(b"cuEventRecord\0"),
+            event_sync: sym!(b"cuEventSynchronize\0"),
             begin_capture: sym!(b"cuStreamBeginCapture_v2\0"),
             end_capture: sym!(b"cuStreamEndCapture\0"),
             instantiate: sym!(b"cuGraphInstantiateWithFlags\0"),
@@ -677,6 +683,9 @@ pub mod worker {
         let mut module: Handle = std::ptr::null_mut();
         let mut function: Handle = std::ptr::null_mut();
         let mut stream: Handle = std::ptr::null_mut();
+        // Two steps in flight, as a training loop keeps the GPU fed: wait for the step before
+        // the one just queued.
+        let mut events: [Handle; 2] = [std::ptr::null_mut(); 2];
         let name =
             CString::new(format!("sleep_{}us", plan.kernel_us)).map_err(|e| e.to_string())?;
         // SAFETY: driver calls with valid out-pointers, in the order the API requires.
@@ -693,6 +702,9 @@ pub mod worker {
                 get_function(&mut function, module, name.as_ptr()),
             )?;
             check("cuStreamCreate", stream_create(&mut stream, 0))?;
+            for event in &mut events {
+                check("cuEventCreate", event_create(event, 0))?;
+            }
         }
         let graph = match plan.graph {
             Some(n) => Some(capture(&driver, function, stream, n)?),
@@ -759,6 +771,19 @@ pub mod worker {
         };
         // SAFETY: synchronising this process's own stream.
         let sync = || check("cuStreamSynchronize", unsafe { (driver.sync)(stream) });
+        // Queues a step and waits for the previous one.
+        let pipelined = |i: u64| -> Result<(), String> {
+            step()?;
+            let (now, before) = (events[(i % 2) as usize], events[((i + 1) % 2) as usize]);
+            // SAFETY: events this process created, recorded on its own stream.
+            unsafe {
+                check("cuEventRecord", (driver.event_record)(now, stream))?;
+                if i > 0 {
+                    check("cuEventSynchronize", (driver.event_sync)(before))?;
+                }
+            }
+            Ok(())
+        };
         let started = Instant::now();
         let mut kernels = 0u64;
         if let Some(launches) = plan.launches {
@@ -779,22 +804,24 @@ pub mod worker {
         let deadline = started + Duration::from_secs_f64(plan.seconds);
         match plan.busy_ms {
             None => {
+                let mut i = 0;
                 while Instant::now() < deadline {
-                    step()?;
-                    sync()?;
+                    pipelined(i)?;
+                    i += 1;
                     kernels += per_step;
                 }
+                sync()?;
             }
             Some(busy_ms) => {
                 let period = Duration::from_millis(busy_ms + plan.idle_ms);
                 let work = busy_ms * 1000 / plan.kernel_us.max(1);
                 let mut period_start = started;
                 while period_start < deadline {
-                    for _ in 0..work {
-                        step()?;
-                        sync()?;
+                    for i in 0..work {
+                        pipelined(i)?;
                         kernels += 1;
                     }
+                    sync()?;
                     period_start += period;
                     if let Some(rest) = period_start.checked_duration_since(Instant::now()) {
                         std::thread::sleep(rest);

@@ -71,6 +71,8 @@ struct Session {
 struct Local {
     /// An `acquire` is outstanding or granted.
     asked: bool,
+    /// Threads waiting for a grant to launch: the slice is not idle while any wait.
+    waiting: usize,
     /// Contexts that launched, to wait for their work before releasing.
     contexts: Vec<usize>,
 }
@@ -196,24 +198,30 @@ pub fn gate(stream: Handle, launch: impl FnOnce() -> c_int) -> c_int {
 fn wait_for_grant(session: &Session) -> bool {
     let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
     remember_context(&mut local);
-    if !local.asked {
-        local.asked = true;
-        if !send(session, "acquire") {
-            lose(session);
-            return false;
+    local.waiting += 1;
+    let granted = loop {
+        if GATE.load(Ordering::SeqCst) & HOLD != 0 {
+            break true;
         }
-    }
-    while GATE.load(Ordering::SeqCst) & HOLD == 0 {
         if session.lost.load(Ordering::Relaxed) {
-            return false;
+            break false;
+        }
+        // Asked again after every release (a grant may be taken back before this thread ran).
+        if !local.asked {
+            local.asked = true;
+            if !send(session, "acquire") {
+                lose(session);
+                break false;
+            }
         }
         local = session
             .granted
             .wait_timeout(local, Duration::from_millis(100))
             .unwrap_or_else(|p| p.into_inner())
             .0;
-    }
-    true
+    };
+    local.waiting -= 1;
+    granted
 }
 
 fn lose(session: &Session) {
@@ -296,17 +304,36 @@ fn release(session: &Session) {
         std::hint::spin_loop();
     }
     drain(session);
+    give_back(session);
+}
+
+/// Tells the agent, then lets waiting threads ask again (in that order, under the lock their
+/// `acquire` is sent under, so the agent never sees an acquire before the release it follows).
+fn give_back(session: &Session) {
     let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
-    local.asked = false;
-    drop(local);
     if !send(session, "release") {
+        drop(local);
         lose(session);
+        return;
     }
+    local.asked = false;
+    session.granted.notify_all();
 }
 
 /// Releases if nothing was launched since `seen` and the queued work is done; keeps holding
 /// (returns false) when a launch comes in meanwhile.
 fn release_if_idle(session: &Session, seen: u64) -> bool {
+    let waiting = || {
+        session
+            .local
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .waiting
+            > 0
+    };
+    if waiting() {
+        return false;
+    }
     drain(session);
     let started = Instant::now();
     while started.elapsed() < IDLE_GRACE {
@@ -325,12 +352,7 @@ fn release_if_idle(session: &Session, seen: u64) -> bool {
     {
         return false;
     }
-    let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
-    local.asked = false;
-    drop(local);
-    if !send(session, "release") {
-        lose(session);
-    }
+    give_back(session);
     true
 }
 

@@ -384,10 +384,16 @@ impl Driver {
     }
 }
 
+/// Waits for the device to reach `end`: sleeps most of the way, then yields the last stretch,
+/// so a synchronising host wakes when the work ends, as with a real GPU, not a timer slack later.
 fn wait_until(end: u64) {
+    const SPIN: u64 = 100_000;
     let now = now_ns();
-    if end > now {
-        std::thread::sleep(Duration::from_nanos(end - now));
+    if end > now + SPIN {
+        std::thread::sleep(Duration::from_nanos(end - now - SPIN));
+    }
+    while now_ns() < end {
+        std::thread::yield_now();
     }
 }
 
