@@ -449,7 +449,7 @@ impl Bench {
         let mut best = (0.0f64, 0.0f64);
         for _ in 0..rounds {
             for (slot, slice) in ["overhead-plain", "overhead-arbitrated"].iter().enumerate() {
-                let args = ["--kernel-us", "0", "--launches", "2000000"].map(String::from);
+                let args = ["--kernel-us", "0", "--launches", "1000000"].map(String::from);
                 let out = self
                     .worker(slice, &args)?
                     .wait_with_output()
@@ -895,7 +895,7 @@ pub fn run_all(
         );
     }
     let overhead = if overhead {
-        Some(bench.overhead(3)?)
+        Some(bench.overhead(5)?)
     } else {
         None
     };

@@ -49,7 +49,7 @@ static CAPTURING: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
 const POLL: Duration = Duration::from_micros(200);
 /// After its queued work has finished, a holder keeps the GPU this long for its next launch
 /// (a training loop's host-side gap between steps) before giving it up.
-const IDLE_GRACE: Duration = Duration::from_micros(500);
+const IDLE_GRACE: Duration = Duration::from_micros(200);
 
 enum Arbitration {
     /// Not on a software slice, or the agent is unreachable: launches go through.
@@ -382,7 +382,8 @@ fn run_monitor(mut socket: UnixStream) {
                     session.granted.notify_all();
                     seen = GATE.load(Ordering::SeqCst) >> 21;
                 }
-                "\"yield\"" => release(session),
+                // A yield that crossed an idle release on the way is stale.
+                "\"yield\"" if GATE.load(Ordering::SeqCst) & HOLD != 0 => release(session),
                 _ => {}
             },
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
