@@ -74,9 +74,6 @@ impl Hub {
                 Order::Grant(c) => (c, Message::Grant),
                 Order::Yield(c) => (c, Message::Yield),
             };
-            if std::env::var_os("GPUSLICE_COMPUTE_DEBUG").is_some() {
-                eprintln!("compute order {client}: {message:?}");
-            }
             if let Some(conn) = self.connections.get(&client) {
                 send(&conn.stream, &message);
             }
@@ -230,9 +227,6 @@ impl Compute {
         let mut line = String::new();
         while reader.read_line(&mut line).unwrap_or(0) > 0 {
             let message = serde_json::from_str::<Message>(line.trim());
-            if std::env::var_os("GPUSLICE_COMPUTE_DEBUG").is_some() {
-                eprintln!("compute {id} {slice}: {line:?} -> {message:?}");
-            }
             line.clear();
             let now = now_ns();
             let mut hub = self.lock();

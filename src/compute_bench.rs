@@ -46,6 +46,10 @@ pub enum Work {
     Bursty { busy_ms: u64, idle_ms: u64 },
     /// Like busy, ten kernels per CUDA graph launch.
     Graph,
+    /// Like busy, with cooperative launches.
+    Cooperative,
+    /// Like busy, with `cuLaunchKernelEx`.
+    LaunchEx,
 }
 
 #[derive(Clone, Debug)]
@@ -240,22 +244,29 @@ pub struct Bench {
     claims: Arc<Claims>,
 }
 
-fn next_to_exe(names: &[&str], what: &'static str) -> Result<PathBuf, ComputeBenchError> {
-    let exe = std::env::current_exe().unwrap_or_default();
+fn next_to(exe: &Path, names: &[&str], what: &'static str) -> Result<PathBuf, ComputeBenchError> {
     let dir = exe.parent().unwrap_or(Path::new(".")).to_path_buf();
+    // Cargo leaves a copy in both places; the newer is the one just built.
     names
         .iter()
         .flat_map(|n| [dir.join(n), dir.join("deps").join(n)])
-        .find(|p| p.exists())
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p)
         .ok_or_else(|| ComputeBenchError::Missing(what, exe.display().to_string()))
 }
 
 impl Bench {
-    pub fn new() -> Result<Bench, ComputeBenchError> {
-        let cuda = next_to_exe(&["libcuda.so"], "the CUDA driver emulator (libcuda.so)")?;
-        let shim = next_to_exe(&["libgpuslice.so"], "the shim (libgpuslice.so)")?;
-        let exe = std::env::current_exe()
-            .map_err(|e| ComputeBenchError::Missing("gpuslice", e.to_string()))?;
+    /// The bench for these scenarios, run by the `gpuslice` binary `exe` (whose workers it
+    /// spawns; the shim and the CUDA emulator are found next to it).
+    pub fn new(exe: &Path, scenarios: &[Scenario]) -> Result<Bench, ComputeBenchError> {
+        let cuda = next_to(
+            exe,
+            &["libcuda.so"],
+            "the CUDA driver emulator (libcuda.so)",
+        )?;
+        let shim = next_to(exe, &["libgpuslice.so"], "the shim (libgpuslice.so)")?;
+        let exe = exe.to_path_buf();
         let dir = tempfile::tempdir().map_err(|e| setup("a temporary folder", e))?;
         let root = dir.path().to_path_buf();
         let lib = root.join("lib");
@@ -268,7 +279,7 @@ impl Bench {
         let seeded = Machine::from_inventory(&node).map_err(|e| setup(&machine, e))?;
         Store::create(&machine, &seeded).map_err(|e| setup(&machine, e))?;
         let state = root.join("state");
-        let mut configs: Vec<SliceConfig> = scenarios()
+        let mut configs: Vec<SliceConfig> = scenarios
             .iter()
             .enumerate()
             .flat_map(|(i, s)| {
@@ -305,7 +316,8 @@ impl Bench {
         })
     }
 
-    fn worker(&self, slice: &str, args: &[String]) -> Result<Child, ComputeBenchError> {
+    /// Starts a worker process on `slice` under the shim.
+    pub fn worker(&self, slice: &str, args: &[String]) -> Result<Child, ComputeBenchError> {
         Command::new(&self.exe)
             .args(["bench", "compute-worker"])
             .args(args)
@@ -322,13 +334,8 @@ impl Bench {
             .map_err(|e| ComputeBenchError::Worker(slice.to_string(), e.to_string()))
     }
 
-    /// Runs one scenario for `seconds` (the first second is the warm-up window).
-    pub fn run(
-        &self,
-        index: usize,
-        scenario: &Scenario,
-        seconds: u64,
-    ) -> Result<ScenarioResult, ComputeBenchError> {
+    /// Gives the arbiter the scenario's slices and shares.
+    pub fn activate(&self, index: usize, scenario: &Scenario) {
         let slices: BTreeMap<String, Share> = scenario
             .slices
             .iter()
@@ -341,6 +348,16 @@ impl Bench {
                 slices,
             },
         )]));
+    }
+
+    /// Runs one scenario for `seconds` (the first second is the warm-up window).
+    pub fn run(
+        &self,
+        index: usize,
+        scenario: &Scenario,
+        seconds: u64,
+    ) -> Result<ScenarioResult, ComputeBenchError> {
+        self.activate(index, scenario);
         let switches_before = self
             .claims
             .compute()
@@ -367,6 +384,8 @@ impl Bench {
                     idle_ms.to_string(),
                 ]),
                 Work::Graph => args.extend(["--graph".to_string(), "10".to_string()]),
+                Work::Cooperative => args.push("--cooperative".to_string()),
+                Work::LaunchEx => args.push("--ex".to_string()),
             }
             for _ in 0..slice.processes {
                 children.push((id.clone(), self.worker(&id, &args)?));
@@ -428,7 +447,8 @@ impl Bench {
         })
     }
 
-    fn intervals(&self) -> Result<Vec<Interval>, ComputeBenchError> {
+    /// Every kernel the emulated GPU ran.
+    pub fn intervals(&self) -> Result<Vec<Interval>, ComputeBenchError> {
         let path = timeline_path(&self.machine, device_key(0, None));
         Ok(Timeline::open(&path)
             .map_err(|e| setup(&path, e))?
@@ -475,7 +495,8 @@ fn setup(path: impl AsRef<Path>, e: impl std::fmt::Display) -> ComputeBenchError
     }
 }
 
-fn slice_id(scenario: usize, name: &str) -> String {
+/// The id of a scenario's slice.
+pub fn slice_id(scenario: usize, name: &str) -> String {
     format!("c{scenario}-{name}")
 }
 
@@ -880,9 +901,12 @@ pub fn run_all(
     only: &[String],
     overhead: bool,
 ) -> Result<(String, bool), ComputeBenchError> {
-    let bench = Bench::new()?;
+    let exe = std::env::current_exe()
+        .map_err(|e| ComputeBenchError::Missing("gpuslice", e.to_string()))?;
+    let all = scenarios();
+    let bench = Bench::new(&exe, &all)?;
     let mut results = Vec::new();
-    for (i, scenario) in scenarios().iter().enumerate() {
+    for (i, scenario) in all.iter().enumerate() {
         if !only.is_empty() && !only.iter().any(|o| scenario.name.contains(o.as_str())) {
             continue;
         }

@@ -37,9 +37,12 @@ pub enum RunError {
 pub fn shim_library() -> Result<PathBuf, RunError> {
     let exe = std::env::current_exe().unwrap_or_default();
     let dir = exe.parent().unwrap_or(Path::new("."));
+    // Cargo leaves a copy in both places; the newer is the one just built.
     [dir.join("libgpuslice.so"), dir.join("deps/libgpuslice.so")]
         .into_iter()
-        .find(|p| p.exists())
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max()
+        .map(|(_, p)| p)
         .ok_or_else(|| RunError::NoShim(exe.display().to_string()))
 }
 
