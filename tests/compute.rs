@@ -135,3 +135,31 @@ fn a_process_killed_while_holding_the_gpu_does_not_stall_the_others() {
         "after the holder was killed the other slice had {share:.1} % of the GPU"
     );
 }
+
+/// The benchmark as a person runs it (one short scenario): it prints its table, one row per
+/// slice, with a verdict on each.
+#[test]
+fn the_benchmark_prints_target_and_achieved_share_per_slice() {
+    let out = std::process::Command::new(exe())
+        .args(["bench", "compute", "--scenario", "4 x 25", "--seconds", "2"])
+        .arg("--no-overhead")
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| l.ends_with("PASS") || l.ends_with("FAIL"))
+        .collect();
+    assert_eq!(
+        rows.len(),
+        4,
+        "a row per slice:\n{table}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(rows[0].starts_with("4 x 25"), "{table}");
+    // The exit status is the verdict.
+    assert_eq!(
+        out.status.success(),
+        rows.iter().all(|r| r.ends_with("PASS"))
+    );
+}
