@@ -113,11 +113,14 @@ fn sixteen_processes_share_one_cap_and_the_killed_ones_give_their_memory_back() 
             assert_eq!(values(&out)["failures"], 0, "process {i}");
         }
     }
-    assert!(
-        setup.ledger().used(0) > 0,
-        "the killed processes died holding memory"
-    );
+    // The killed processes died holding at least their contexts; a survivor whose charge did
+    // not fit may already have reclaimed them (whoever notices does), so what is left is theirs
+    // at most, and after a reclaim nothing is.
     let ledger = setup.ledger();
+    assert!(
+        ledger.used(0) <= 4 * (context + 256 * MIB),
+        "only the killed processes' memory is left"
+    );
     ledger.reclaim(alive);
     assert_eq!(ledger.used(0), 0, "every byte accounted for");
 }
