@@ -28,6 +28,9 @@ pub enum Message {
     Release,
     Grant,
     Yield,
+    /// Sent to the holder when another process waits: only then is an idle holder's GPU worth
+    /// handing on, so only then does the shim watch for idleness.
+    Contended,
 }
 
 /// The agent's answer to a slice's name.
@@ -61,6 +64,8 @@ struct Hub {
     slice_gpu: BTreeMap<String, u32>,
     connections: HashMap<ClientId, Connection>,
     next: ClientId,
+    /// GPU → the holder last told it is contended.
+    told: HashMap<u32, ClientId>,
 }
 
 impl Hub {
@@ -71,11 +76,24 @@ impl Hub {
         };
         for order in arbiter.step(now) {
             let (client, message) = match order {
-                Order::Grant(c) => (c, Message::Grant),
+                Order::Grant(c) => {
+                    // A new grant: the shim forgets it was contended, so tell it again.
+                    self.told.remove(&gpu);
+                    (c, Message::Grant)
+                }
                 Order::Yield(c) => (c, Message::Yield),
             };
             if let Some(conn) = self.connections.get(&client) {
                 send(&conn.stream, &message);
+            }
+        }
+        if let Some(holder) = arbiter.holder()
+            && arbiter.has_waiters(holder)
+            && self.told.get(&gpu) != Some(&holder)
+        {
+            self.told.insert(gpu, holder);
+            if let Some(conn) = self.connections.get(&holder) {
+                send(&conn.stream, &Message::Contended);
             }
         }
     }

@@ -350,6 +350,13 @@ impl Arbiter {
         self.switches
     }
 
+    /// Whether any client other than `except` waits for the GPU.
+    pub fn has_waiters(&self, except: ClientId) -> bool {
+        self.clients
+            .iter()
+            .any(|(id, c)| *id != except && c.waiting_since.is_some())
+    }
+
     /// The client holding the GPU.
     pub fn holder(&self) -> Option<ClientId> {
         self.holder.map(|h| h.client)

@@ -38,6 +38,8 @@ const IN_FLIGHT: u64 = (1 << 20) - 1;
 const HOLD: u64 = 1 << 20;
 const ONE_LAUNCH: u64 = (1 << 21) | 1;
 
+/// Another process waits for the GPU (told by the agent): an idle holder then hands it on.
+static CONTENDED: AtomicBool = AtomicBool::new(false);
 /// Set in a forked child, which has no monitor thread: it is not governed.
 static FORKED: AtomicBool = AtomicBool::new(false);
 /// Streams being captured into graphs: their launches queue nothing, and no context may be
@@ -369,14 +371,21 @@ fn run_monitor(mut socket: UnixStream) {
     let mut seen = GATE.load(Ordering::SeqCst) >> 21;
     loop {
         let holding = GATE.load(Ordering::SeqCst) & HOLD != 0;
-        let _ = socket.set_read_timeout(Some(if holding {
+        // Idleness matters only when someone waits; otherwise the monitor sleeps.
+        let watching = holding && CONTENDED.load(Ordering::SeqCst);
+        let _ = socket.set_read_timeout(Some(if watching {
             POLL
         } else {
             Duration::from_secs(3600)
         }));
         match read_line(&mut socket, &mut buffer) {
             Ok(line) => match line.trim() {
+                "\"contended\"" => {
+                    CONTENDED.store(true, Ordering::SeqCst);
+                    seen = GATE.load(Ordering::SeqCst) >> 21;
+                }
                 "\"grant\"" => {
+                    CONTENDED.store(false, Ordering::SeqCst);
                     let _local = session.local.lock().unwrap_or_else(|p| p.into_inner());
                     GATE.fetch_or(HOLD, Ordering::SeqCst);
                     session.granted.notify_all();
@@ -388,7 +397,7 @@ fn run_monitor(mut socket: UnixStream) {
             },
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                 let now = GATE.load(Ordering::SeqCst) >> 21;
-                if holding && now == seen {
+                if watching && now == seen {
                     release_if_idle(session, now);
                 }
                 seen = GATE.load(Ordering::SeqCst) >> 21;
