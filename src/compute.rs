@@ -27,6 +27,9 @@ pub enum Message {
     Acquire,
     Release,
     Grant,
+    /// A grant to an uncapped slice nobody else wants: launches need no accounting until the
+    /// agent says `contended` (or `yield`).
+    Free,
     Yield,
     /// Sent to the holder when another process waits: only then is an idle holder's GPU worth
     /// handing on, so only then does the shim watch for idleness.
@@ -79,7 +82,11 @@ impl Hub {
                 Order::Grant(c) => {
                     // A new grant: the shim forgets it was contended, so tell it again.
                     self.told.remove(&gpu);
-                    (c, Message::Grant)
+                    if arbiter.limit_of(c) == Some(100) && !arbiter.has_waiters(c) {
+                        (c, Message::Free)
+                    } else {
+                        (c, Message::Grant)
+                    }
                 }
                 Order::Yield(c) => (c, Message::Yield),
             };

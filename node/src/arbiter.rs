@@ -350,6 +350,12 @@ impl Arbiter {
         self.switches
     }
 
+    /// The cap of a client's slice (%).
+    pub fn limit_of(&self, client: ClientId) -> Option<u32> {
+        let slice = &self.clients.get(&client)?.slice;
+        Some(self.slices.get(slice)?.share.limit)
+    }
+
     /// Whether any client other than `except` waits for the GPU.
     pub fn has_waiters(&self, except: ClientId) -> bool {
         self.clients

@@ -40,6 +40,10 @@ const ONE_LAUNCH: u64 = (1 << 21) | 1;
 
 /// Another process waits for the GPU (told by the agent): an idle holder then hands it on.
 static CONTENDED: AtomicBool = AtomicBool::new(false);
+/// The grant is free (no cap, nobody waiting): launches skip the gate's accounting.
+static FREE: AtomicBool = AtomicBool::new(false);
+/// How long launches that saw [`FREE`] may still be on their way into the driver.
+const FREE_GRACE: Duration = Duration::from_micros(200);
 /// Set in a forked child, which has no monitor thread: it is not governed.
 static FORKED: AtomicBool = AtomicBool::new(false);
 /// Streams being captured into graphs: their launches queue nothing, and no context may be
@@ -179,6 +183,9 @@ pub fn gate(stream: Handle, launch: impl FnOnce() -> c_int) -> c_int {
         Arbitration::Refused => return NOT_PERMITTED,
         Arbitration::On(s) => s,
     };
+    if FREE.load(Ordering::Relaxed) {
+        return launch();
+    }
     if FORKED.load(Ordering::Relaxed) || session.lost.load(Ordering::Relaxed) || captured(stream) {
         return launch();
     }
@@ -299,8 +306,16 @@ fn drain(session: &Session) {
     }
 }
 
+/// Back to counted launches: launches that saw the free grant get a moment to reach the driver.
+fn leave_free() {
+    if FREE.swap(false, Ordering::SeqCst) {
+        std::thread::sleep(FREE_GRACE);
+    }
+}
+
 /// Stops new launches, waits for those in flight and the queued work, and releases the GPU.
 fn release(session: &Session) {
+    leave_free();
     GATE.fetch_and(!HOLD, Ordering::SeqCst);
     while GATE.load(Ordering::SeqCst) & IN_FLIGHT != 0 {
         std::hint::spin_loop();
@@ -381,12 +396,14 @@ fn run_monitor(mut socket: UnixStream) {
         match read_line(&mut socket, &mut buffer) {
             Ok(line) => match line.trim() {
                 "\"contended\"" => {
+                    leave_free();
                     CONTENDED.store(true, Ordering::SeqCst);
                     seen = GATE.load(Ordering::SeqCst) >> 21;
                 }
-                "\"grant\"" => {
+                message @ ("\"grant\"" | "\"free\"") => {
                     CONTENDED.store(false, Ordering::SeqCst);
                     let _local = session.local.lock().unwrap_or_else(|p| p.into_inner());
+                    FREE.store(message == "\"free\"", Ordering::SeqCst);
                     GATE.fetch_or(HOLD, Ordering::SeqCst);
                     session.granted.notify_all();
                     seen = GATE.load(Ordering::SeqCst) >> 21;
