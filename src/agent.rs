@@ -281,7 +281,7 @@ fn time_slices(pass: &Pass, pools: &[gpuslice_api::GpuPool]) -> BTreeMap<u32, Du
 
 /// The socket `gpuslice run` talks to: `<state>/agent.sock`, open to every local user (the
 /// agent tells callers apart by their credentials).
-fn serve_claims(claims: &Arc<Claims>, state: &Path) -> Result<(), AgentError> {
+pub(crate) fn serve_claims(claims: &Arc<Claims>, state: &Path) -> Result<(), AgentError> {
     use std::os::unix::fs::PermissionsExt as _;
     let path = state.join("agent.sock");
     let setup = |e: std::io::Error| AgentError::Setup(format!("{}: {e}", path.display()));

@@ -31,6 +31,8 @@ pub enum InClusterError {
     Node(#[from] gpuslice_node::AgentError),
     #[error(transparent)]
     Nvml(#[from] gpuslice_node::NvmlError),
+    #[error("{0}")]
+    Socket(String),
 }
 
 /// What one pass decided for each GPU the spec names: its desired layout, or why there is none.
@@ -218,6 +220,10 @@ pub async fn run(
     );
     futures::pin_mut!(changes);
     let mut blocked_since: Option<std::time::Instant> = None;
+    // Compute arbitration for the shims of this node's workloads, on the agent's socket.
+    let claims = std::sync::Arc::new(crate::claims::Claims::default());
+    crate::agent::serve_claims(&claims, state)
+        .map_err(|e| InClusterError::Socket(e.to_string()))?;
     loop {
         let started = std::time::Instant::now();
         let current = api.get(node).await.map_err(kube_err)?;
@@ -225,6 +231,18 @@ pub async fn run(
         let (desired, problems) = desired_from_spec(&inventory, &current.spec);
         let outcomes = gpuslice_node::converge(gpus, node, state, &desired, &[], true)?;
         let after = gpuslice_node::read_node(gpus, node, state, &[])?;
+        let time_slices = current
+            .spec
+            .gpus
+            .iter()
+            .filter_map(|g| Some((g.index, std::time::Duration::from(g.time_slice?))))
+            .collect();
+        claims.compute().set(&crate::compute::shares(
+            &crate::claims::slices_in(state),
+            &[],
+            &std::collections::BTreeMap::new(),
+            &time_slices,
+        ));
         metrics.passes.inc();
         metrics
             .errors

@@ -512,6 +512,20 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     );
     assert!(http_get(agent_port, "/healthz").0.contains("200"));
     assert!(http_get(operator_port, "/healthz").0.contains("200"));
+    // The in-cluster agent serves the node's socket for the shims' compute arbitration; the
+    // night layout is one MIG instance per GPU, which has no compute share to arbitrate.
+    {
+        use std::io::{BufRead as _, BufReader, Write as _};
+        let mut socket =
+            std::os::unix::net::UnixStream::connect(dir.path().join("gpu-a").join("agent.sock"))
+                .unwrap();
+        socket
+            .write_all(b"{\"compute\":{\"slice\":\"gpu0-mig0-7g.141gb\"}}\n")
+            .unwrap();
+        let mut answer = String::new();
+        BufReader::new(socket).read_line(&mut answer).unwrap();
+        assert!(answer.contains("has no compute share"), "{answer}");
+    }
 
     let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
     let node = gpu_nodes.get("gpu-a").await.unwrap();
