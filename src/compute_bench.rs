@@ -656,6 +656,18 @@ pub mod worker {
         graph_launch: unsafe extern "C" fn(Handle, Handle) -> c_int,
     }
 
+    impl Driver {
+        /// One single-thread-block launch of `function` on `stream`.
+        ///
+        /// # Safety
+        /// `function` and `stream` are this process's, from the driver.
+        unsafe fn launch_one(&self, function: Handle, stream: Handle) -> c_int {
+            let none = std::ptr::null_mut();
+            // SAFETY: the caller's function and stream; no parameters.
+            unsafe { (self.launch)(function, 1, 1, 1, 1, 1, 1, 0, stream, none, none) }
+        }
+    }
+
     fn check(what: &str, rc: c_int) -> Result<(), String> {
         if rc == 0 {
             Ok(())
@@ -771,22 +783,7 @@ pub mod worker {
                             ),
                         )
                     }
-                    None => check(
-                        "cuLaunchKernel",
-                        (driver.launch)(
-                            function,
-                            1,
-                            1,
-                            1,
-                            1,
-                            1,
-                            1,
-                            0,
-                            stream,
-                            std::ptr::null_mut(),
-                            std::ptr::null_mut(),
-                        ),
-                    ),
+                    None => check("cuLaunchKernel", driver.launch_one(function, stream)),
                 }
             }
         };
@@ -867,19 +864,7 @@ pub mod worker {
             for _ in 0..n {
                 check(
                     "cuLaunchKernel (captured)",
-                    (driver.launch)(
-                        function,
-                        1,
-                        1,
-                        1,
-                        1,
-                        1,
-                        1,
-                        0,
-                        stream,
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                    ),
+                    driver.launch_one(function, stream),
                 )?;
             }
             check(
