@@ -207,7 +207,7 @@ pub fn render(results: &[TraceResult], seeds: u64) -> (String, bool) {
     }
     let _ = writeln!(
         out,
-        "PASS: ours below FGD at 100% (and ≤ 4.0% on default), one replay to 130% under 5 s"
+        "result: PASS when ours is below FGD at 100% (and ≤ 4.0% on default) and one replay to 130% takes under 5 s"
     );
     (out, all_ok)
 }

@@ -172,16 +172,22 @@ impl Policy for Fgd {
 }
 
 /// Ours: fragmentation growth against the mix of *recent arrivals* (it needs no trace in
-/// advance and follows a workload that drifts), with CPU and memory stranding counted — GPUs on a
-/// node whose CPU or memory the placement would exhaust are as lost as fragments; GPU-less tasks
-/// go where the fewest idle GPUs are at stake; and among whole-GPU placements that fragment
-/// equally, the one that leaves the node fullest, so idle nodes stay whole for multi-GPU tasks.
+/// advance and follows a workload that drifts), plus the growth of the node's *CPU and memory
+/// shortfall*: the idle GPU capacity that the node's free CPU or memory cannot feed at the rate
+/// the expected GPU tasks bring them (CPU and memory per GPU thousandth, learned from the same
+/// mix). Those GPUs are as lost as fragments, only later, so both count in GPU thousandths. A
+/// GPU-less task also goes where the fewest idle GPUs are at stake; among whole-GPU placements
+/// that cost the same, the one that leaves the node fullest, so idle nodes stay whole for
+/// multi-GPU tasks.
 pub struct Mix {
     window: VecDeque<Request>,
     capacity: usize,
     mix: Vec<Typical>,
     arrivals_since_refresh: usize,
     cache: HashMap<Node, f64>,
+    /// CPU milli and memory MiB the expected GPU tasks bring per GPU thousandth.
+    cpu_per_milli: f64,
+    memory_per_milli: f64,
 }
 
 impl Mix {
@@ -193,13 +199,56 @@ impl Mix {
             mix: Vec::new(),
             arrivals_since_refresh: 0,
             cache: HashMap::new(),
+            cpu_per_milli: 0.0,
+            memory_per_milli: 0.0,
         }
     }
 
     fn refresh(&mut self) {
         self.mix = mix_of(self.window.iter());
+        let gpu: f64 = self
+            .mix
+            .iter()
+            .map(|t| t.weight * t.request.gpu_milli() as f64)
+            .sum();
+        if gpu > 0.0 {
+            let per_milli = |of: fn(&Request) -> u64| {
+                self.mix
+                    .iter()
+                    .map(|t| t.weight * of(&t.request) as f64)
+                    .sum::<f64>()
+                    / gpu
+            };
+            self.cpu_per_milli = per_milli(|r| r.cpu_milli);
+            self.memory_per_milli = per_milli(|r| r.memory_mib);
+        }
         self.cache.clear();
         self.arrivals_since_refresh = 0;
+    }
+}
+
+impl Mix {
+    /// Idle GPU thousandths on `node` beyond what its free CPU and memory can feed at the rates
+    /// the expected GPU tasks need them.
+    fn shortfall(&self, node: &Node) -> f64 {
+        let idle: f64 = node
+            .gpus
+            .iter()
+            .map(|g| match g {
+                Gpu::Shared { free } => f64::from(*free),
+                Gpu::Mig { .. } => 0.0,
+            })
+            .sum();
+        let fed = |free: u64, per_milli: f64| {
+            if per_milli > 0.0 {
+                free as f64 / per_milli
+            } else {
+                f64::INFINITY
+            }
+        };
+        let feedable = fed(node.cpu_free, self.cpu_per_milli)
+            .min(fed(node.memory_free, self.memory_per_milli));
+        (idle - feedable).max(0.0)
     }
 }
 
@@ -240,7 +289,9 @@ impl Policy for Mix {
         };
         self.mix = mix;
         let next = after(node, request, choice);
-        let stranded = if next
+        let shortfall_growth = self.shortfall(&next) - self.shortfall(node);
+        // The last CPU or memory of a node with idle GPUs: those GPUs are lost for certain.
+        let exhausted = if next
             .gpus
             .iter()
             .any(|g| matches!(g, Gpu::Shared { free } if *free > 0))
@@ -259,7 +310,7 @@ impl Policy for Mix {
             GpuAsk::None => node.gpu_free() as f64 * 0.1,
             _ => left_after(node, request) * 1e-3,
         };
-        -(grow + stranded) - nudge
+        -(grow + shortfall_growth + exhausted) - nudge
     }
 }
 

@@ -27,6 +27,35 @@ fn a_share_goes_where_it_fragments_least() {
 }
 
 #[test]
+fn a_cpu_task_leaves_the_cpu_that_idle_gpus_will_need() {
+    // GPU tasks arrive with 11 cores per GPU. Node 0 (2 idle GPUs, 30 cores) can feed both
+    // GPUs only while it keeps 22 cores; node 1 has 64. A 10-core task without GPUs fits on
+    // either, and node 0 would still take one more GPU task: only the second GPU is at stake.
+    let gpu_task = Request {
+        cpu_milli: 11000,
+        memory_mib: 1024,
+        gpu: GpuAsk::Whole(1),
+        models: Vec::new(),
+    };
+    let cpu_task = Request {
+        cpu_milli: 10000,
+        memory_mib: 1024,
+        gpu: GpuAsk::None,
+        models: Vec::new(),
+    };
+    let cluster = Cluster::new(vec![
+        Node::empty("tight", "T4", 30000, 65536, 2),
+        Node::empty("roomy", "T4", 64000, 65536, 2),
+    ]);
+    let mut ours = Mix::default();
+    for _ in 0..20 {
+        ours.observe(&gpu_task);
+    }
+    ours.observe(&cpu_task);
+    assert_eq!(cluster.choose(&cpu_task, &mut ours).unwrap().node, 1);
+}
+
+#[test]
 fn nothing_fits_says_why() {
     let cluster = Cluster::new(vec![Node::empty("a", "T4", 4000, 1024, 1)]);
     let mut policy = BestFit;
