@@ -24,6 +24,20 @@ pub const TOLERANCE: f64 = 3.0;
 pub const KERNEL_US: u64 = 500;
 /// Launch throughput with arbitration must be at least this fraction of the shim's without.
 pub const OVERHEAD_TARGET: f64 = 0.99;
+/// On a real GPU, workers start their clocks this long after they are spawned (context
+/// creation and the PTX's compilation take a while).
+const REAL_GPU_LEAD_NS: u64 = 5_000_000_000;
+/// The slices of the overhead measurement: the shim without arbitration, and with it.
+const PLAIN: &str = "overhead-plain";
+const ARBITRATED: &str = "overhead-arbitrated";
+/// Jobs of the sharing-versus-queueing comparison.
+const JOBS: usize = 4;
+/// Kernels per job: one second of GPU time each.
+const JOB_KERNELS: u64 = 1_000_000 / KERNEL_US;
+
+fn job_slice(job: usize) -> String {
+    format!("job-{job}")
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ComputeBenchError {
@@ -219,6 +233,10 @@ pub struct ScenarioResult {
     pub slices: Vec<SliceResult>,
     pub switches_per_s: f64,
     pub kernels_per_s: f64,
+    /// When the first window began (CLOCK_MONOTONIC ns).
+    pub start_ns: u64,
+    /// Each worker's report, with its slice's id.
+    pub reports: Vec<(String, Report)>,
 }
 
 impl ScenarioResult {
@@ -233,15 +251,57 @@ impl ScenarioResult {
     }
 }
 
-/// The emulated machine, the slices' directories and the agent's socket, for every scenario.
+/// The GPU the workers run on.
+#[derive(Clone, Debug)]
+pub enum Gpu {
+    /// The CUDA emulator: its library folder and machine state. Shares come from its timeline.
+    Emulated { lib: PathBuf, machine: PathBuf },
+    /// GPU 0 of this machine, through the real driver: the busy loop's iterations per kernel
+    /// and the time one takes alone. Shares come from each process's completed kernels.
+    Real { iterations: u64, kernel_ns: u64 },
+}
+
+/// The GPU, the slices' directories and the agent's socket, for every scenario.
 pub struct Bench {
     _dir: tempfile::TempDir,
-    root: PathBuf,
-    machine: PathBuf,
+    gpu: Gpu,
     state: PathBuf,
     shim: PathBuf,
     exe: PathBuf,
     claims: Arc<Claims>,
+}
+
+/// One worker's report of a timed run.
+#[derive(Clone, Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    pub pid: u32,
+    pub kernels: u64,
+    #[serde(default)]
+    pub per_step: u64,
+    #[serde(default)]
+    pub start_ns: u64,
+    #[serde(default)]
+    pub end_ns: u64,
+    /// When each step finished (CLOCK_MONOTONIC ns).
+    #[serde(default)]
+    pub done: Vec<u64>,
+}
+
+impl Report {
+    /// The GPU time of its steps as intervals ending when each finished, `kernel_ns` per
+    /// kernel: how a real GPU's shares are measured (it keeps no timeline of its own).
+    pub fn intervals(&self, kernel_ns: u64) -> Vec<Interval> {
+        let step = kernel_ns * self.per_step.max(1);
+        self.done
+            .iter()
+            .map(|&end| Interval {
+                pid: self.pid,
+                start: end.saturating_sub(step),
+                end,
+            })
+            .collect()
+    }
 }
 
 fn next_to(exe: &Path, names: &[&str], what: &'static str) -> Result<PathBuf, ComputeBenchError> {
@@ -265,8 +325,6 @@ impl Bench {
             &["libcuda.so"],
             "the CUDA driver emulator (libcuda.so)",
         )?;
-        let shim = next_to(exe, &["libgpuslice.so"], "the shim (libgpuslice.so)")?;
-        let exe = exe.to_path_buf();
         let dir = tempfile::tempdir().map_err(|e| setup("a temporary folder", e))?;
         let root = dir.path().to_path_buf();
         let lib = root.join("lib");
@@ -278,7 +336,45 @@ impl Bench {
         let machine = root.join("machine.json");
         let seeded = Machine::from_inventory(&node).map_err(|e| setup(&machine, e))?;
         Store::create(&machine, &seeded).map_err(|e| setup(&machine, e))?;
-        let state = root.join("state");
+        Bench::serve(dir, Gpu::Emulated { lib, machine }, exe, scenarios)
+    }
+
+    /// The bench on this machine's GPU 0 through the real CUDA driver: finds the busy loop's
+    /// iterations for a kernel of `KERNEL_US` first. Nothing on the GPU is reconfigured.
+    pub fn real(exe: &Path, scenarios: &[Scenario]) -> Result<Bench, ComputeBenchError> {
+        let dir = tempfile::tempdir().map_err(|e| setup("a temporary folder", e))?;
+        let gpu = Gpu::Real {
+            iterations: 0,
+            kernel_ns: 0,
+        };
+        let mut bench = Bench::serve(dir, gpu, exe, scenarios)?;
+        let args = ["--kernel-us", &KERNEL_US.to_string(), "--calibrate"].map(String::from);
+        let calibrated = bench.report(PLAIN, &args)?;
+        let field = |name: &str| calibrated[name].as_u64().filter(|v| *v > 0);
+        match (field("iterations"), field("kernelNs")) {
+            (Some(iterations), Some(kernel_ns)) => {
+                bench.gpu = Gpu::Real {
+                    iterations,
+                    kernel_ns,
+                };
+                Ok(bench)
+            }
+            _ => Err(ComputeBenchError::Worker(
+                PLAIN.to_string(),
+                format!("calibration reported {calibrated}"),
+            )),
+        }
+    }
+
+    /// Writes every slice's config and serves the agent's socket.
+    fn serve(
+        dir: tempfile::TempDir,
+        gpu: Gpu,
+        exe: &Path,
+        scenarios: &[Scenario],
+    ) -> Result<Bench, ComputeBenchError> {
+        let shim = next_to(exe, &["libgpuslice.so"], "the shim (libgpuslice.so)")?;
+        let state = dir.path().join("state");
         let mut configs: Vec<SliceConfig> = scenarios
             .iter()
             .enumerate()
@@ -288,15 +384,12 @@ impl Bench {
                     .map(move |slice| software(&slice_id(i, slice.name), slice.share.weight))
             })
             .collect();
-        for (id, kind) in [
-            ("overhead-plain", SliceKind::Exclusive),
-            ("overhead-arbitrated", SliceKind::Software),
-        ] {
-            configs.push(SliceConfig {
-                kind,
-                ..software(id, 100)
-            });
-        }
+        configs.push(SliceConfig {
+            kind: SliceKind::Exclusive,
+            ..software(PLAIN, 100)
+        });
+        configs.push(software(ARBITRATED, 100));
+        configs.extend((0..JOBS).map(|j| software(&job_slice(j), 100)));
         gpuslice_node::slices::sync_dirs(&state, &configs).map_err(|e| setup(&state, e))?;
         let socket = state.join("agent.sock");
         let listener =
@@ -307,31 +400,58 @@ impl Bench {
         std::thread::spawn(move || serving.serve(listener, served));
         Ok(Bench {
             _dir: dir,
-            root,
-            machine,
+            gpu,
             state,
             shim,
-            exe,
+            exe: exe.to_path_buf(),
             claims,
         })
     }
 
     /// Starts a worker process on `slice` under the shim.
     pub fn worker(&self, slice: &str, args: &[String]) -> Result<Child, ComputeBenchError> {
-        Command::new(&self.exe)
+        let mut command = Command::new(&self.exe);
+        command
             .args(["bench", "compute-worker"])
             .args(args)
             .env("LD_PRELOAD", &self.shim)
-            .env("LD_LIBRARY_PATH", self.root.join("lib"))
-            .env("GPUSLICE_EMULATOR_STATE", &self.machine)
             .env(
                 "GPUSLICE_SLICE_CONFIG",
                 self.state.join("slices").join(slice).join("config"),
             )
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .stdout(Stdio::piped())
+            .stdout(Stdio::piped());
+        match &self.gpu {
+            Gpu::Emulated { lib, machine } => {
+                command
+                    .env("LD_LIBRARY_PATH", lib)
+                    .env("GPUSLICE_EMULATOR_STATE", machine)
+                    .env_remove("CUDA_VISIBLE_DEVICES");
+            }
+            Gpu::Real { iterations, .. } => {
+                if !args.iter().any(|a| a == "--iterations") {
+                    command.args(["--iterations".to_string(), iterations.to_string()]);
+                }
+            }
+        }
+        command
             .spawn()
             .map_err(|e| ComputeBenchError::Worker(slice.to_string(), e.to_string()))
+    }
+
+    /// Runs a worker on `slice` to the end and returns its JSON report.
+    fn report(&self, slice: &str, args: &[String]) -> Result<serde_json::Value, ComputeBenchError> {
+        let out = self
+            .worker(slice, args)?
+            .wait_with_output()
+            .map_err(|e| ComputeBenchError::Worker(slice.to_string(), e.to_string()))?;
+        if !out.status.success() {
+            return Err(ComputeBenchError::Worker(
+                slice.to_string(),
+                format!("{}", out.status),
+            ));
+        }
+        serde_json::from_slice(&out.stdout)
+            .map_err(|e| ComputeBenchError::Worker(slice.to_string(), format!("its report: {e}")))
     }
 
     /// Gives the arbiter the scenario's slices and shares.
@@ -364,7 +484,13 @@ impl Bench {
             .usage()
             .get(&0)
             .map_or(0, |(_, switches)| *switches);
-        let start = gpuslice_emulator::timeline::now_ns();
+        // A real GPU's contexts take a while to create: every worker starts its clock at the
+        // same moment, after that.
+        let lead = match self.gpu {
+            Gpu::Emulated { .. } => 0,
+            Gpu::Real { .. } => REAL_GPU_LEAD_NS,
+        };
+        let start = gpuslice_emulator::timeline::now_ns() + lead;
         let run_for = seconds as f64 + 0.3;
         let mut children: Vec<(String, Child)> = Vec::new();
         for slice in &scenario.slices {
@@ -374,6 +500,8 @@ impl Bench {
                 KERNEL_US.to_string(),
                 "--seconds".to_string(),
                 run_for.to_string(),
+                "--start-at".to_string(),
+                start.to_string(),
             ];
             match slice.work {
                 Work::Busy => {}
@@ -392,46 +520,44 @@ impl Bench {
             }
         }
         let mut pids: BTreeMap<u32, String> = BTreeMap::new();
-        let mut kernels = 0u64;
+        let mut reports = Vec::new();
         for (id, child) in children {
-            let pid = child.id();
             let out = child
                 .wait_with_output()
                 .map_err(|e| ComputeBenchError::Worker(id.clone(), e.to_string()))?;
             if !out.status.success() {
                 return Err(ComputeBenchError::Worker(id, format!("{}", out.status)));
             }
-            let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-            kernels += report["kernels"].as_u64().unwrap_or(0);
-            pids.insert(pid, id);
+            let report: Report = serde_json::from_slice(&out.stdout)
+                .map_err(|e| ComputeBenchError::Worker(id.clone(), format!("its report: {e}")))?;
+            pids.insert(report.pid, id);
+            reports.push(report);
         }
-        let intervals = self.intervals()?;
+        let kernels: u64 = reports.iter().map(|r| r.kernels).sum();
+        let intervals = match self.gpu {
+            Gpu::Emulated { .. } => self.intervals()?,
+            Gpu::Real { kernel_ns, .. } => reports
+                .iter()
+                .flat_map(|r| r.intervals(kernel_ns))
+                .collect(),
+        };
         let usage = self.claims.compute().usage();
         let (usage, switches) = usage.get(&0).cloned().unwrap_or_default();
-        let window = 1_000_000_000u64;
         let slices = scenario
             .slices
             .iter()
             .map(|spec| {
                 let id = slice_id(index, spec.name);
-                let mine: Vec<&Interval> = intervals
+                let mine: Vec<Interval> = intervals
                     .iter()
                     .filter(|i| pids.get(&i.pid) == Some(&id))
+                    .copied()
                     .collect();
-                let share_in = |from: u64, to: u64| {
-                    let busy: u64 = mine
-                        .iter()
-                        .map(|i| i.end.min(to).saturating_sub(i.start.max(from)))
-                        .sum();
-                    busy as f64 / (to - from) as f64 * 100.0
-                };
-                let windows: Vec<f64> = (0..seconds)
-                    .map(|w| share_in(start + w * window, start + (w + 1) * window))
-                    .collect();
+                let (windows, overall) = shares(&mine, start, seconds);
                 SliceResult {
                     name: spec.name.to_string(),
                     target: spec.target,
-                    overall: share_in(start + window, start + seconds * window),
+                    overall,
                     windows,
                     max_wait_ms: usage.get(&id).map_or(0.0, |u| u.max_wait as f64 / 1e6),
                     guaranteed: spec.share.guarantee > 0,
@@ -444,15 +570,36 @@ impl Bench {
             slices,
             switches_per_s: switches.saturating_sub(switches_before) as f64 / run_for,
             kernels_per_s: kernels as f64 / run_for,
+            start_ns: start,
+            reports: reports
+                .into_iter()
+                .map(|r| (pids[&r.pid].clone(), r))
+                .collect(),
         })
     }
 
     /// Every kernel the emulated GPU ran.
     pub fn intervals(&self) -> Result<Vec<Interval>, ComputeBenchError> {
-        let path = timeline_path(&self.machine, device_key(0, None));
-        Ok(Timeline::open(&path)
-            .map_err(|e| setup(&path, e))?
-            .intervals())
+        match &self.gpu {
+            Gpu::Emulated { machine, .. } => {
+                let path = timeline_path(machine, device_key(0, None));
+                Ok(Timeline::open(&path)
+                    .map_err(|e| setup(&path, e))?
+                    .intervals())
+            }
+            Gpu::Real { .. } => Err(setup("GPU 0", "a real GPU keeps no timeline")),
+        }
+    }
+
+    /// What the table says the GPU is.
+    pub fn describe(&self) -> String {
+        match self.gpu {
+            Gpu::Emulated { .. } => format!("one emulated H200 (kernels of {KERNEL_US} µs)"),
+            Gpu::Real { kernel_ns, .. } => format!(
+                "GPU 0 through the real driver (busy-loop kernels of {:.0} µs; shares from completed kernels)",
+                kernel_ns as f64 / 1e3
+            ),
+        }
     }
 
     /// Launches per second of one process launching empty kernels, with the shim but without
@@ -463,19 +610,24 @@ impl Bench {
             0,
             GpuShares {
                 time_slice: Duration::from_millis(10),
-                slices: BTreeMap::from([("overhead-arbitrated".to_string(), Share::capped(100))]),
+                slices: BTreeMap::from([(ARBITRATED.to_string(), Share::capped(100))]),
             },
         )]));
+        // A real GPU launches a few hundred thousand a second, the emulator millions.
+        let (launches, iterations) = match self.gpu {
+            Gpu::Emulated { .. } => (1_000_000, None),
+            Gpu::Real { .. } => (200_000, Some(1)),
+        };
+        let mut args = ["--kernel-us", "0", "--launches", &launches.to_string()]
+            .map(String::from)
+            .to_vec();
+        if let Some(i) = iterations {
+            args.extend(["--iterations".to_string(), i.to_string()]);
+        }
         let mut best = (0.0f64, 0.0f64);
         for _ in 0..rounds {
-            for (slot, slice) in ["overhead-plain", "overhead-arbitrated"].iter().enumerate() {
-                let args = ["--kernel-us", "0", "--launches", "1000000"].map(String::from);
-                let out = self
-                    .worker(slice, &args)?
-                    .wait_with_output()
-                    .map_err(|e| ComputeBenchError::Worker(slice.to_string(), e.to_string()))?;
-                let report: serde_json::Value =
-                    serde_json::from_slice(&out.stdout).unwrap_or_default();
+            for (slot, slice) in [PLAIN, ARBITRATED].iter().enumerate() {
+                let report = self.report(slice, &args)?;
                 let rate = report["launchesPerSecond"].as_f64().unwrap_or(0.0);
                 if slot == 0 {
                     best.0 = best.0.max(rate);
@@ -486,6 +638,77 @@ impl Bench {
         }
         Ok(best)
     }
+
+    /// Four jobs of `kernels` kernels each, run one after another and then all at once on four
+    /// slices of the GPU (equal weights, no caps): the seconds each way took.
+    pub fn jobs(&self, kernels: u64) -> Result<Jobs, ComputeBenchError> {
+        self.claims.compute().set(&BTreeMap::from([(
+            0,
+            GpuShares {
+                time_slice: Duration::from_millis(10),
+                slices: (0..JOBS).map(|j| (job_slice(j), best_effort(25))).collect(),
+            },
+        )]));
+        let lead = match self.gpu {
+            Gpu::Emulated { .. } => 0,
+            Gpu::Real { .. } => REAL_GPU_LEAD_NS,
+        };
+        let args = |start: u64| {
+            [
+                "--kernel-us",
+                &KERNEL_US.to_string(),
+                "--seconds",
+                "3600",
+                "--kernels",
+                &kernels.to_string(),
+                "--start-at",
+                &start.to_string(),
+            ]
+            .map(String::from)
+        };
+        let parse = |slice: &str, value: serde_json::Value| {
+            serde_json::from_value::<Report>(value).map_err(|e| {
+                ComputeBenchError::Worker(slice.to_string(), format!("its report: {e}"))
+            })
+        };
+        let mut one_after_another = 0.0;
+        for _ in 0..JOBS {
+            let slice = job_slice(0);
+            let start = gpuslice_emulator::timeline::now_ns() + lead;
+            let report = parse(&slice, self.report(&slice, &args(start))?)?;
+            one_after_another += report.end_ns.saturating_sub(start) as f64 / 1e9;
+        }
+        let start = gpuslice_emulator::timeline::now_ns() + lead;
+        let children = (0..JOBS)
+            .map(|j| Ok((job_slice(j), self.worker(&job_slice(j), &args(start))?)))
+            .collect::<Result<Vec<_>, ComputeBenchError>>()?;
+        let mut end = start;
+        for (slice, child) in children {
+            let out = child
+                .wait_with_output()
+                .map_err(|e| ComputeBenchError::Worker(slice.clone(), e.to_string()))?;
+            if !out.status.success() {
+                return Err(ComputeBenchError::Worker(slice, format!("{}", out.status)));
+            }
+            let value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            end = end.max(parse(&slice, value)?.end_ns);
+        }
+        Ok(Jobs {
+            kernels,
+            one_after_another,
+            together: end.saturating_sub(start) as f64 / 1e9,
+        })
+    }
+}
+
+/// Four jobs of fixed work, queued or sharing the GPU.
+#[derive(Clone, Copy, Debug)]
+pub struct Jobs {
+    pub kernels: u64,
+    /// Seconds for the four, one after another.
+    pub one_after_another: f64,
+    /// Seconds for the four at once, sharing the GPU.
+    pub together: f64,
 }
 
 fn setup(path: impl AsRef<Path>, e: impl std::fmt::Display) -> ComputeBenchError {
@@ -493,6 +716,23 @@ fn setup(path: impl AsRef<Path>, e: impl std::fmt::Display) -> ComputeBenchError
         path: path.as_ref().display().to_string(),
         reason: e.to_string(),
     }
+}
+
+/// The GPU time `intervals` took in % of each of `seconds` 1 s windows from `start`, and of all
+/// windows after the first together.
+pub fn shares(intervals: &[Interval], start: u64, seconds: u64) -> (Vec<f64>, f64) {
+    const WINDOW: u64 = 1_000_000_000;
+    let share_in = |from: u64, to: u64| {
+        let busy: u64 = intervals
+            .iter()
+            .map(|i| i.end.min(to).saturating_sub(i.start.max(from)))
+            .sum();
+        busy as f64 / to.saturating_sub(from).max(1) as f64 * 100.0
+    };
+    let windows = (0..seconds)
+        .map(|w| share_in(start + w * WINDOW, start + (w + 1) * WINDOW))
+        .collect();
+    (windows, share_in(start + WINDOW, start + seconds * WINDOW))
 }
 
 /// The id of a scenario's slice.
@@ -513,13 +753,18 @@ fn software(id: &str, compute: u32) -> SliceConfig {
 
 /// The table: per slice, target and achieved share per window and overall; per scenario,
 /// switches and throughput; then the overhead line. Returns it and whether all passed.
-pub fn render(results: &[ScenarioResult], overhead: Option<(f64, f64)>) -> (String, bool) {
+pub fn render(
+    gpu: &str,
+    results: &[ScenarioResult],
+    overhead: Option<(f64, f64)>,
+    jobs: Option<Jobs>,
+) -> (String, bool) {
     use std::fmt::Write as _;
     let mut out = String::new();
     let mut ok = true;
     let _ = writeln!(
         out,
-        "compute shares on one emulated H200 (kernels of {KERNEL_US} µs; share % per 1 s window, the first is warm-up; ±{TOLERANCE} pp)"
+        "compute shares on {gpu}; share % per 1 s window, the first is warm-up; ±{TOLERANCE} pp"
     );
     let _ = writeln!(
         out,
@@ -581,6 +826,16 @@ pub fn render(results: &[ScenarioResult], overhead: Option<(f64, f64)>) -> (Stri
             if passed { "PASS" } else { "FAIL" }
         );
     }
+    if let Some(j) = jobs {
+        let _ = writeln!(
+            out,
+            "{JOBS} jobs of {} kernels: one after another {:.2} s, sharing the GPU (equal weights) {:.2} s; aggregate throughput sharing / one after another {:.3}",
+            j.kernels,
+            j.one_after_another,
+            j.together,
+            j.one_after_another / j.together.max(1e-9)
+        );
+    }
     (out, ok)
 }
 
@@ -589,6 +844,8 @@ pub fn render(results: &[ScenarioResult], overhead: Option<(f64, f64)>) -> (Stri
 pub mod worker {
     use std::ffi::{CString, c_int, c_uint, c_void};
     use std::time::{Duration, Instant};
+
+    use gpuslice_emulator::timeline::now_ns;
 
     type Handle = *mut c_void;
 
@@ -602,7 +859,34 @@ pub mod worker {
         pub cooperative: bool,
         pub ex: bool,
         pub launches: Option<u64>,
+        /// Stop after this many kernels instead of after `seconds` (a job of fixed work).
+        pub kernels: Option<u64>,
+        /// On a real GPU: the busy loop's iterations per kernel (from `calibrate`); without it
+        /// the emulator's timed kernel is launched.
+        pub iterations: Option<u64>,
+        /// Find `iterations` for `kernel_us` on this GPU and report it (real GPUs only).
+        pub calibrate: bool,
+        /// Start working at this CLOCK_MONOTONIC time (ns), once set up, so workers that take
+        /// different times to start all start together.
+        pub start_at: Option<u64>,
     }
+
+    /// A kernel for real GPUs: `iterations` dependent FMAs on one thread, so its time is work
+    /// the GPU does (not a clock it watches, which would keep running while another context
+    /// has the GPU). The store never happens; it keeps the loop from being optimised away.
+    const WORK_PTX: &str = concat!(
+        ".version 7.0\n.target sm_70\n.address_size 64\n",
+        ".visible .entry work(.param .u64 work_iterations, .param .u64 work_sink)\n{\n",
+        "  .reg .pred %p<3>;\n  .reg .f32 %f<2>;\n  .reg .b64 %rd<5>;\n",
+        "  ld.param.u64 %rd1, [work_iterations];\n  ld.param.u64 %rd2, [work_sink];\n",
+        "  mov.u64 %rd3, 0;\n  mov.f32 %f1, 0f3F800000;\n",
+        "  setp.eq.u64 %p1, %rd1, 0;\n  @%p1 bra DONE;\n",
+        "LOOP:\n  fma.rn.f32 %f1, %f1, 0f3F7FF972, 0f3A83126F;\n  add.u64 %rd3, %rd3, 1;\n",
+        "  setp.lt.u64 %p1, %rd3, %rd1;\n  @%p1 bra LOOP;\n",
+        "DONE:\n  setp.eq.f32 %p2, %f1, 0f7F800000;\n  @!%p2 bra END;\n",
+        "  cvta.to.global.u64 %rd4, %rd2;\n  st.global.f32 [%rd4], %f1;\n",
+        "END:\n  ret;\n}\n\0",
+    );
 
     #[repr(C)]
     struct LaunchConfig {
@@ -654,19 +938,52 @@ pub mod worker {
         end_capture: unsafe extern "C" fn(Handle, *mut Handle) -> c_int,
         instantiate: unsafe extern "C" fn(*mut Handle, Handle, u64) -> c_int,
         graph_launch: unsafe extern "C" fn(Handle, Handle) -> c_int,
+        /// The real-GPU kernel's iterations; `None` for the emulator's parameterless kernel.
+        iterations: std::cell::Cell<Option<u64>>,
     }
 
     impl Driver {
+        /// Calls `f` with the kernel's parameter array (null for the emulator's kernel).
+        fn with_params<R>(&self, f: impl FnOnce(*mut *mut c_void) -> R) -> R {
+            match self.iterations.get() {
+                None => f(std::ptr::null_mut()),
+                Some(mut iterations) => {
+                    let mut sink: u64 = 0;
+                    let mut params: [*mut c_void; 2] =
+                        [(&raw mut iterations).cast(), (&raw mut sink).cast()];
+                    f(params.as_mut_ptr())
+                }
+            }
+        }
+
         /// One single-thread-block launch of `function` on `stream`.
         ///
         /// # Safety
         /// `function` and `stream` are this process's, from the driver.
         unsafe fn launch_one(&self, function: Handle, stream: Handle) -> c_int {
-            let none = std::ptr::null_mut();
-            // SAFETY: the caller's function and stream; no parameters.
-            unsafe { (self.launch)(function, 1, 1, 1, 1, 1, 1, 0, stream, none, none) }
+            self.with_params(|params| {
+                // SAFETY: the caller's function and stream; the parameters live through the call,
+                // which copies them.
+                unsafe {
+                    (self.launch)(
+                        function,
+                        1,
+                        1,
+                        1,
+                        1,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        params,
+                        std::ptr::null_mut(),
+                    )
+                }
+            })
         }
     }
+
+    type ElapsedTime = unsafe extern "C" fn(*mut f32, Handle, Handle) -> c_int;
 
     fn check(what: &str, rc: c_int) -> Result<(), String> {
         if rc == 0 {
@@ -698,6 +1015,10 @@ pub mod worker {
             sym!(b"cuStreamCreate\0");
         let event_create: unsafe extern "C" fn(*mut Handle, c_uint) -> c_int =
             sym!(b"cuEventCreate\0");
+        // Only calibration needs it (on a real GPU); the emulator has none.
+        // SAFETY: the driver's function of this name, with its C signature.
+        let elapsed: Option<ElapsedTime> =
+            unsafe { lib.get(b"cuEventElapsedTime\0") }.ok().map(|f| *f);
         let driver = Driver {
             launch: sym!(b"cuLaunchKernel\0"),
             cooperative: sym!(b"cuLaunchCooperativeKernel\0"),
@@ -709,6 +1030,7 @@ pub mod worker {
             end_capture: sym!(b"cuStreamEndCapture\0"),
             instantiate: sym!(b"cuGraphInstantiateWithFlags\0"),
             graph_launch: sym!(b"cuGraphLaunch\0"),
+            iterations: std::cell::Cell::new(plan.iterations),
             _lib: lib,
         };
         let mut device = 0;
@@ -719,17 +1041,20 @@ pub mod worker {
         // Two steps in flight, as a training loop keeps the GPU fed: wait for the step before
         // the one just queued.
         let mut events: [Handle; 2] = [std::ptr::null_mut(); 2];
-        let name =
-            CString::new(format!("sleep_{}us", plan.kernel_us)).map_err(|e| e.to_string())?;
+        let real_gpu = plan.iterations.is_some() || plan.calibrate;
+        let (image, name): (*const c_void, CString) = match real_gpu {
+            true => (WORK_PTX.as_ptr().cast(), c"work".to_owned()),
+            false => (
+                c"image".as_ptr().cast(),
+                CString::new(format!("sleep_{}us", plan.kernel_us)).map_err(|e| e.to_string())?,
+            ),
+        };
         // SAFETY: driver calls with valid out-pointers, in the order the API requires.
         unsafe {
             check("cuInit", init(0))?;
             check("cuDeviceGet", device_get(&mut device, 0))?;
             check("cuCtxCreate", ctx_create(&mut ctx, 0, device))?;
-            check(
-                "cuModuleLoadData",
-                module_load(&mut module, c"image".as_ptr().cast()),
-            )?;
+            check("cuModuleLoadData", module_load(&mut module, image))?;
             check(
                 "cuModuleGetFunction",
                 get_function(&mut function, module, name.as_ptr()),
@@ -751,18 +1076,9 @@ pub mod worker {
                     Some(exec) => check("cuGraphLaunch", (driver.graph_launch)(exec, stream)),
                     None if plan.cooperative => check(
                         "cuLaunchCooperativeKernel",
-                        (driver.cooperative)(
-                            function,
-                            1,
-                            1,
-                            1,
-                            1,
-                            1,
-                            1,
-                            0,
-                            stream,
-                            std::ptr::null_mut(),
-                        ),
+                        driver.with_params(|params| {
+                            (driver.cooperative)(function, 1, 1, 1, 1, 1, 1, 0, stream, params)
+                        }),
                     ),
                     None if plan.ex => {
                         let config = LaunchConfig {
@@ -775,12 +1091,9 @@ pub mod worker {
                         };
                         check(
                             "cuLaunchKernelEx",
-                            (driver.launch_ex)(
-                                &config,
-                                function,
-                                std::ptr::null_mut(),
-                                std::ptr::null_mut(),
-                            ),
+                            driver.with_params(|params| {
+                                (driver.launch_ex)(&config, function, params, std::ptr::null_mut())
+                            }),
                         )
                     }
                     None => check("cuLaunchKernel", driver.launch_one(function, stream)),
@@ -789,8 +1102,8 @@ pub mod worker {
         };
         // SAFETY: synchronising this process's own stream.
         let sync = || check("cuStreamSynchronize", unsafe { (driver.sync)(stream) });
-        // Queues a step and waits for the previous one.
-        let pipelined = |i: u64| -> Result<(), String> {
+        // Queues a step and waits for the previous one; true when a step was waited for.
+        let pipelined = |i: u64| -> Result<bool, String> {
             step()?;
             let (now, before) = (events[(i % 2) as usize], events[((i + 1) % 2) as usize]);
             // SAFETY: events this process created, recorded on its own stream.
@@ -800,10 +1113,20 @@ pub mod worker {
                     check("cuEventSynchronize", (driver.event_sync)(before))?;
                 }
             }
-            Ok(())
+            Ok(i > 0)
         };
+        if plan.calibrate {
+            let elapsed = elapsed.ok_or("the driver has no cuEventElapsedTime")?;
+            return calibrate(plan.kernel_us, &driver, function, stream, events, elapsed);
+        }
+        if let Some(at) = plan.start_at {
+            let now = now_ns();
+            if at > now {
+                std::thread::sleep(Duration::from_nanos(at - now));
+            }
+        }
         let started = Instant::now();
-        let mut kernels = 0u64;
+        let start_ns = now_ns();
         if let Some(launches) = plan.launches {
             for i in 0..launches {
                 step()?;
@@ -819,16 +1142,29 @@ pub mod worker {
                 "launchesPerSecond": launches as f64 / elapsed,
             }));
         }
+        // When each step finished (CLOCK_MONOTONIC ns): on a real GPU, what the shares are
+        // measured from.
+        let mut done: Vec<u64> = Vec::new();
         let deadline = started + Duration::from_secs_f64(plan.seconds);
+        let more = |kernels: u64| match plan.kernels {
+            Some(total) => kernels < total,
+            None => Instant::now() < deadline,
+        };
+        let mut kernels = 0u64;
         match plan.busy_ms {
             None => {
                 let mut i = 0;
-                while Instant::now() < deadline {
-                    pipelined(i)?;
+                while more(kernels) {
+                    if pipelined(i)? {
+                        done.push(now_ns());
+                    }
                     i += 1;
                     kernels += per_step;
                 }
                 sync()?;
+                if i > 0 {
+                    done.push(now_ns());
+                }
             }
             Some(busy_ms) => {
                 let period = Duration::from_millis(busy_ms + plan.idle_ms);
@@ -836,10 +1172,13 @@ pub mod worker {
                 let mut period_start = started;
                 while period_start < deadline {
                     for i in 0..work {
-                        pipelined(i)?;
+                        if pipelined(i)? {
+                            done.push(now_ns());
+                        }
                         kernels += 1;
                     }
                     sync()?;
+                    done.push(now_ns());
                     period_start += period;
                     if let Some(rest) = period_start.checked_duration_since(Instant::now()) {
                         std::thread::sleep(rest);
@@ -847,7 +1186,54 @@ pub mod worker {
                 }
             }
         }
-        Ok(serde_json::json!({"pid": std::process::id(), "kernels": kernels}))
+        Ok(serde_json::json!({
+            "pid": std::process::id(),
+            "kernels": kernels,
+            "perStep": per_step,
+            "startNs": start_ns,
+            "endNs": now_ns(),
+            "done": done,
+        }))
+    }
+
+    /// Finds the busy loop's iterations that make one kernel take `kernel_us` on this GPU,
+    /// alone, timed by the GPU's own events.
+    fn calibrate(
+        kernel_us: u64,
+        driver: &Driver,
+        function: Handle,
+        stream: Handle,
+        [begin, end]: [Handle; 2],
+        elapsed: ElapsedTime,
+    ) -> Result<serde_json::Value, String> {
+        const ROUNDS: u32 = 10;
+        let per_kernel_ns = |iterations: u64| -> Result<f64, String> {
+            driver.iterations.set(Some(iterations));
+            let mut ms = 0f32;
+            // SAFETY: this process's function, stream and events; `ms` outlives the call.
+            unsafe {
+                check("cuEventRecord", (driver.event_record)(begin, stream))?;
+                for _ in 0..ROUNDS {
+                    check("cuLaunchKernel", driver.launch_one(function, stream))?;
+                }
+                check("cuEventRecord", (driver.event_record)(end, stream))?;
+                check("cuEventSynchronize", (driver.event_sync)(end))?;
+                check("cuEventElapsedTime", elapsed(&mut ms, begin, end))?;
+            }
+            Ok(f64::from(ms) * 1e6 / f64::from(ROUNDS))
+        };
+        let target = kernel_us as f64 * 1e3;
+        // The first launches compile the PTX and raise the clocks.
+        per_kernel_ns(1 << 12)?;
+        let mut iterations = 1u64 << 12;
+        let mut took = per_kernel_ns(iterations)?;
+        while took < target / 4.0 && iterations < 1 << 40 {
+            iterations *= 4;
+            took = per_kernel_ns(iterations)?;
+        }
+        let iterations = ((iterations as f64 * target / took.max(1.0)) as u64).max(1);
+        let kernel_ns = per_kernel_ns(iterations)?;
+        Ok(serde_json::json!({"iterations": iterations, "kernelNs": kernel_ns.round() as u64}))
     }
 
     fn capture(
@@ -885,11 +1271,16 @@ pub fn run_all(
     seconds: u64,
     only: &[String],
     overhead: bool,
+    real_gpu: bool,
 ) -> Result<(String, bool), ComputeBenchError> {
     let exe = std::env::current_exe()
         .map_err(|e| ComputeBenchError::Missing("gpuslice", e.to_string()))?;
     let all = scenarios();
-    let bench = Bench::new(&exe, &all)?;
+    let bench = if real_gpu {
+        Bench::real(&exe, &all)?
+    } else {
+        Bench::new(&exe, &all)?
+    };
     let mut results = Vec::new();
     for (i, scenario) in all.iter().enumerate() {
         if !only.is_empty() && !only.iter().any(|o| scenario.name.contains(o.as_str())) {
@@ -903,10 +1294,10 @@ pub fn run_all(
             started.elapsed().as_secs_f64()
         );
     }
-    let overhead = if overhead {
-        Some(bench.overhead(5)?)
+    let (overhead, jobs) = if overhead {
+        (Some(bench.overhead(5)?), Some(bench.jobs(JOB_KERNELS)?))
     } else {
-        None
+        (None, None)
     };
-    Ok(render(&results, overhead))
+    Ok(render(&bench.describe(), &results, overhead, jobs))
 }

@@ -174,8 +174,9 @@ enum Bench {
         #[arg(long = "trace")]
         traces: Vec<String>,
     },
-    /// Compute shares: real processes under the shim on the emulated GPU, target vs achieved
-    /// share per slice in every 1 s window, and the arbitration's launch overhead.
+    /// Compute shares: real processes under the shim on the emulated GPU (or a real one), target
+    /// vs achieved share per slice in every 1 s window, the arbitration's launch overhead, and
+    /// four jobs sharing the GPU against the same four one after another.
     Compute {
         /// Seconds per scenario (the first is warm-up).
         #[arg(long, default_value_t = 4)]
@@ -183,9 +184,13 @@ enum Bench {
         /// Only scenarios whose names contain this (repeatable).
         #[arg(long = "scenario")]
         scenarios: Vec<String>,
-        /// Skip the launch-overhead measurement.
+        /// Skip the launch-overhead measurement and the four-jobs comparison.
         #[arg(long)]
         no_overhead: bool,
+        /// Run on this machine's GPU 0 through the real CUDA driver instead of the emulator
+        /// (nothing on the GPU is reconfigured; see tests/device/compute.sh).
+        #[arg(long)]
+        real_gpu: bool,
     },
     /// A process the compute benchmark runs under the shim.
     #[command(hide = true)]
@@ -209,6 +214,18 @@ enum Bench {
         /// Launch this many kernels as fast as possible and report the rate.
         #[arg(long)]
         launches: Option<u64>,
+        /// Stop after this many kernels (a job of fixed work) instead of after --seconds.
+        #[arg(long)]
+        kernels: Option<u64>,
+        /// Real GPU: the busy loop's iterations per kernel.
+        #[arg(long)]
+        iterations: Option<u64>,
+        /// Real GPU: find the iterations for --kernel-us and report them.
+        #[arg(long)]
+        calibrate: bool,
+        /// Start working at this CLOCK_MONOTONIC time (ns), once set up.
+        #[arg(long)]
+        start_at: Option<u64>,
     },
 }
 
@@ -559,10 +576,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     seconds,
                     scenarios,
                     no_overhead,
+                    real_gpu,
                 },
         } => {
-            let (table, ok) =
-                gpuslice::compute_bench::run_all(seconds.max(2), &scenarios, !no_overhead)?;
+            let (table, ok) = gpuslice::compute_bench::run_all(
+                seconds.max(2),
+                &scenarios,
+                !no_overhead,
+                real_gpu,
+            )?;
             print!("{table}");
             Ok(if ok {
                 ExitCode::SUCCESS
@@ -581,6 +603,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     cooperative,
                     ex,
                     launches,
+                    kernels,
+                    iterations,
+                    calibrate,
+                    start_at,
                 },
         } => {
             let report =
@@ -593,6 +619,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     cooperative,
                     ex,
                     launches,
+                    kernels,
+                    iterations,
+                    calibrate,
+                    start_at,
                 })
                 .map_err(anyhow::Error::msg)?;
             println!("{report}");

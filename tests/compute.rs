@@ -163,3 +163,48 @@ fn the_benchmark_prints_target_and_achieved_share_per_slice() {
         rows.iter().all(|r| r.ends_with("PASS"))
     );
 }
+
+/// On a real GPU there is no timeline: shares are measured from when each worker's steps
+/// finished. That method, applied on the emulator, must agree with the timeline.
+#[test]
+fn shares_from_completed_kernels_agree_with_the_timeline() {
+    use gpuslice::compute_bench::{KERNEL_US, shares};
+    let capped = |name, percent: u32| SliceSpec {
+        name,
+        share: Share::capped(percent),
+        processes: 1,
+        work: Work::Busy,
+        target: f64::from(percent),
+    };
+    let scenario = Scenario {
+        name: "30/60",
+        time_slice_ms: 10,
+        slices: vec![capped("a", 30), capped("b", 60)],
+    };
+    let bench = Bench::new(exe(), std::slice::from_ref(&scenario)).unwrap();
+    let result = bench.run(0, &scenario, 3).unwrap();
+    for slice in &result.slices {
+        let id = slice_id(0, &slice.name);
+        let completed: Vec<_> = result
+            .reports
+            .iter()
+            .filter(|(of, _)| *of == id)
+            .flat_map(|(_, r)| r.intervals(KERNEL_US * 1000))
+            .collect();
+        let (windows, overall) = shares(&completed, result.start_ns, 3);
+        for (w, (from_timeline, from_completions)) in slice.windows.iter().zip(&windows).enumerate()
+        {
+            assert!(
+                (from_timeline - from_completions).abs() < 1.5,
+                "slice {} window {w}: timeline {from_timeline:.1} %, completed kernels {from_completions:.1} %",
+                slice.name
+            );
+        }
+        assert!(
+            (slice.overall - overall).abs() < 1.0,
+            "slice {}: timeline {:.1} %, completed kernels {overall:.1} %",
+            slice.name,
+            slice.overall
+        );
+    }
+}
