@@ -2,7 +2,7 @@
 //! A process under the shim opens the agent's socket, names its slice, and then asks for the GPU
 //! (`"acquire"`), gets it (`"grant"`), and gives it back (`"release"`) once the work it queued has
 //! finished; the agent asks a holder to stop (`"yield"`) when its cap is reached or a waiter should
-//! go next. Every decision is [`gpuslice_node::arbiter::Arbiter`]'s, one per GPU; this module only
+//! go next, and the holder says when it has launched its last kernel (`"stopped"`). Every decision is [`gpuslice_node::arbiter::Arbiter`]'s, one per GPU; this module only
 //! carries messages and time. All state is in the agent: nothing a workload writes grants time.
 
 use std::collections::{BTreeMap, HashMap};
@@ -31,6 +31,8 @@ pub enum Message {
     /// agent says `contended` (or `yield`).
     Free,
     Yield,
+    /// From a holder asked to yield: it launches nothing more; only its queued work remains.
+    Stopped,
     /// Sent to the holder when another process waits: only then is an idle holder's GPU worth
     /// handing on, so only then does the shim watch for idleness.
     Contended,
@@ -261,6 +263,7 @@ impl Compute {
             match message {
                 Ok(Message::Acquire) => arbiter.acquire(id, now),
                 Ok(Message::Release) => arbiter.release(id, now),
+                Ok(Message::Stopped) => arbiter.stopped(id, now),
                 // Anything else ends the conversation (and with it the process's turn).
                 _ => break,
             }

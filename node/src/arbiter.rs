@@ -70,8 +70,8 @@ struct Slice {
     share: Share,
     /// Cap budget (ns × 100, exact): fills at `limit`%, drains while holding.
     tokens: i64,
-    /// Guarantee credit (ns × 100): fills at `guarantee`% while the slice wants the GPU, drains
-    /// while it holds; positive means it is behind its floor.
+    /// Guarantee credit (ns × 100): fills at `guarantee`%, drains while the slice holds, and
+    /// stays ≤ 0 while it wants nothing; positive means it is behind its floor.
     credit: i64,
     /// Weighted time used, for fair order.
     virtual_time: f64,
@@ -91,7 +91,13 @@ struct Hold {
     since: u64,
     /// When it was asked to yield.
     yield_asked: Option<u64>,
+    /// Asked to yield, it launches nothing more (its queued work still runs).
+    stopped: bool,
 }
+
+/// How long before the end of a holder's minimum slice it is asked to yield (at most a quarter
+/// of the slice): about what stopping a holder takes.
+const STOP_MARGIN: u64 = 1_000_000;
 
 /// The arbiter of one GPU.
 #[derive(Debug)]
@@ -100,8 +106,10 @@ pub struct Arbiter {
     slices: BTreeMap<String, Slice>,
     clients: BTreeMap<ClientId, Client>,
     holder: Option<Hold>,
-    /// A holder asked to yield that has not released yet: charged until it does; its successor
-    /// is granted at once (its kernels queue behind the drain) and its slice starts at the release.
+    /// A holder asked to yield that has not released yet: charged until it does. Once it has
+    /// stopped launching, its successor is granted (its kernels queue behind the drain: no gap,
+    /// and none of the drainer's launches can land behind them); the successor's slice starts
+    /// at the release.
     draining: Option<Hold>,
     last: u64,
     switches: u64,
@@ -133,6 +141,15 @@ impl Arbiter {
     /// A holder that ignores a yield keeps the GPU this long after being asked, no longer.
     fn revoke_after(&self) -> u64 {
         self.time_slice.max(50_000_000)
+    }
+
+    /// When `hold` is asked to yield for the next waiter, at the earliest: its minimum slice,
+    /// less the moment stopping takes (its in-flight launches, two messages), so that the next
+    /// holder's grant lands on the boundary; a guaranteed waiter was promised the GPU within
+    /// one time slice. The holder loses no GPU time by it: its queued kernels run on (and are
+    /// charged to it) until it releases.
+    fn slice_end(&self, hold: Hold) -> u64 {
+        hold.since + self.time_slice - STOP_MARGIN.min(self.time_slice / 4)
     }
 
     /// The most cap budget a slice can save up (ns × 100): a cap holds within this much in any
@@ -231,6 +248,16 @@ impl Arbiter {
         }
     }
 
+    /// The client, asked to yield, launches nothing more.
+    pub fn stopped(&mut self, client: ClientId, now: u64) {
+        self.advance(now);
+        if let Some(d) = self.draining.as_mut()
+            && d.client == client
+        {
+            d.stopped = true;
+        }
+    }
+
     /// The client is gone (its connection closed: the process exited or was killed).
     pub fn disconnect(&mut self, client: ClientId, now: u64) {
         self.release(client, now);
@@ -258,6 +285,9 @@ impl Arbiter {
             self.holder = None;
             orders.push(Order::Yield(hold.client));
         }
+        if self.draining.is_some_and(|d| !d.stopped) {
+            return orders;
+        }
         if let Some(client) = self.next_client(self.draining.map(|d| d.client)) {
             let c = self.clients.get_mut(&client).expect("a waiting client");
             let waited = now.saturating_sub(c.waiting_since.take().unwrap_or(now));
@@ -268,6 +298,7 @@ impl Arbiter {
                 client,
                 since: now,
                 yield_asked: None,
+                stopped: false,
             });
             self.switches += 1;
             orders.push(Order::Grant(client));
@@ -292,7 +323,7 @@ impl Arbiter {
                 at(after(slice.tokens, 100 - i64::from(slice.share.limit)));
             }
             if let Some(next) = self.next_client(Some(hold.client)) {
-                let end = hold.since + self.time_slice;
+                let end = self.slice_end(hold);
                 if now < end {
                     at(end);
                 } else if slice.share.guarantee > 0 && slice.credit > 0 {
@@ -406,15 +437,18 @@ impl Arbiter {
                 slice.virtual_time += dt as f64 / f64::from(slice.share.weight.max(1));
             }
             slice.tokens = slice.tokens.min(burst);
-            if wants {
-                slice.credit += dt * i64::from(slice.share.guarantee);
-                if holds {
-                    slice.credit -= dt * 100;
-                }
-                slice.credit = slice.credit.clamp(-burst, burst);
-            } else {
-                slice.credit = 0;
+            slice.credit += dt * i64::from(slice.share.guarantee);
+            if holds {
+                slice.credit -= dt * 100;
             }
+            slice.credit = if wants {
+                slice.credit.clamp(-burst, burst)
+            } else {
+                // An idle slice saves up no floor, but the moment between a release and the
+                // next acquire does not wipe out what it took beyond its floor either: its debt
+                // is paid off at its guarantee's rate.
+                slice.credit.clamp(-burst, 0)
+            };
         }
     }
 
@@ -464,7 +498,7 @@ impl Arbiter {
         if self.slices[slice].tokens <= 0 {
             return true; // its cap
         }
-        if now < hold.since + self.time_slice {
+        if now < self.slice_end(hold) {
             return false; // its minimum slice
         }
         let share = &self.slices[slice];
@@ -637,12 +671,17 @@ mod tests {
         assert_eq!(arbiter.step(0), [Order::Grant(1)]);
         arbiter.acquire(2, MS);
         assert_eq!(arbiter.step(MS), [], "a keeps its minimum slice");
-        assert_eq!(arbiter.next_wake(MS), Some(10 * MS));
-        // b is granted as a is asked to yield: its kernels queue behind a's last ones.
-        assert_eq!(arbiter.step(10 * MS), [Order::Yield(1), Order::Grant(2)]);
+        // Asked to yield the moment stopping takes before its slice ends.
+        let asked = 10 * MS - STOP_MARGIN;
+        assert_eq!(arbiter.next_wake(MS), Some(asked));
+        assert_eq!(arbiter.step(asked - 1), []);
+        assert_eq!(arbiter.step(asked), [Order::Yield(1)]);
+        // b is granted once a launches nothing more: its kernels queue behind a's last ones.
+        arbiter.stopped(1, asked + 100_000);
+        assert_eq!(arbiter.step(asked + 100_000), [Order::Grant(2)]);
         // a never releases: it is charged until the revocation time, b's slice starts then.
-        let revoke = 10 * MS + arbiter.revoke_after();
-        assert_eq!(arbiter.next_wake(11 * MS), Some(revoke));
+        let revoke = asked + arbiter.revoke_after();
+        assert_eq!(arbiter.next_wake(asked + MS), Some(revoke));
         assert_eq!(arbiter.step(revoke - 1), []);
         let used_a = arbiter.usage()["a"].used;
         assert_eq!(arbiter.step(revoke), []);
@@ -652,6 +691,64 @@ mod tests {
             "a's charge stops at revocation"
         );
         assert_eq!(arbiter.holder(), Some(2));
+    }
+
+    #[test]
+    fn a_guaranteed_waiter_gets_the_gpu_within_one_slice_though_stopping_takes_a_while() {
+        let mut arbiter = Arbiter::new(10 * MS, 0);
+        let guaranteed = Share {
+            weight: 50,
+            limit: 100,
+            guarantee: 50,
+        };
+        arbiter.set_shares(
+            &[
+                ("a".to_string(), Share::capped(100)),
+                ("g".to_string(), guaranteed),
+            ]
+            .into(),
+            0,
+        );
+        arbiter.connect(1, "a").unwrap();
+        arbiter.connect(2, "g").unwrap();
+        arbiter.acquire(1, 0);
+        assert_eq!(arbiter.step(0), [Order::Grant(1)]);
+        arbiter.acquire(2, 0);
+        // The yield goes out early enough for a holder that takes 0.8 ms to stop.
+        let asked = arbiter.next_wake(0).unwrap();
+        assert!(asked < 10 * MS, "asked to yield at {asked} ns");
+        assert_eq!(arbiter.step(asked), [Order::Yield(1)]);
+        arbiter.stopped(1, asked + 800_000);
+        assert_eq!(arbiter.step(asked + 800_000), [Order::Grant(2)]);
+        assert!(arbiter.usage()["g"].max_wait <= 10 * MS);
+    }
+
+    #[test]
+    fn a_holder_that_never_stops_launching_is_revoked_and_the_waiter_granted() {
+        let mut arbiter = Arbiter::new(10 * MS, 0);
+        arbiter.set_shares(
+            &[
+                ("a".to_string(), Share::capped(50)),
+                ("b".to_string(), Share::capped(50)),
+            ]
+            .into(),
+            0,
+        );
+        arbiter.connect(1, "a").unwrap();
+        arbiter.connect(2, "b").unwrap();
+        arbiter.acquire(1, 0);
+        assert_eq!(arbiter.step(0), [Order::Grant(1)]);
+        arbiter.acquire(2, 0);
+        let asked = 10 * MS - STOP_MARGIN;
+        assert_eq!(arbiter.step(asked), [Order::Yield(1)]);
+        let revoke = asked + arbiter.revoke_after();
+        assert_eq!(arbiter.next_wake(asked), Some(revoke));
+        assert_eq!(
+            arbiter.step(revoke - 1),
+            [],
+            "b waits while a may still launch"
+        );
+        assert_eq!(arbiter.step(revoke), [Order::Grant(2)]);
     }
 
     #[test]
