@@ -615,7 +615,7 @@ impl Bench {
         )]));
         // A real GPU launches a few hundred thousand a second, the emulator millions.
         let (launches, iterations) = match self.gpu {
-            Gpu::Emulated { .. } => (1_000_000, None),
+            Gpu::Emulated { .. } => (2_000_000, None),
             Gpu::Real { .. } => (200_000, Some(1)),
         };
         let mut args = ["--kernel-us", "0", "--launches", &launches.to_string()]
@@ -1295,7 +1295,7 @@ pub fn run_all(
         );
     }
     let (overhead, jobs) = if overhead {
-        (Some(bench.overhead(5)?), Some(bench.jobs(JOB_KERNELS)?))
+        (Some(bench.overhead(9)?), Some(bench.jobs(JOB_KERNELS)?))
     } else {
         (None, None)
     };
