@@ -52,6 +52,9 @@ static FORKED: AtomicBool = AtomicBool::new(false);
 static CAPTURES: AtomicUsize = AtomicUsize::new(0);
 static CAPTURING: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
 
+/// How long the agent may take to answer a new connection before launches go through
+/// ungoverned.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the monitor looks for idleness while it holds the GPU.
 const POLL: Duration = Duration::from_micros(200);
 /// After its queued work has finished, a holder keeps the GPU this long for its next launch
@@ -122,11 +125,16 @@ fn connect() -> Result<Option<Session>, Refusal> {
         Refusal::Unreachable(format!("the node agent at {}: {e}", socket_path.display()))
     };
     let mut socket = UnixStream::connect(socket_path).map_err(unreachable)?;
+    // An agent that accepts but never answers must not hang the program's first launch.
+    socket
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(unreachable)?;
     let hello = serde_json::json!({"compute": {"slice": slice.id}});
     socket
         .write_all(format!("{hello}\n").as_bytes())
         .map_err(unreachable)?;
     let reply = read_line(&mut socket, &mut Vec::new()).map_err(unreachable)?;
+    socket.set_read_timeout(None).map_err(unreachable)?;
     let reply: serde_json::Value = serde_json::from_str(&reply)
         .map_err(|e| Refusal::Unreachable(format!("the node agent's answer: {e}")))?;
     if let Some(reason) = reply["refused"]["reason"].as_str() {

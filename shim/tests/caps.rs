@@ -197,6 +197,28 @@ fn a_workload_cannot_raise_its_cap() {
     );
 }
 
+/// A node agent that accepts the connection but never answers (hung, or something else bound
+/// to its socket) must not hang the program: after the handshake's timeout its launches go
+/// through, ungoverned, and it says so.
+#[test]
+fn an_agent_that_never_answers_does_not_hang_the_program() {
+    let setup = Setup::new(8 << 30);
+    let socket = setup.dir.path().join("state/agent.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let silent = std::thread::spawn(move || listener.accept().map(|(stream, _)| stream));
+    let started = std::time::Instant::now();
+    let out = setup
+        .command(&["link", "count", "launch", "10"])
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("compute share not enforced"), "{err}");
+    assert!(took < std::time::Duration::from_secs(30), "took {took:?}");
+    drop(silent.join());
+}
+
 unsafe extern "C" {
     #[link_name = "geteuid"]
     fn libc_geteuid() -> u32;
