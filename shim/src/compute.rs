@@ -449,7 +449,7 @@ fn readable_within(socket: &UnixStream, wait: Duration) -> bool {
     };
     let timeout = libc::timespec {
         tv_sec: wait.as_secs() as libc::time_t,
-        tv_nsec: libc::c_long::from(wait.subsec_nanos() as i32),
+        tv_nsec: wait.subsec_nanos() as libc::c_long,
     };
     // SAFETY: one pollfd and a timespec that live through the call; no signal mask.
     let ready = unsafe { libc::ppoll(&mut fd, 1, &timeout, std::ptr::null()) };

@@ -352,7 +352,7 @@ impl Bench {
         };
         let mut bench = Bench::serve(dir, gpu, exe, scenarios)?;
         let args = ["--kernel-us", &KERNEL_US.to_string(), "--calibrate"].map(String::from);
-        let calibrated = bench.report(PLAIN, &args)?;
+        let calibrated: serde_json::Value = bench.report(PLAIN, &args)?;
         let field = |name: &str| calibrated[name].as_u64().filter(|v| *v > 0);
         match (field("iterations"), field("kernelNs")) {
             (Some(iterations), Some(kernel_ns)) => {
@@ -442,19 +442,22 @@ impl Bench {
     }
 
     /// Runs a worker on `slice` to the end and returns its JSON report.
-    fn report(&self, slice: &str, args: &[String]) -> Result<serde_json::Value, ComputeBenchError> {
-        let out = self
-            .worker(slice, args)?
-            .wait_with_output()
-            .map_err(|e| ComputeBenchError::Worker(slice.to_string(), e.to_string()))?;
-        if !out.status.success() {
-            return Err(ComputeBenchError::Worker(
-                slice.to_string(),
-                format!("{}", out.status),
-            ));
-        }
-        serde_json::from_slice(&out.stdout)
-            .map_err(|e| ComputeBenchError::Worker(slice.to_string(), format!("its report: {e}")))
+    fn report<T: serde::de::DeserializeOwned>(
+        &self,
+        slice: &str,
+        args: &[String],
+    ) -> Result<T, ComputeBenchError> {
+        finish(slice, self.worker(slice, args)?)
+    }
+
+    /// When workers spawned now should start their clocks: a real GPU's contexts take a while
+    /// to create, so every worker starts at the same moment, after that.
+    fn start_time(&self) -> u64 {
+        let lead = match self.gpu {
+            Gpu::Emulated { .. } => 0,
+            Gpu::Real { .. } => REAL_GPU_LEAD_NS,
+        };
+        gpuslice_emulator::timeline::now_ns() + lead
     }
 
     /// Gives the arbiter the scenario's slices and shares.
@@ -487,13 +490,7 @@ impl Bench {
             .usage()
             .get(&0)
             .map_or(0, |(_, switches)| *switches);
-        // A real GPU's contexts take a while to create: every worker starts its clock at the
-        // same moment, after that.
-        let lead = match self.gpu {
-            Gpu::Emulated { .. } => 0,
-            Gpu::Real { .. } => REAL_GPU_LEAD_NS,
-        };
-        let start = gpuslice_emulator::timeline::now_ns() + lead;
+        let start = self.start_time();
         let run_for = seconds as f64 + 0.3;
         let mut children: Vec<(String, Child)> = Vec::new();
         for slice in &scenario.slices {
@@ -525,14 +522,7 @@ impl Bench {
         let mut pids: BTreeMap<u32, String> = BTreeMap::new();
         let mut reports = Vec::new();
         for (id, child) in children {
-            let out = child
-                .wait_with_output()
-                .map_err(|e| ComputeBenchError::Worker(id.clone(), e.to_string()))?;
-            if !out.status.success() {
-                return Err(ComputeBenchError::Worker(id, format!("{}", out.status)));
-            }
-            let report: Report = serde_json::from_slice(&out.stdout)
-                .map_err(|e| ComputeBenchError::Worker(id.clone(), format!("its report: {e}")))?;
+            let report: Report = finish(&id, child)?;
             pids.insert(report.pid, id);
             reports.push(report);
         }
@@ -630,7 +620,7 @@ impl Bench {
         let mut best = (0.0f64, 0.0f64);
         for _ in 0..rounds {
             for (slot, slice) in [PLAIN, ARBITRATED].iter().enumerate() {
-                let report = self.report(slice, &args)?;
+                let report: serde_json::Value = self.report(slice, &args)?;
                 let rate = report["launchesPerSecond"].as_f64().unwrap_or(0.0);
                 if slot == 0 {
                     best.0 = best.0.max(rate);
@@ -652,10 +642,6 @@ impl Bench {
                 slices: (0..JOBS).map(|j| (job_slice(j), best_effort(25))).collect(),
             },
         )]));
-        let lead = match self.gpu {
-            Gpu::Emulated { .. } => 0,
-            Gpu::Real { .. } => REAL_GPU_LEAD_NS,
-        };
         let args = |start: u64| {
             [
                 "--kernel-us",
@@ -669,32 +655,19 @@ impl Bench {
             ]
             .map(String::from)
         };
-        let parse = |slice: &str, value: serde_json::Value| {
-            serde_json::from_value::<Report>(value).map_err(|e| {
-                ComputeBenchError::Worker(slice.to_string(), format!("its report: {e}"))
-            })
-        };
         let mut one_after_another = 0.0;
         for _ in 0..JOBS {
-            let slice = job_slice(0);
-            let start = gpuslice_emulator::timeline::now_ns() + lead;
-            let report = parse(&slice, self.report(&slice, &args(start))?)?;
+            let start = self.start_time();
+            let report: Report = self.report(&job_slice(0), &args(start))?;
             one_after_another += report.end_ns.saturating_sub(start) as f64 / 1e9;
         }
-        let start = gpuslice_emulator::timeline::now_ns() + lead;
+        let start = self.start_time();
         let children = (0..JOBS)
             .map(|j| Ok((job_slice(j), self.worker(&job_slice(j), &args(start))?)))
             .collect::<Result<Vec<_>, ComputeBenchError>>()?;
         let mut end = start;
         for (slice, child) in children {
-            let out = child
-                .wait_with_output()
-                .map_err(|e| ComputeBenchError::Worker(slice.clone(), e.to_string()))?;
-            if !out.status.success() {
-                return Err(ComputeBenchError::Worker(slice, format!("{}", out.status)));
-            }
-            let value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-            end = end.max(parse(&slice, value)?.end_ns);
+            end = end.max(finish::<Report>(&slice, child)?.end_ns);
         }
         Ok(Jobs {
             kernels,
@@ -702,6 +675,21 @@ impl Bench {
             together: end.saturating_sub(start) as f64 / 1e9,
         })
     }
+}
+
+/// Waits for a worker on `slice` and reads its JSON report.
+fn finish<T: serde::de::DeserializeOwned>(
+    slice: &str,
+    child: Child,
+) -> Result<T, ComputeBenchError> {
+    let failed = |why: String| ComputeBenchError::Worker(slice.to_string(), why);
+    let out = child
+        .wait_with_output()
+        .map_err(|e| failed(e.to_string()))?;
+    if !out.status.success() {
+        return Err(failed(out.status.to_string()));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| failed(format!("its report: {e}")))
 }
 
 /// Four jobs of fixed work, queued or sharing the GPU.

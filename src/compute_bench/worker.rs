@@ -200,12 +200,13 @@ pub fn run(plan: Plan) -> Result<serde_json::Value, String> {
     // the one just queued.
     let mut events: [Handle; 2] = [std::ptr::null_mut(); 2];
     let real_gpu = plan.iterations.is_some() || plan.calibrate;
-    let (image, name): (*const c_void, CString) = match real_gpu {
-        true => (WORK_PTX.as_ptr().cast(), c"work".to_owned()),
-        false => (
+    let (image, name): (*const c_void, CString) = if real_gpu {
+        (WORK_PTX.as_ptr().cast(), c"work".to_owned())
+    } else {
+        (
             c"image".as_ptr().cast(),
             CString::new(format!("sleep_{}us", plan.kernel_us)).map_err(|e| e.to_string())?,
-        ),
+        )
     };
     // SAFETY: driver calls with valid out-pointers, in the order the API requires.
     unsafe {
