@@ -11,6 +11,7 @@
 //! whole trace take seconds.
 
 pub mod fragment;
+pub mod pack;
 pub mod policies;
 pub mod replay;
 

@@ -6,6 +6,7 @@ use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 
 use super::fragment::{Typical, after, expected, mix_of};
+use super::pack::ShareValues;
 use super::{Choice, Gpu, GpuAsk, Node, Policy, Request, WHOLE};
 
 /// Any feasible node, uniformly.
@@ -175,10 +176,12 @@ impl Policy for Fgd {
 /// advance and follows a workload that drifts), plus the growth of the node's *CPU and memory
 /// shortfall*: the idle GPU capacity that the node's free CPU or memory cannot feed at the rate
 /// the expected GPU tasks bring them (CPU and memory per GPU thousandth, learned from the same
-/// mix). Those GPUs are as lost as fragments, only later, so both count in GPU thousandths. A
-/// GPU-less task also goes where the fewest idle GPUs are at stake; among whole-GPU placements
-/// that cost the same, the one that leaves the node fullest, so idle nodes stay whole for
-/// multi-GPU tasks.
+/// mix). Those GPUs are as lost as fragments, only later, so both count in GPU thousandths.
+/// A share first of all goes where it *spoils the best packing* least: the shares of the mix
+/// are priced by the dual of their bin-packing LP ([`ShareValues`]), and a share that leaves a
+/// GPU worth less than what it took from it loses capacity for certain. A GPU-less task goes
+/// where the fewest idle GPUs are at stake; among whole-GPU placements that cost the same, the
+/// one that leaves the node fullest, so idle nodes stay whole for multi-GPU tasks.
 pub struct Mix {
     window: VecDeque<Request>,
     capacity: usize,
@@ -188,6 +191,8 @@ pub struct Mix {
     /// CPU milli and memory MiB the expected GPU tasks bring per GPU thousandth.
     cpu_per_milli: f64,
     memory_per_milli: f64,
+    /// What free share capacity is worth to the expected shares (re-learned with the mix).
+    shares: ShareValues,
 }
 
 impl Mix {
@@ -201,6 +206,7 @@ impl Mix {
             cache: HashMap::new(),
             cpu_per_milli: 0.0,
             memory_per_milli: 0.0,
+            shares: ShareValues::default(),
         }
     }
 
@@ -222,6 +228,17 @@ impl Mix {
             self.cpu_per_milli = per_milli(|r| r.cpu_milli);
             self.memory_per_milli = per_milli(|r| r.memory_mib);
         }
+        let mut demand: Vec<(u32, f64)> = Vec::new();
+        for r in &self.window {
+            if let GpuAsk::Share(m) = r.gpu {
+                match demand.iter_mut().find(|(s, _)| *s == m) {
+                    Some(d) => d.1 += 1.0,
+                    None => demand.push((m, 1.0)),
+                }
+            }
+        }
+        demand.sort_by_key(|d| d.0);
+        self.shares = ShareValues::learn(&demand);
         self.cache.clear();
         self.arrivals_since_refresh = 0;
     }
@@ -272,9 +289,9 @@ impl Policy for Mix {
         }
         self.window.push_back(request.clone());
         self.arrivals_since_refresh += 1;
-        // Learn quickly at first, then every so often.
+        // Learn quickly at first (each time the window has doubled), then every so often.
         if self.mix.is_empty()
-            || self.arrivals_since_refresh >= REFRESH_EVERY.min(self.window.len())
+            || self.arrivals_since_refresh >= REFRESH_EVERY.min(self.window.len().div_ceil(2))
         {
             self.refresh();
         }
@@ -301,6 +318,17 @@ impl Policy for Mix {
         } else {
             0.0
         };
+        // A share's packing loss is certain: capacity no expected share can use any more. The
+        // fragment growth is an expectation that later arrivals often undo. So the loss decides
+        // (in millionths of a GPU, rounded so that the LP's round-off cannot break a tie) and the
+        // fragment breaks ties; measured, any weight from 16x the fragment's unit up gives the
+        // same placements.
+        let packing = match (&request.gpu, choice.gpus.first()) {
+            (GpuAsk::Share(m), Some(&(g, _))) => {
+                (self.shares.loss(node.gpus[g].free_milli(), *m) * 1e6).round()
+            }
+            _ => 0.0,
+        };
         let nudge = match request.gpu {
             // Among equally fragmenting shares the fragment measure already chose the GPU; a fill
             // preference here only packs shares onto nodes that whole-GPU tasks need.
@@ -310,7 +338,7 @@ impl Policy for Mix {
             GpuAsk::None => node.gpu_free() as f64 * 0.1,
             _ => left_after(node, request) * 1e-3,
         };
-        -(grow + shortfall_growth + exhausted) - nudge
+        -(grow + shortfall_growth + exhausted + packing) - nudge
     }
 }
 

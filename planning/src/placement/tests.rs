@@ -56,6 +56,32 @@ fn a_cpu_task_leaves_the_cpu_that_idle_gpus_will_need() {
 }
 
 #[test]
+fn a_share_keeps_off_a_gpu_that_its_better_partner_will_fill() {
+    // 470s, 650s and 320s arrive equally often: the best packing pairs 470 with 470 (940) and
+    // 650 with 320 (970). A 320 on the GPU where a 470 sits (leaving 210, which no expected share
+    // fills) spoils a GPU that a second 470 would have filled; on the idle GPU it waits for a 650.
+    // Whole-GPU tasks arrive too, so the fragment alone would rather keep the idle GPU whole.
+    let mut node = Node::empty("a", "T4", 32000, 65536, 2);
+    node.gpus[0] = Gpu::Shared { free: 530 };
+    let mut cluster = Cluster::new(vec![node]);
+    let mut ours = Mix::default();
+    for _ in 0..30 {
+        for m in [470, 650, 320] {
+            ours.observe(&share(m));
+        }
+        ours.observe(&Request {
+            gpu: GpuAsk::Whole(1),
+            ..share(0)
+        });
+    }
+    let choice = cluster.place(&share(320), &mut ours).unwrap();
+    assert_eq!(choice.gpus, vec![(1, 320)]);
+    // A 470 completes the pair.
+    let choice = cluster.place(&share(470), &mut ours).unwrap();
+    assert_eq!(choice.gpus, vec![(0, 470)]);
+}
+
+#[test]
 fn nothing_fits_says_why() {
     let cluster = Cluster::new(vec![Node::empty("a", "T4", 4000, 1024, 1)]);
     let mut policy = BestFit;
