@@ -54,11 +54,12 @@ impl ShareValues {
             lp.add_constraint([(*v, f64::from(WHOLE / s))], ComparisonOp::Le, 1.0);
         }
         let mut prices: Vec<f64> = sizes.iter().map(|&s| 1.0 / f64::from(WHOLE / s)).collect();
+        let mut solution = lp.solve().ok().and_then(|o| o.into_solution().ok());
         for _ in 0..MAX_ROUNDS {
-            let Some(solution) = lp.solve().ok().and_then(|o| o.into_solution().ok()) else {
+            let Some(current) = solution.take() else {
                 break;
             };
-            prices = vars.iter().map(|v| solution.var_value(*v)).collect();
+            prices = vars.iter().map(|v| current.var_value(*v)).collect();
             let (best, took) = knapsack(&sizes, &prices, WHOLE);
             if best[WHOLE as usize] <= 1.0 + EPS {
                 break;
@@ -69,9 +70,20 @@ impl ShareValues {
                 .filter(|(_, k)| **k > 0)
                 .map(|(v, k)| (*v, f64::from(*k)))
                 .collect();
-            lp.add_constraint(row, ComparisonOp::Le, 1.0);
+            // Re-solved from the last basis: each round adds one row.
+            solution = current
+                .add_constraint(row, ComparisonOp::Le, 1.0)
+                .ok()
+                .and_then(|o| o.into_solution().ok());
         }
-        let (values, _) = knapsack(&sizes, &prices, WHOLE);
+        let (mut values, _) = knapsack(&sizes, &prices, WHOLE);
+        // Stopped before every pattern was priced within a GPU (many sizes, or the solver gave
+        // up): scaled down, the prices are feasible again, only less sharp.
+        let top = values[WHOLE as usize];
+        if top > 1.0 + EPS {
+            prices.iter_mut().for_each(|p| *p /= top);
+            values.iter_mut().for_each(|v| *v /= top);
+        }
         ShareValues {
             prices: sizes.into_iter().zip(prices).collect(),
             values,
@@ -159,5 +171,29 @@ mod tests {
         let v = ShareValues::learn(&[(650, 100.0), (320, 10.0)]);
         assert!((v.price(650) - 1.0).abs() < 1e-6);
         assert!(v.price(320) < 1e-6);
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn prices_are_a_feasible_dual_and_losses_are_never_negative(
+                demand in prop::collection::vec((1u32..1000, 1u32..200), 1..12),
+                free in 0u32..=1000,
+                size in 1u32..1000,
+            ) {
+                let demand: Vec<(u32, f64)> =
+                    demand.into_iter().map(|(s, n)| (s, f64::from(n))).collect();
+                let v = ShareValues::learn(&demand);
+                // No GPU can hold more than one GPU's worth, and more room is never worth less.
+                prop_assert!(v.value(WHOLE) <= 1.0 + 1e-6, "{}", v.value(WHOLE));
+                prop_assert!(v.value(free) <= v.value(free.saturating_add(10)) + 1e-12);
+                prop_assert!(v.loss(free, size) >= 0.0);
+                // The best packing uses some pattern worth a whole GPU.
+                prop_assert!(v.value(WHOLE) >= 1.0 - 1e-6, "{}", v.value(WHOLE));
+            }
+        }
     }
 }
