@@ -167,8 +167,25 @@ pub fn run_trace(nodes: &[Node], path: &Path, seeds: u64) -> Result<TraceResult,
     })
 }
 
-/// The table, and whether every target held: ours below FGD at 100% on every trace, ≤ 4.0% on
-/// default, and one replay (130%, one seed) under 5 s.
+/// FGD as the paper's own simulator measured it, unallocated GPU % at 100% / 130% arrived, median
+/// of its 10 seeds: from the artifact's `experiments/analysis/expected_results/
+/// analysis_allo_discrete.csv` (hkust-adsl/kubernetes-scheduler-simulator), 100 − allocated %.
+/// The artifact has these traces of the folder (and others the folder lacks).
+const PAPER_FGD: &[(&str, f64, f64)] = &[
+    ("default", 4.77, 4.60),
+    ("cpu050", 5.00, 4.80),
+    ("cpu100", 4.79, 4.66),
+    ("cpu200", 5.18, 4.92),
+    ("cpu250", 6.80, 6.59),
+    ("gpushare100", 13.36, 13.09),
+    ("gpushare40", 6.05, 5.86),
+    ("gpushare60", 8.70, 8.59),
+    ("gpushare80", 10.91, 10.69),
+];
+
+/// The table, and whether every target held: ours below our FGD — and below the paper's FGD
+/// where it is published — at 100% on every trace, ≤ 4.0% on default, and one replay (130%, one
+/// seed) under 5 s.
 pub fn render(results: &[TraceResult], seeds: u64) -> (String, bool) {
     let mut out = String::new();
     let names: Vec<&str> = results
@@ -184,16 +201,26 @@ pub fn render(results: &[TraceResult], seeds: u64) -> (String, bool) {
     for n in &names {
         let _ = write!(out, " {n:>15}");
     }
-    let _ = writeln!(out, " {:>9}  result", "ours s");
+    let _ = writeln!(out, " {:>15} {:>9}  result", "FGD (paper)", "ours s");
     let mut all_ok = true;
     for r in results {
         let _ = write!(out, "{:<12}", r.trace);
         for (_, a, b) in &r.rows {
             let _ = write!(out, " {:>7.2} / {:>5.2}", a, b);
         }
+        let paper = PAPER_FGD.iter().find(|(t, _, _)| *t == r.trace);
+        match paper {
+            Some((_, a, b)) => {
+                let _ = write!(out, " {:>7.2} / {:>5.2}", a, b);
+            }
+            None => {
+                let _ = write!(out, " {:>15}", "-");
+            }
+        }
         let fgd = r.rows.iter().find(|(n, _, _)| n == "FGD").map(|x| x.1);
         let ours = r.rows.last().map(|x| x.1);
-        let beats = matches!((ours, fgd), (Some(o), Some(f)) if o < f);
+        let beats = matches!((ours, fgd), (Some(o), Some(f)) if o < f)
+            && paper.is_none_or(|(_, a, _)| ours.is_some_and(|o| o < *a));
         let target = r.trace != "default" || ours.is_some_and(|o| o <= 4.0);
         let fast = r.ours_slowest < Duration::from_secs(5);
         let ok = beats && target && fast;
@@ -207,7 +234,37 @@ pub fn render(results: &[TraceResult], seeds: u64) -> (String, bool) {
     }
     let _ = writeln!(
         out,
-        "result: PASS when ours is below FGD at 100% (and ≤ 4.0% on default) and one replay to 130% takes under 5 s"
+        "result: PASS when ours is below FGD at 100% (ours and the paper's, where published; ≤ 4.0% on default) and one replay to 130% takes under 5 s"
     );
     (out, all_ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(trace: &str, fgd: f64, ours: f64) -> TraceResult {
+        TraceResult {
+            trace: trace.to_string(),
+            rows: vec![
+                ("FGD".to_string(), fgd, fgd),
+                ("gpuslice".to_string(), ours, ours),
+            ],
+            ours_slowest: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn ours_must_beat_the_papers_fgd_too_where_it_is_published() {
+        // Below our FGD but above the paper's 5.18 on cpu200: a failure.
+        let (table, ok) = render(&[result("cpu200", 6.7, 5.5)], 10);
+        assert!(!ok, "{table}");
+        assert!(table.contains("5.18 /  4.92"), "{table}");
+        // A trace the paper did not run is judged against our FGD alone.
+        let (table, ok) = render(&[result("cpu300", 13.55, 13.2)], 10);
+        assert!(ok, "{table}");
+        // Default also needs the 4.0% target.
+        assert!(!render(&[result("default", 4.5, 4.2)], 10).1);
+        assert!(render(&[result("default", 5.5, 3.8)], 10).1);
+    }
 }
