@@ -4,8 +4,9 @@
 //! (Gilmore–Gomory): choose how many GPUs to fill with each *pattern* (a multiset of shares
 //! that fits one GPU) so every share is covered. The dual of its LP relaxation prices each share
 //! size in GPUs: no pattern is worth more than one GPU, and the patterns the best packing uses
-//! are worth exactly one. The prices say what is scarce: a size that only fits well beside a
-//! rarer partner is cheap, the partner dear.
+//! are worth exactly one. The prices say what is scarce: a share that fills gaps of which there
+//! are more than of such shares costs nothing (it rides beside a share that needs its own GPU
+//! anyway), and sizes that compete for the same partners are priced by how well they pair.
 //!
 //! With those prices, `value(free)` is the most a GPU with `free` thousandths left can still
 //! hold (a knapsack over the priced sizes). Placing a share costs the value it destroys beyond
