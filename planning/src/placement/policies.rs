@@ -1,6 +1,6 @@
 //! Placement policies: the baselines of the FGD paper, FGD itself, and ours.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
@@ -228,17 +228,13 @@ impl Mix {
             self.cpu_per_milli = per_milli(|r| r.cpu_milli);
             self.memory_per_milli = per_milli(|r| r.memory_mib);
         }
-        let mut demand: Vec<(u32, f64)> = Vec::new();
-        for r in &self.window {
-            if let GpuAsk::Share(m) = r.gpu {
-                match demand.iter_mut().find(|(s, _)| *s == m) {
-                    Some(d) => d.1 += 1.0,
-                    None => demand.push((m, 1.0)),
-                }
+        let mut demand: BTreeMap<u32, f64> = BTreeMap::new();
+        for t in &self.mix {
+            if let GpuAsk::Share(m) = t.request.gpu {
+                *demand.entry(m).or_default() += t.weight;
             }
         }
-        demand.sort_by_key(|d| d.0);
-        self.shares = ShareValues::learn(&demand);
+        self.shares = ShareValues::learn(&demand.into_iter().collect::<Vec<_>>());
         self.cache.clear();
         self.arrivals_since_refresh = 0;
     }
