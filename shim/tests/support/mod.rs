@@ -33,14 +33,20 @@ impl Setup {
         let dir = tempfile::tempdir().unwrap();
         let lib = dir.path().join("lib");
         std::fs::create_dir_all(&lib).unwrap();
-        for (name, target) in [
+        // Copies, not links into `target/`: a test may run the probe as another user, who cannot
+        // open files inside a checkout that lives in a private (0700) directory.
+        for (name, built) in [
             ("libcuda.so", "libcuda.so"),
             ("libcuda.so.1", "libcuda.so"),
             ("libnvidia-ml.so", "libnvidia_ml.so"),
             ("libnvidia-ml.so.1", "libnvidia_ml.so"),
+            ("libgpuslice.so", "libgpuslice.so"),
         ] {
-            std::os::unix::fs::symlink(deps().join(target), lib.join(name)).unwrap();
+            let copy = lib.join(name);
+            std::fs::copy(deps().join(built), &copy).unwrap();
+            std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
+        std::fs::set_permissions(&lib, std::fs::Permissions::from_mode(0o755)).unwrap();
         let probe = dir.path().join("probe");
         let built = Command::new("cc")
             .arg("-O1")
@@ -93,7 +99,7 @@ impl Setup {
     pub fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(&self.probe);
         cmd.args(args)
-            .env("LD_PRELOAD", deps().join("libgpuslice.so"))
+            .env("LD_PRELOAD", self.dir.path().join("lib/libgpuslice.so"))
             .env("LD_LIBRARY_PATH", self.dir.path().join("lib"))
             .env(
                 "GPUSLICE_EMULATOR_STATE",
