@@ -63,6 +63,11 @@ pub struct GpuAssignment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub time_slice: Option<Duration>,
+    /// The pool's CheckpointPolicy: how the agent drains a workload on this GPU whose own
+    /// GpuSlicePolicy names none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub checkpoint_policy: Option<String>,
 }
 
 /// What the node agent observed and applied.

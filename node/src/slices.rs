@@ -1,20 +1,20 @@
-//! Slices in the agent's state directory (default `/run/gpuslice`), of which the agent is the
-//! only writer:
+//! Slices in the agent's state directory (layout: `gpuslice_contract::paths`), of which the agent
+//! is the only writer:
 //! - software slice tables, one JSON file per GPU, `gpu-<index>.slices.json`, replaced atomically
 //!   so the shim and `gpuslice run` never read half a table (each slice: id, GPU UUID, memory cap,
 //!   compute share);
 //! - one directory per slice of any kind, `slices/<id>/`, holding its read-only `config` (what the
 //!   shim enforces and `gpuslice run` hands out), its memory ledger `memory` (see
 //!   `gpuslice_shm`), and, written by the workload, `checkpoint-done`.
-//!
-//! Slice ids: `gpu<i>-s<n>` for software slices, `gpu<i>-mig<start>-<profile>` for MIG instances
-//! (stable while the instance keeps its placement), `gpu<i>` for a whole GPU.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use gpuslice_api::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use gpuslice_api::quantity::format_bytes;
-use gpuslice_api::{GpuInventory, MigInstance, NodeInventory, SoftwareSliceState};
+use gpuslice_api::{GpuInventory, NodeInventory, SoftwareSliceState};
+use gpuslice_contract::StateDir;
+use gpuslice_contract::slice::{gpu_slice_id, mig_slice_id, software_slice_id};
+pub use gpuslice_contract::{SliceConfig, SliceKind};
 use gpuslice_planning::transition::SliceTable;
 use serde::{Deserialize, Serialize};
 
@@ -43,10 +43,6 @@ pub struct SliceEntry {
     pub compute_percent: u32,
 }
 
-fn table_path(state: &Path, gpu: u32) -> PathBuf {
-    state.join(format!("gpu-{gpu}.slices.json"))
-}
-
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SliceError + '_ {
     move |source| SliceError::Io {
         path: path.display().to_string(),
@@ -55,8 +51,8 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SliceError + '_ {
 }
 
 /// The slices configured on a GPU (none when it has no table).
-pub fn read(state: &Path, gpu: u32) -> Result<Vec<SoftwareSliceState>, SliceError> {
-    let path = table_path(state, gpu);
+pub fn read(state: &StateDir, gpu: u32) -> Result<Vec<SoftwareSliceState>, SliceError> {
+    let path = state.slice_table(gpu);
     let text = match std::fs::read(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -79,69 +75,32 @@ pub fn read(state: &Path, gpu: u32) -> Result<Vec<SoftwareSliceState>, SliceErro
 }
 
 /// Replaces a GPU's slice table.
-pub fn write(state: &Path, gpu: &GpuInventory, table: &SliceTable) -> Result<(), SliceError> {
-    std::fs::create_dir_all(state).map_err(io(state))?;
+pub fn write(state: &StateDir, gpu: &GpuInventory, table: &SliceTable) -> Result<(), SliceError> {
+    let root = state.root();
+    std::fs::create_dir_all(root).map_err(io(root))?;
     let uuid = gpu.uuid.clone().unwrap_or_default();
     let entries: Vec<SliceEntry> = (0..table.slices)
         .map(|s| SliceEntry {
-            id: format!("gpu{}-s{s}", gpu.index),
+            id: software_slice_id(gpu.index, s),
             gpu_uuid: uuid.clone(),
             memory_bytes: table.memory,
             compute_percent: table.compute,
         })
         .collect();
-    let path = table_path(state, gpu.index);
-    let tmp = tempfile::NamedTempFile::new_in(state).map_err(io(state))?;
+    let path = state.slice_table(gpu.index);
+    let tmp = tempfile::NamedTempFile::new_in(root).map_err(io(root))?;
     serde_json::to_writer_pretty(&tmp, &entries).map_err(|e| io(&path)(e.into()))?;
     tmp.persist(&path).map_err(|e| io(&path)(e.error))?;
     Ok(())
 }
 
 /// Removes a GPU's slice table.
-pub fn clear(state: &Path, gpu: u32) -> Result<(), SliceError> {
-    let path = table_path(state, gpu);
+pub fn clear(state: &StateDir, gpu: u32) -> Result<(), SliceError> {
+    let path = state.slice_table(gpu);
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&path)(e)),
         _ => Ok(()),
     }
-}
-
-/// The id of the slice a MIG instance is.
-pub fn mig_slice_id(gpu: u32, instance: &MigInstance) -> String {
-    format!(
-        "gpu{gpu}-mig{}-{}",
-        instance.placement.start, instance.profile
-    )
-}
-
-/// The id of a whole GPU used as one slice.
-pub fn gpu_slice_id(gpu: u32) -> String {
-    format!("gpu{gpu}")
-}
-
-/// What kind of slice a config describes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum SliceKind {
-    Software,
-    Mig,
-    Exclusive,
-}
-
-/// A slice's read-only config: which device it is and what the shim enforces.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SliceConfig {
-    pub id: String,
-    pub kind: SliceKind,
-    /// GPU index on the node.
-    pub gpu: u32,
-    /// The device the workload sees: the GPU's UUID, or the MIG device's.
-    pub device_uuid: String,
-    /// Memory cap in bytes (the whole device for MIG and exclusive slices).
-    pub memory_bytes: u64,
-    /// Compute share in percent of the device.
-    pub compute_percent: u32,
 }
 
 /// Every slice the node has now: software slices, MIG instances, and GPUs with neither.
@@ -172,7 +131,7 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
             let model = gpuslice_planning::catalog::model(&gpu.model).ok();
             out.extend(instances.iter().filter_map(|i| {
                 Some(SliceConfig {
-                    id: mig_slice_id(gpu.index, i),
+                    id: mig_slice_id(gpu.index, i.placement.start, &i.profile),
                     kind: SliceKind::Mig,
                     gpu: gpu.index,
                     // Without its UUID a workload could not be pointed at the instance.
@@ -200,16 +159,16 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
 /// Makes `<state>/slices/` hold exactly one directory per slice, each with its read-only
 /// `config`. A slice that is gone loses its directory; one that stays keeps what its workload
 /// wrote there.
-pub fn sync_dirs(state: &Path, slices: &[SliceConfig]) -> Result<(), SliceError> {
+pub fn sync_dirs(state: &StateDir, slices: &[SliceConfig]) -> Result<(), SliceError> {
     use std::os::unix::fs::PermissionsExt as _;
-    let root = state.join("slices");
+    let root = state.slices();
     std::fs::create_dir_all(&root).map_err(io(&root))?;
     for slice in slices {
-        let dir = root.join(&slice.id);
+        let dir = state.slice(&slice.id);
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
         // The slice's memory ledger: every process of the workload maps it read-write (it can
         // only spoil its own slice's accounting; its limits come from the read-only config).
-        let ledger = dir.join("memory");
+        let ledger = state.slice_ledger(&slice.id);
         if !ledger.exists() {
             gpuslice_shm::Ledger::open(&ledger).map_err(|e| SliceError::Io {
                 path: ledger.display().to_string(),
@@ -218,7 +177,7 @@ pub fn sync_dirs(state: &Path, slices: &[SliceConfig]) -> Result<(), SliceError>
             std::fs::set_permissions(&ledger, std::fs::Permissions::from_mode(0o666))
                 .map_err(io(&ledger))?;
         }
-        let path = dir.join("config");
+        let path = state.slice_config(&slice.id);
         let text = serde_json::to_vec_pretty(slice).map_err(|e| io(&path)(e.into()))?;
         if std::fs::read(&path).ok().as_deref() == Some(text.as_slice()) {
             continue;
@@ -241,11 +200,24 @@ pub fn sync_dirs(state: &Path, slices: &[SliceConfig]) -> Result<(), SliceError>
 }
 
 /// Reads one slice's config.
-pub fn read_config(state: &Path, id: &str) -> Result<SliceConfig, SliceError> {
-    let path = state.join("slices").join(id).join("config");
+pub fn read_config(state: &StateDir, id: &str) -> Result<SliceConfig, SliceError> {
+    let path = state.slice_config(id);
     let text = std::fs::read(&path).map_err(io(&path))?;
     serde_json::from_slice(&text).map_err(|source| SliceError::Corrupt {
         path: path.display().to_string(),
         source,
     })
+}
+
+/// The slices whose configs the agent has written.
+pub fn published(state: &StateDir) -> Vec<SliceConfig> {
+    let Ok(entries) = std::fs::read_dir(state.slices()) else {
+        return Vec::new();
+    };
+    let mut out: Vec<SliceConfig> = entries
+        .flatten()
+        .filter_map(|e| read_config(state, &e.file_name().to_string_lossy()).ok())
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
 }

@@ -20,14 +20,17 @@ use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Client, Resource, ResourceExt as _};
 use tokio::sync::Notify;
 
-use crate::desired::{NodeReport, Observed, desired, keep_transition_times};
+use crate::desired::{NodeReport, Observed, desired};
+use gpuslice_runtime::apply_body;
+use gpuslice_runtime::conditions::keep_transition_times;
 use crate::election::Leadership;
-use crate::telemetry::Telemetry;
+use gpuslice_runtime::telemetry::Telemetry;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
+use tracing::Instrument as _;
 use prometheus_client::registry::Registry;
 
 /// GpuNode writes in flight at once.
@@ -57,7 +60,7 @@ where
         futures::pin_mut!(stream);
         while let Some(event) = stream.next().await {
             if let Err(e) = event {
-                eprintln!("gpuslice operator: watch error: {e}");
+                tracing::warn!("watch error: {e}");
             }
             changed.notify_one();
         }
@@ -87,7 +90,7 @@ impl Metrics {
         let m = Metrics {
             reconciles: Counter::default(),
             errors: Counter::default(),
-            duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            duration: Histogram::new(gpuslice_runtime::duration_buckets()),
             pool_nodes: Family::default(),
             pool_gpus: Family::default(),
             pool_slices: Family::default(),
@@ -114,6 +117,15 @@ impl Metrics {
         m
     }
 }
+
+/// With nothing to wake it, the loop still passes this often.
+const IDLE_PASS: Duration = Duration::from_secs(300);
+/// Passes this long after a window boundary, so the clock is surely past it.
+const BOUNDARY_MARGIN: Duration = Duration::from_millis(50);
+/// A follower (not the leader) looks this often whether it leads now.
+const FOLLOWER_PASS: Duration = Duration::from_secs(1);
+/// A burst of changes settles this long before the pass it triggers.
+const SETTLE: Duration = Duration::from_millis(100);
 
 /// Runs the operator until the process ends.
 pub async fn run(
@@ -156,52 +168,57 @@ pub async fn run(
     };
     loop {
         let started = std::time::Instant::now();
-        let mut observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
-        observed.policies = policies.state().iter().map(|p| (**p).clone()).collect();
-        let now = clock.now();
-        let want = desired(&observed, now);
-        // Only the leader writes; the others keep their caches warm to take over at once.
-        let failed = if leadership.is_leader() {
-            writer.apply(&want, &pools, &gpu_nodes).await
-                + writer.apply_policies(&want, &policies).await
-        } else {
-            0
-        };
-        metrics.reconciles.inc();
-        metrics.errors.inc_by(failed);
-        metrics.duration.observe(started.elapsed().as_secs_f64());
-        metrics.pool_nodes.clear();
-        metrics.pool_gpus.clear();
-        metrics.pool_slices.clear();
-        for (pool, status) in &want.pool_status {
-            let label = PoolLabel { pool: pool.clone() };
-            metrics
-                .pool_nodes
-                .get_or_create(&label)
-                .set(i64::from(status.nodes));
-            metrics
-                .pool_gpus
-                .get_or_create(&label)
-                .set(i64::from(status.gpus));
-            metrics
-                .pool_slices
-                .get_or_create(&label)
-                .set(i64::from(status.slices.total));
+        let want = async {
+            let mut observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
+            observed.policies = policies.state().iter().map(|p| (**p).clone()).collect();
+            let now = clock.now();
+            let want = desired(&observed, now);
+            // Only the leader writes; the others keep their caches warm to take over at once.
+            let failed = if leadership.is_leader() {
+                writer.apply(&want, &pools, &gpu_nodes).await
+                    + writer.apply_policies(&want, &policies).await
+            } else {
+                0
+            };
+            metrics.reconciles.inc();
+            metrics.errors.inc_by(failed);
+            metrics.duration.observe(started.elapsed().as_secs_f64());
+            metrics.pool_nodes.clear();
+            metrics.pool_gpus.clear();
+            metrics.pool_slices.clear();
+            for (pool, status) in &want.pool_status {
+                let label = PoolLabel { pool: pool.clone() };
+                metrics
+                    .pool_nodes
+                    .get_or_create(&label)
+                    .set(i64::from(status.nodes));
+                metrics
+                    .pool_gpus
+                    .get_or_create(&label)
+                    .set(i64::from(status.gpus));
+                metrics
+                    .pool_slices
+                    .get_or_create(&label)
+                    .set(i64::from(status.slices.total));
+            }
+            if let Some(t) = &telemetry {
+                t.pass_done();
+            }
+            want
         }
-        if let Some(t) = &telemetry {
-            t.pass_done();
-        }
+        .instrument(tracing::info_span!("reconcile", leader = leadership.is_leader()))
+        .await;
         // Wake on a change (a burst settles first) or at the next window boundary.
-        let until_boundary = want.next_change.map_or(Duration::from_secs(300), |t| {
-            clock.until(t) + Duration::from_millis(50)
+        let until_boundary = want.next_change.map_or(IDLE_PASS, |t| {
+            clock.until(t) + BOUNDARY_MARGIN
         });
         let until_boundary = if leadership.is_leader() {
             until_boundary
         } else {
-            until_boundary.min(Duration::from_secs(1))
+            until_boundary.min(FOLLOWER_PASS)
         };
         tokio::select! {
-            _ = changed.notified() => tokio::time::sleep(Duration::from_millis(100)).await,
+            _ = changed.notified() => tokio::time::sleep(SETTLE).await,
             _ = tokio::time::sleep(until_boundary) => {}
         }
     }
@@ -274,19 +291,14 @@ impl Writer {
             if current.as_ref().is_some_and(|c| c.spec == *spec) {
                 return None;
             }
-            let patch = serde_json::json!({
-                "apiVersion": "gpuslice.io/v1alpha1",
-                "kind": "GpuNode",
-                "metadata": {"name": name},
-                "spec": spec,
-            });
+            let patch = apply_body("GpuNode", name, "spec", spec);
             let (api, params) = (&gpu_node_api, &params);
             Some(async move {
                 match api.patch(name, params, &Patch::Apply(&patch)).await {
                     Ok(_) => 0,
                     Err(e) => {
-                        eprintln!(
-                            "gpuslice operator: GpuNode/{name}: writing the desired layout: {e}"
+                        tracing::warn!(
+                            "GpuNode/{name}: writing the desired layout: {e}"
                         );
                         1
                     }
@@ -322,21 +334,16 @@ impl Writer {
                         secondary: None,
                     };
                     if let Err(err) = self.recorder.publish(&event, &pool.object_ref(&())).await {
-                        eprintln!("gpuslice operator: GpuPool/{name}: recording an event: {err}");
+                        tracing::warn!("GpuPool/{name}: recording an event: {err}");
                     }
                 }
             }
-            let patch = serde_json::json!({
-                "apiVersion": "gpuslice.io/v1alpha1",
-                "kind": "GpuPool",
-                "metadata": {"name": name},
-                "status": status,
-            });
+            let patch = apply_body("GpuPool", name, "status", &status);
             if let Err(e) = pool_api
                 .patch_status(name, &params, &Patch::Apply(&patch))
                 .await
             {
-                eprintln!("gpuslice operator: GpuPool/{name}: writing status: {e}");
+                tracing::warn!("GpuPool/{name}: writing status: {e}");
                 failed += 1;
             }
         }
@@ -363,14 +370,9 @@ impl Writer {
             if status == old {
                 continue;
             }
-            let patch = serde_json::json!({
-                "apiVersion": "gpuslice.io/v1alpha1",
-                "kind": "GpuSlicePolicy",
-                "metadata": {"name": name},
-                "status": status,
-            });
+            let patch = apply_body("GpuSlicePolicy", name, "status", &status);
             if let Err(e) = api.patch_status(name, &params, &Patch::Apply(&patch)).await {
-                eprintln!("gpuslice operator: GpuSlicePolicy/{name}: writing status: {e}");
+                tracing::warn!("GpuSlicePolicy/{name}: writing status: {e}");
                 failed += 1;
             }
         }

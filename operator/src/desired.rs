@@ -13,6 +13,7 @@ use gpuslice_api::{
 };
 use gpuslice_planning::cluster::plan_cluster;
 use gpuslice_planning::transition::Desired;
+use gpuslice_runtime::conditions::condition;
 
 /// What the agent of a node reported, and what it has applied.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -49,57 +50,11 @@ pub struct DesiredState {
     pub next_change: Option<DateTime<Utc>>,
 }
 
-/// A condition; its transition time is set by [`keep_transition_times`].
-pub fn condition(
-    kind: &str,
-    status: bool,
-    reason: &str,
-    message: String,
-    generation: Option<i64>,
-) -> Condition {
-    Condition {
-        type_: kind.to_string(),
-        status: if status { "True" } else { "False" }.to_string(),
-        reason: reason.to_string(),
-        message,
-        observed_generation: generation,
-        last_transition_time: Time(Timestamp::UNIX_EPOCH),
-    }
-}
-
-/// Gives each condition the transition time of the old one of its type while its status stays,
-/// and now when the status changed (Kubernetes API conventions).
-pub fn keep_transition_times(conditions: &mut [Condition], old: &[Condition]) {
-    for c in conditions {
-        c.last_transition_time = old
-            .iter()
-            .find(|o| o.type_ == c.type_ && o.status == c.status)
-            .map_or_else(
-                || Time(Timestamp::now()),
-                |o| o.last_transition_time.clone(),
-            );
-    }
-}
-
-/// Whether a planning error names the pool (pool names are DNS subdomains).
-fn names_pool(error: &str, pool: &str) -> bool {
-    error
-        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '.'))
-        .any(|word| word == pool)
-}
-
 /// A Kubernetes time for a chrono one.
 fn time(at: DateTime<Utc>) -> Option<Time> {
     Timestamp::new(at.timestamp(), at.timestamp_subsec_nanos() as i32)
         .ok()
         .map(Time)
-}
-
-/// The layout a pool wants in force: a window's, or its default.
-fn layout_of(pool: &GpuPool, window: Option<&str>) -> Layout {
-    window
-        .and_then(|w| pool.spec.windows.iter().find(|x| x.name == w))
-        .map_or_else(|| pool.spec.layout.clone(), |w| w.layout.clone())
 }
 
 /// Builds the desired state at `at`.
@@ -118,18 +73,14 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             .iter()
             .filter(|g| g.error.is_none())
             .filter_map(|g| {
-                let pool_name = g.pool.as_ref()?;
-                let pool = observed
-                    .pools
-                    .iter()
-                    .find(|p| p.metadata.name.as_ref() == Some(pool_name))?;
                 Some(GpuAssignment {
                     index: g.index,
                     uuid: g.uuid.clone(),
-                    pool: pool_name.clone(),
+                    pool: g.pool.clone()?,
                     window: g.window.clone(),
-                    layout: layout_of(pool, g.window.as_deref()),
-                    time_slice: pool.spec.time_slice,
+                    layout: g.layout.clone()?,
+                    time_slice: g.time_slice,
+                    checkpoint_policy: g.checkpoint_policy.clone(),
                 })
             })
             .collect();
@@ -166,7 +117,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             for g in &node.gpus {
                 let claimed = g.pool.as_deref() == Some(name.as_str());
                 if let Some(e) = &g.error
-                    && (claimed || names_pool(e, &name))
+                    && (claimed || e.pools().contains(&name.as_str()))
                 {
                     problems.push(format!("node {} GPU {}: {e}", node.node, g.index));
                 }

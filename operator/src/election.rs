@@ -40,13 +40,13 @@ pub fn start(
             let leading = match try_lead(&api, &name, &identity, duration).await {
                 Ok(leading) => leading,
                 Err(e) => {
-                    eprintln!("gpuslice operator: lease {name}: {e}");
+                    tracing::warn!("lease {name}: {e}");
                     false
                 }
             };
             if leading != flag.is_leader() {
-                eprintln!(
-                    "gpuslice operator: {identity} {} the lease {name}",
+                tracing::info!(
+                    "{identity} {} the lease {name}",
                     if leading { "holds" } else { "does not hold" }
                 );
             }

@@ -5,4 +5,3 @@
 pub mod controller;
 pub mod desired;
 pub mod election;
-pub mod telemetry;

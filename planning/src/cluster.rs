@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use gpuslice_api::{GpuInventory, GpuPool, GpuSelector, NodeInventory};
+use gpuslice_api::{Duration, GpuInventory, GpuPool, GpuSelector, Layout, NodeInventory};
 use serde::Serialize;
 
 use crate::catalog;
@@ -80,7 +80,36 @@ pub fn pool_timing(pool: &GpuPool, at: DateTime<Utc>) -> (Option<usize>, PoolTim
     (window, timing)
 }
 
-/// The plan of one GPU.
+/// Why a GPU cannot be planned.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GpuPlanError {
+    #[error(
+        "GPU {gpu} is selected by pools {}: pools that share a node must select disjoint GPUs (gpuSelector indices or UUIDs)",
+        pools.join(" and ")
+    )]
+    PoolsOverlap { gpu: u32, pools: Vec<String> },
+    /// The pool's layout does not fit the GPU (its model lacks the profiles, …).
+    #[error("{message}")]
+    Layout { pool: String, message: String },
+}
+
+impl GpuPlanError {
+    /// The pools the error is about.
+    pub fn pools(&self) -> Vec<&str> {
+        match self {
+            GpuPlanError::PoolsOverlap { pools, .. } => pools.iter().map(String::as_str).collect(),
+            GpuPlanError::Layout { pool, .. } => vec![pool.as_str()],
+        }
+    }
+}
+
+impl Serialize for GpuPlanError {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// The plan of one GPU: which pool it belongs to and everything the node needs to act on that.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuPlan {
@@ -93,14 +122,23 @@ pub struct GpuPlan {
     pub pool: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub window: Option<String>,
-    /// The layout that should be in force now.
+    /// The pool's layout in force now (its open window's, or its default), as declared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layout: Option<Layout>,
+    /// The layout that should be in force now, resolved for the GPU's model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub desired: Option<Desired>,
+    /// The pool's minimum compute time slice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub time_slice: Option<Duration>,
+    /// The pool's CheckpointPolicy: how workloads whose own policy names none are drained.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_policy: Option<String>,
     pub ops: Vec<Op>,
     pub blocked_by: Vec<Blocker>,
     /// Why the GPU cannot be planned (two pools claim it, its model lacks the profiles…).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
+    pub error: Option<GpuPlanError>,
 }
 
 /// The plan of one node.
@@ -166,33 +204,72 @@ fn plan_gpu(
         model: gpu.model.clone(),
         pool: None,
         window: None,
+        layout: None,
         desired: None,
+        time_slice: None,
+        checkpoint_policy: None,
         ops: Vec::new(),
         blocked_by: Vec::new(),
         error: None,
     };
     let &[pool_index] = claiming else {
         if claiming.len() > 1 {
-            let mut names: Vec<&str> = claiming
+            let mut pools: Vec<String> = claiming
                 .iter()
-                .map(|&i| timings[i].1.pool.as_str())
+                .map(|&i| timings[i].1.pool.clone())
                 .collect();
-            names.sort();
-            out.error = Some(format!(
-                "GPU {} is selected by pools {}: pools that share a node must select disjoint GPUs (gpuSelector indices or UUIDs)",
-                gpu.index,
-                names.join(" and ")
-            ));
+            pools.sort();
+            out.error = Some(GpuPlanError::PoolsOverlap {
+                gpu: gpu.index,
+                pools,
+            });
         }
         return out;
     };
     let pool = &pools[pool_index];
     let (window, timing) = &timings[pool_index];
-    out.pool = Some(timing.pool.clone());
-    out.window = timing.window.clone();
     let layout = window.map_or(&pool.spec.layout, |w| &pool.spec.windows[w].layout);
+    plan_assigned(
+        gpu,
+        Assignment {
+            pool: &timing.pool,
+            window: timing.window.as_deref(),
+            layout,
+            time_slice: pool.spec.time_slice,
+            checkpoint_policy: pool.spec.checkpoint_policy.as_deref(),
+        },
+    )
+}
+
+/// A GPU's place in a pool, as the operator assigns it (`GpuNode.spec`) or the standalone agent
+/// finds it.
+#[derive(Clone, Copy, Debug)]
+pub struct Assignment<'a> {
+    pub pool: &'a str,
+    pub window: Option<&'a str>,
+    pub layout: &'a Layout,
+    pub time_slice: Option<Duration>,
+    pub checkpoint_policy: Option<&'a str>,
+}
+
+/// Plans one GPU of a pool: the layout resolved for its model and the transition from its state.
+pub fn plan_assigned(gpu: &GpuInventory, assignment: Assignment<'_>) -> GpuPlan {
+    let mut out = GpuPlan {
+        index: gpu.index,
+        uuid: gpu.uuid.clone(),
+        model: gpu.model.clone(),
+        pool: Some(assignment.pool.to_string()),
+        window: assignment.window.map(str::to_string),
+        layout: Some(assignment.layout.clone()),
+        desired: None,
+        time_slice: assignment.time_slice,
+        checkpoint_policy: assignment.checkpoint_policy.map(str::to_string),
+        ops: Vec::new(),
+        blocked_by: Vec::new(),
+        error: None,
+    };
     let model = catalog::model(&gpu.model).ok();
-    let result = Desired::of(layout, model, &gpu.model).and_then(|desired| {
+    let result = Desired::of(assignment.layout, model, &gpu.model).and_then(|desired| {
         let p = transition::plan(model, &GpuState::from_inventory(gpu), &desired)?;
         Ok((desired, p))
     });
@@ -202,7 +279,12 @@ fn plan_gpu(
             out.ops = p.ops;
             out.blocked_by = p.blocked_by;
         }
-        Err(e) => out.error = Some(e.to_string()),
+        Err(e) => {
+            out.error = Some(GpuPlanError::Layout {
+                pool: assignment.pool.to_string(),
+                message: e.to_string(),
+            })
+        }
     }
     out
 }

@@ -20,17 +20,15 @@ use std::ffi::c_int;
 use std::io::{ErrorKind, Read as _, Write as _};
 use std::os::fd::AsRawFd as _;
 use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::dl::{Lib, resolve};
-use crate::hooks::Handle;
-use crate::limits::{Limits, limits};
+use gpuslice_contract::cuda::{CUDA_ERROR_NOT_PERMITTED as NOT_PERMITTED, Handle};
+use gpuslice_contract::socket::{self, Compute, Reply, Request};
 
-/// `CUDA_ERROR_NOT_PERMITTED`.
-const NOT_PERMITTED: c_int = 800;
+use crate::dl::{Lib, resolve};
+use crate::limits::{Limits, limits};
 
 /// The launch gate in one word: launches in flight (bits 0–19), the grant (bit 20), and a
 /// launch counter (bits 21–63, wrapping) by which the monitor sees activity.
@@ -129,17 +127,19 @@ fn connect() -> Result<Option<Session>, Refusal> {
     socket
         .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .map_err(unreachable)?;
-    let hello = serde_json::json!({"compute": {"slice": slice.id}});
+    let hello = Request::Compute {
+        slice: slice.id.clone(),
+    };
     socket
-        .write_all(format!("{hello}\n").as_bytes())
+        .write_all(&socket::line(&hello))
         .map_err(unreachable)?;
     let reply = read_line(&mut socket, &mut Vec::new()).map_err(unreachable)?;
     socket.set_read_timeout(None).map_err(unreachable)?;
-    let reply: serde_json::Value = serde_json::from_str(&reply)
-        .map_err(|e| Refusal::Unreachable(format!("the node agent's answer: {e}")))?;
-    if let Some(reason) = reply["refused"]["reason"].as_str() {
-        return Err(Refusal::Refused(reason.to_string()));
+    if let Ok(Reply::Refused { reason }) = serde_json::from_str(&reply) {
+        return Err(Refusal::Refused(reason));
     }
+    serde_json::from_str::<socket::Ready>(&reply)
+        .map_err(|e| Refusal::Unreachable(format!("the node agent's answer {reply:?}: {e}")))?;
     // SAFETY: registering a fork handler that only stores to an atomic.
     unsafe { libc::pthread_atfork(None, None, Some(forked)) };
     let monitor = socket.try_clone().map_err(unreachable)?;
@@ -181,10 +181,8 @@ fn read_line(socket: &mut UnixStream, buffer: &mut Vec<u8>) -> std::io::Result<S
     }
 }
 
-fn send(session: &Session, message: &str) -> bool {
-    (&session.socket)
-        .write_all(format!("\"{message}\"\n").as_bytes())
-        .is_ok()
+fn send(session: &Session, message: Compute) -> bool {
+    (&session.socket).write_all(message.wire().as_bytes()).is_ok()
 }
 
 /// Runs a launch on `stream` when the slice holds the GPU, waiting for a grant if needed.
@@ -229,7 +227,7 @@ fn wait_for_grant(session: &Session) -> bool {
         // Asked again after every release (a grant may be taken back before this thread ran).
         if !local.asked {
             local.asked = true;
-            if !send(session, "acquire") {
+            if !send(session, Compute::Acquire) {
                 lose(session);
                 break false;
             }
@@ -333,7 +331,7 @@ fn release(session: &Session) {
     while GATE.load(Ordering::SeqCst) & IN_FLIGHT != 0 {
         std::hint::spin_loop();
     }
-    if !send(session, "stopped") {
+    if !send(session, Compute::Stopped) {
         lose(session);
         return;
     }
@@ -345,7 +343,7 @@ fn release(session: &Session) {
 /// `acquire` is sent under, so the agent never sees an acquire before the release it follows).
 fn give_back(session: &Session) {
     let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
-    if !send(session, "release") {
+    if !send(session, Compute::Release) {
         drop(local);
         lose(session);
         return;
@@ -417,22 +415,22 @@ fn run_monitor(mut socket: UnixStream) {
             lose(session);
             return;
         };
-        match line.trim() {
-            "\"contended\"" => {
+        match Compute::from_wire(&line) {
+            Some(Compute::Contended) => {
                 leave_free();
                 CONTENDED.store(true, Ordering::SeqCst);
                 seen = GATE.load(Ordering::SeqCst) >> 21;
             }
-            message @ ("\"grant\"" | "\"free\"") => {
+            Some(message @ (Compute::Grant | Compute::Free)) => {
                 CONTENDED.store(false, Ordering::SeqCst);
                 let _local = session.local.lock().unwrap_or_else(|p| p.into_inner());
-                FREE.store(message == "\"free\"", Ordering::SeqCst);
+                FREE.store(message == Compute::Free, Ordering::SeqCst);
                 GATE.fetch_or(HOLD, Ordering::SeqCst);
                 session.granted.notify_all();
                 seen = GATE.load(Ordering::SeqCst) >> 21;
             }
             // A yield that crossed an idle release on the way is stale.
-            "\"yield\"" if GATE.load(Ordering::SeqCst) & HOLD != 0 => release(session),
+            Some(Compute::Yield) if GATE.load(Ordering::SeqCst) & HOLD != 0 => release(session),
             _ => {}
         }
     }
@@ -482,7 +480,3 @@ pub fn capture_ended(stream: Handle) {
     }
 }
 
-/// The agent's socket for a slice config at `<state>/slices/<id>/config`.
-pub fn agent_socket(config: &Path) -> Option<std::path::PathBuf> {
-    Some(config.parent()?.parent()?.parent()?.join("agent.sock"))
-}

@@ -8,10 +8,10 @@
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
+use gpuslice_contract::cuda::{self, CUDA_ERROR_UNKNOWN, Handle};
+
 use crate::dl::{Lib, resolve};
 use crate::{launch, memory, nvml, proc_address};
-
-pub type Handle = *mut c_void;
 
 /// One hooked symbol.
 pub struct Hook {
@@ -30,7 +30,7 @@ pub struct Hook {
 /// What a hook returns when the real library lacks the function.
 fn missing(lib: Lib) -> c_int {
     match lib {
-        Lib::Cuda => 999, // CUDA_ERROR_UNKNOWN
+        Lib::Cuda => CUDA_ERROR_UNKNOWN,
         Lib::Nvml => 13,  // NVML_ERROR_FUNCTION_NOT_FOUND
     }
 }
@@ -122,9 +122,9 @@ hooks! {
         (handle: *mut u64, bytes: usize, prop: *const c_void, flags: u64) => memory::create;
     Cuda cuMemRelease "cuMemRelease" 10020 false (handle: u64) => memory::release;
     Cuda cuArrayCreate_v2 "cuArrayCreate" 3020 false
-        (array: *mut Handle, desc: *const memory::ArrayDescriptor) => memory::array_create;
+        (array: *mut Handle, desc: *const cuda::ArrayDescriptor) => memory::array_create;
     Cuda cuArray3DCreate_v2 "cuArray3DCreate" 3020 false
-        (array: *mut Handle, desc: *const memory::ArrayDescriptor3D) => memory::array3d_create;
+        (array: *mut Handle, desc: *const cuda::ArrayDescriptor3D) => memory::array3d_create;
     Cuda cuArrayDestroy "cuArrayDestroy" 2000 false (array: Handle) => memory::array_destroy;
     Cuda cuLaunchKernel "cuLaunchKernel" 4000 false
         (f: Handle, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
@@ -141,10 +141,10 @@ hooks! {
         (f: Handle, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
          shared: c_uint, stream: Handle, params: *mut *mut c_void) => launch::cooperative;
     Cuda cuLaunchKernelEx "cuLaunchKernelEx" 11060 false
-        (config: *const launch::LaunchConfig, f: Handle, params: *mut *mut c_void,
+        (config: *const cuda::LaunchConfig, f: Handle, params: *mut *mut c_void,
          extra: *mut *mut c_void) => launch::ex;
     Cuda cuLaunchKernelEx_ptsz "cuLaunchKernelEx" 11060 true
-        (config: *const launch::LaunchConfig, f: Handle, params: *mut *mut c_void,
+        (config: *const cuda::LaunchConfig, f: Handle, params: *mut *mut c_void,
          extra: *mut *mut c_void) => launch::ex;
     Cuda cuGraphLaunch "cuGraphLaunch" 10000 false (exec: Handle, stream: Handle) => launch::graph;
     Cuda cuGraphLaunch_ptsz "cuGraphLaunch" 10000 true

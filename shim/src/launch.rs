@@ -5,7 +5,7 @@
 use std::ffi::{c_int, c_uint, c_void};
 
 use crate::compute::{capture_ended, capture_started, gate};
-use crate::hooks::Handle;
+use gpuslice_contract::cuda::{Handle, LaunchConfig};
 
 type Launch = unsafe extern "C" fn(
     Handle,
@@ -73,15 +73,6 @@ pub fn cooperative(
     gate(stream, || unsafe {
         real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
     })
-}
-
-/// `CUlaunchConfig`: grid and block sizes, shared memory, then the stream.
-#[repr(C)]
-pub struct LaunchConfig {
-    grid: [c_uint; 3],
-    block: [c_uint; 3],
-    shared_mem_bytes: c_uint,
-    stream: Handle,
 }
 
 pub fn ex(

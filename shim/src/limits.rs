@@ -13,20 +13,9 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
+use gpuslice_contract::env::{MEMORY_LIMIT as LIMIT_VAR, SLICE_CONFIG as CONFIG_VAR};
+use gpuslice_contract::{SliceConfig, SliceKind, StateDir, paths};
 use gpuslice_shm::{Ledger, Process, RowId, alive};
-
-pub const CONFIG_VAR: &str = "GPUSLICE_SLICE_CONFIG";
-pub const LIMIT_VAR: &str = "GPUSLICE_MEMORY_LIMIT";
-
-/// The part of the agent's slice config the shim uses.
-#[derive(serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Config {
-    id: String,
-    #[serde(default)]
-    kind: String,
-    memory_bytes: u64,
-}
 
 /// What an allocation holds, by kind, so pointers and handles never collide.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -82,7 +71,7 @@ fn load(path: &Path) -> Result<Slice, String> {
     }
     trusted(path)?;
     let text = std::fs::read(path).map_err(|e| format!("cannot read the slice config: {e}"))?;
-    let config: Config =
+    let config: SliceConfig =
         serde_json::from_slice(&text).map_err(|e| format!("not a slice config: {e}"))?;
     let mut cap = config.memory_bytes;
     if let Ok(text) = std::env::var(LIMIT_VAR) {
@@ -91,15 +80,14 @@ fn load(path: &Path) -> Result<Slice, String> {
             None => eprintln!("gpuslice: {LIMIT_VAR}={text:?} is not a size (like 8Gi); ignored"),
         }
     }
-    let ledger_path: PathBuf = path.with_file_name("memory");
-    let ledger = Ledger::open(&ledger_path).map_err(|e| e.to_string())?;
+    let ledger = Ledger::open(&paths::ledger_beside(path)).map_err(|e| e.to_string())?;
     ledger.reclaim(alive);
     let row = ledger
         .row_for(Process::current(), 0)
         .map_err(|e| e.to_string())?;
     Ok(Slice {
-        agent_socket: (config.kind == "software")
-            .then(|| crate::compute::agent_socket(path))
+        agent_socket: (config.kind == SliceKind::Software)
+            .then(|| StateDir::of_slice_config(path).map(|s| s.socket()))
             .flatten(),
         id: config.id,
         cap,

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::sync::atomic::AtomicUsize;
 
 use crate::dl::{Lib, resolve};
-use crate::hooks::Handle;
+use gpuslice_contract::cuda::{ArrayDescriptor, ArrayDescriptor3D, Handle};
 use crate::limits::{Kind, Limits, Slice, limits};
 
 const SUCCESS: c_int = 0;
@@ -195,28 +195,6 @@ pub fn create(
 
 pub fn release(real: unsafe extern "C" fn(u64) -> c_int, handle: u64) -> c_int {
     freed(Kind::Physical, handle, || unsafe { real(handle) })
-}
-
-/// `CUDA_ARRAY_DESCRIPTOR`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct ArrayDescriptor {
-    pub width: usize,
-    pub height: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-}
-
-/// `CUDA_ARRAY3D_DESCRIPTOR`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct ArrayDescriptor3D {
-    pub width: usize,
-    pub height: usize,
-    pub depth: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-    pub flags: c_uint,
 }
 
 /// Bytes of an array; `None` for a format the shim does not know (then the driver decides).

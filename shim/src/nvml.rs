@@ -6,7 +6,7 @@ use std::ffi::{c_int, c_uint};
 use std::sync::atomic::AtomicUsize;
 
 use crate::dl::{Lib, resolve};
-use crate::hooks::Handle;
+use gpuslice_contract::cuda::Handle;
 use crate::limits::{Limits, limits};
 
 const SUCCESS: c_int = 0;

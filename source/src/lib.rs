@@ -3,6 +3,8 @@
 //! where each field was written, so every problem can be reported as `file:line`.
 
 pub mod follow;
+pub mod last_good;
+pub mod validate;
 pub mod yaml;
 
 use std::path::{Path, PathBuf};

@@ -27,21 +27,13 @@ use gpuslice_emulator::shm::{Ledger, Process, RowId, alive};
 use gpuslice_emulator::timeline::{Timeline, now_ns, timeline_path};
 use gpuslice_emulator::{Store, cuda_ledger_path, device_key};
 
-pub type CUresult = c_int;
-pub type CUdevice = c_int;
-pub type CUdeviceptr = u64;
-pub type Handle = *mut c_void;
-
-pub const CUDA_SUCCESS: CUresult = 0;
-pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
-pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
-pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
-pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
-pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
-pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
-pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
-pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
-pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
+pub use gpuslice_contract::cuda::{
+    ArrayDescriptor, ArrayDescriptor3D, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE,
+    CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE,
+    CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, CuDevice as CUdevice, CuDevicePtr as CUdeviceptr,
+    CuResult as CUresult, Handle, LaunchConfig,
+};
 
 /// Device memory a context takes when created.
 pub const CONTEXT_BYTES: u64 = 300 << 20;
@@ -747,27 +739,6 @@ pub extern "C" fn cuMemRelease(handle: u64) -> CUresult {
     guard(|| with(|d| d.free(handle)))
 }
 
-/// `CUDA_ARRAY3D_DESCRIPTOR` (the 2D descriptor is its first fields without depth and flags).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct ArrayDescriptor3D {
-    pub width: usize,
-    pub height: usize,
-    pub depth: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-    pub flags: c_uint,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct ArrayDescriptor {
-    pub width: usize,
-    pub height: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-}
-
 /// Bytes per element of a `CUarray_format`.
 pub fn format_bytes(format: c_uint) -> Option<u64> {
     match format {
@@ -1044,17 +1015,6 @@ pub extern "C" fn cuLaunchKernel_ptsz(
 ) -> CUresult {
     let _ = (gx, gy, gz, bx, by, bz, shared, params, extra);
     launch(function, stream)
-}
-
-/// `CUlaunchConfig`, as `cuLaunchKernelEx` takes it.
-#[repr(C)]
-pub struct LaunchConfig {
-    pub grid: [c_uint; 3],
-    pub block: [c_uint; 3],
-    pub shared_mem_bytes: c_uint,
-    pub stream: Handle,
-    pub attrs: *mut c_void,
-    pub num_attrs: c_uint,
 }
 
 #[unsafe(no_mangle)]

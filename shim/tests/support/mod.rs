@@ -82,13 +82,15 @@ impl Setup {
         let slice = dir.path().join("state/slices/gpu0-s0");
         std::fs::create_dir_all(&slice).unwrap();
         let config = slice.join("config");
-        std::fs::write(
-            &config,
-            format!(
-                r#"{{"id":"gpu0-s0","kind":"software","gpu":0,"deviceUuid":"GPU-x","memoryBytes":{cap},"computePercent":50}}"#
-            ),
-        )
-        .unwrap();
+        let slice_config = gpuslice_contract::SliceConfig {
+            id: "gpu0-s0".into(),
+            kind: gpuslice_contract::SliceKind::Software,
+            gpu: 0,
+            device_uuid: "GPU-x".into(),
+            memory_bytes: cap,
+            compute_percent: 50,
+        };
+        std::fs::write(&config, serde_json::to_vec(&slice_config).unwrap()).unwrap();
         std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o444)).unwrap();
         Ledger::open(&slice.join("memory")).unwrap();
         std::fs::set_permissions(slice.join("memory"), std::fs::Permissions::from_mode(0o666))

@@ -52,7 +52,7 @@ impl Telemetry {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
-                eprintln!("gpuslice: metrics server stopped: {e}");
+                tracing::error!("metrics server stopped: {e}");
             }
         });
         Ok(())

@@ -1,4 +1,4 @@
-//! The standalone agent's view of its source: what is in force now. Each poll reads the source
+//! A followed source's last good config (the standalone agent's view of its source): what is in force now. Each poll reads the source
 //! (fetching Git), validates it, and when it is good makes it the last good config, saved under
 //! the state directory so that it outlives restarts. When the source is bad or cannot be read,
 //! the last good config stays in force and the problems are reported.
@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
 use gpuslice_api::{CheckpointPolicySpec, GpuPool, GpuSlicePolicySpec};
-use gpuslice_source::{Follower, SourceFile, SourceSpec};
+use crate::{Follower, SourceFile, SourceSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::validate::read_repository;
@@ -70,12 +70,12 @@ pub struct Source {
 }
 
 impl Source {
-    /// Follows `spec`; Git mirrors and the last good config live under `<state>/source/`.
-    pub fn new(spec: SourceSpec, state: &Path) -> Source {
-        let dir = state.join("source");
+    /// Follows `spec`; Git mirrors and the last good config live under `dir`.
+    pub fn new(spec: SourceSpec, dir: &Path) -> Source {
+        let dir = dir.to_path_buf();
         let saved_path = dir.join(format!(
             "{}.last-good.json",
-            gpuslice_source::source_key(&spec)
+            crate::source_key(&spec)
         ));
         // A saved config that cannot be read is as good as none: the source is read afresh.
         let last_good = std::fs::read(&saved_path)

@@ -1,71 +1,25 @@
-//! Slice claims on a standalone node: `gpuslice run` asks the agent for a slice over the agent's
-//! Unix socket (`<state>/agent.sock`), waits in line when none is free, and holds the slice for as
-//! long as it keeps the connection open, so a claim can never outlive its holder. The agent
-//! identifies callers by the socket's peer credentials, records the workload's pid, and treats a
-//! claimed slice as busy: re-slicing it is blocked like destroying a busy MIG instance.
-//!
-//! Protocol: JSON lines. The client sends a [`Request::Want`], receives [`Reply::Queued`] (its
-//! place in line, again whenever it moves) and then [`Reply::Granted`] or [`Reply::Refused`];
-//! once its workload runs it sends [`Request::Running`].
+//! Slice claims: `gpuslice run` asks the agent for a slice over the agent's socket (messages:
+//! `gpuslice_contract::socket`), waits in line when none is free, and holds the slice for as long
+//! as it keeps the connection open, so a claim can never outlive its holder. The agent identifies
+//! callers by the socket's peer credentials, records the workload's pid, and treats a claimed
+//! slice as busy: re-slicing it is blocked like destroying a busy MIG instance. Claims work the
+//! same in both modes.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{BufRead as _, BufReader, Write as _};
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::os::unix::net::UnixStream;
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-use gpuslice_node::slices::SliceConfig;
+use gpuslice_contract::socket::{self, Reply, Request, Want};
+use gpuslice_contract::{SliceConfig, StateDir};
+use gpuslice_source::last_good::Config;
+use serde::Serialize;
 
-use crate::compute::Compute;
-use serde::{Deserialize, Serialize};
+use crate::process::parent_of;
 
-/// What a client asks for.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Want {
-    /// A `GpuSlicePolicy` of the source; its memory (plus the pool's headroom) and compute limit.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub memory_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub compute_percent: Option<u32>,
-    /// Refuse at once instead of waiting in line.
-    #[serde(default)]
-    pub no_wait: bool,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum Request {
-    Want(Want),
-    /// The workload started with this pid (a child of the client).
-    Running {
-        pid: u32,
-    },
-    /// A process under the shim asks for compute arbitration on its slice (see [`crate::compute`]).
-    Compute {
-        slice: String,
-    },
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum Reply {
-    /// Waiting: 1 is next in line.
-    Queued {
-        position: usize,
-    },
-    Granted {
-        slice: String,
-        config: PathBuf,
-        device_uuid: String,
-    },
-    Refused {
-        reason: String,
-    },
-}
+/// How often a waiting claim looks whether its client hung up.
+const HANGUP_CHECK: Duration = Duration::from_millis(500);
 
 /// What a request needs from a slice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,7 +109,6 @@ impl Board {
 pub struct Claims {
     board: Mutex<Board>,
     changed: Condvar,
-    compute: Arc<Compute>,
 }
 
 impl Claims {
@@ -179,48 +132,18 @@ impl Claims {
         claims
     }
 
-    /// The node's compute arbiters.
-    pub fn compute(&self) -> &Arc<Compute> {
-        &self.compute
-    }
-
-    /// Serves the socket until the process ends, one thread per connection.
-    pub fn serve(self: Arc<Self>, listener: UnixListener, state: PathBuf) {
-        self.compute.start_timer();
-        for stream in listener.incoming().flatten() {
-            let claims = Arc::clone(&self);
-            let state = state.clone();
-            std::thread::spawn(move || {
-                let _ = claims.connection(stream, &state);
-            });
-        }
-    }
-
-    fn connection(&self, stream: UnixStream, state: &Path) -> std::io::Result<()> {
-        let client = rustix::net::sockopt::socket_peercred(&stream)
-            .map(|c| c.pid.as_raw_nonzero().get() as u32)
-            .unwrap_or(0);
-        let mut reader = BufReader::new(stream.try_clone()?);
+    /// Serves one claim (the connection's first request was `want`) until its client hangs up:
+    /// a place in line, then the slice, held while the connection stays open.
+    pub fn serve(
+        &self,
+        stream: UnixStream,
+        mut reader: BufReader<UnixStream>,
+        want: Want,
+        client: u32,
+        state: &StateDir,
+    ) -> std::io::Result<()> {
         let mut writer = stream.try_clone()?;
-        let mut send = |reply: &Reply| -> std::io::Result<()> {
-            let mut line = serde_json::to_vec(reply).map_err(std::io::Error::other)?;
-            line.push(b'\n');
-            writer.write_all(&line)
-        };
-        let mut line = String::new();
-        reader.read_line(&mut line)?;
-        let want = match serde_json::from_str(&line) {
-            Ok(Request::Want(want)) => want,
-            Ok(Request::Compute { slice }) => {
-                let claims = self.held();
-                return self.compute.serve(stream, reader, &slice, client, &claims);
-            }
-            _ => {
-                return send(&Reply::Refused {
-                    reason: "the first request must be a `want` or `compute`".into(),
-                });
-            }
-        };
+        let mut send = |reply: &Reply| writer.write_all(&socket::line(reply));
         let conn = {
             let mut board = self.lock();
             let need = match resolve(&want, &board.policies) {
@@ -271,15 +194,15 @@ impl Claims {
             }
             let (board, _) = self
                 .changed
-                .wait_timeout(board, Duration::from_millis(500))
+                .wait_timeout(board, HANGUP_CHECK)
                 .unwrap_or_else(|p| p.into_inner());
             drop(board);
             if hung_up(&stream) {
                 return self.leave(conn);
             }
         };
-        let config = state.join("slices").join(&granted).join("config");
-        let device_uuid = gpuslice_node::slices::read_config(state, &granted)
+        let config = state.slice_config(&granted);
+        let device_uuid = crate::slices::read_config(state, &granted)
             .map(|c| c.device_uuid)
             .unwrap_or_default();
         if send(&Reply::Granted {
@@ -323,16 +246,6 @@ fn hung_up(stream: &UnixStream) -> bool {
     )
 }
 
-pub(crate) fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
-}
-
 fn resolve(want: &Want, policies: &BTreeMap<String, Need>) -> Result<Need, String> {
     let mut need = match &want.policy {
         Some(name) => *policies
@@ -354,7 +267,7 @@ fn resolve(want: &Want, policies: &BTreeMap<String, Need>) -> Result<Need, Strin
 }
 
 /// What each policy of a config needs: its memory plus its pool's headroom, its compute limit.
-pub fn needs(config: &crate::standalone::Config) -> BTreeMap<String, Need> {
+pub fn needs(config: &Config) -> BTreeMap<String, Need> {
     config
         .policies
         .iter()
@@ -381,25 +294,10 @@ pub fn needs(config: &crate::standalone::Config) -> BTreeMap<String, Need> {
         .collect()
 }
 
-/// The slices whose configs the agent has written.
-pub fn slices_in(state: &Path) -> Vec<SliceConfig> {
-    let Ok(entries) = std::fs::read_dir(state.join("slices")) else {
-        return Vec::new();
-    };
-    let mut out: Vec<SliceConfig> = entries
-        .flatten()
-        .filter_map(|e| {
-            gpuslice_node::slices::read_config(state, &e.file_name().to_string_lossy()).ok()
-        })
-        .collect();
-    out.sort_by(|a, b| a.id.cmp(&b.id));
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuslice_node::slices::SliceKind;
+    use gpuslice_contract::SliceKind;
 
     fn slice(id: &str, gib: u64, compute: u32) -> SliceConfig {
         SliceConfig {

@@ -11,7 +11,7 @@ use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuPool, GpuSlicePolicy, Kind, POLICY_LABEL, admission,
 };
 use gpuslice_planning::validate::{self as repo_checks, Located, Repo, Severity, WorkloadRef};
-use gpuslice_source::{Document, SourceFile};
+use crate::{Document, SourceFile};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -106,7 +106,7 @@ pub fn validate_files(files: &[SourceFile], now: DateTime<Utc>) -> Report {
 pub fn read_repository(files: &[SourceFile], now: DateTime<Utc>) -> (Report, Repo) {
     let parsed: Vec<_> = files
         .iter()
-        .map(|f| (f.path.as_str(), gpuslice_source::parse(&f.text)))
+        .map(|f| (f.path.as_str(), crate::parse(&f.text)))
         .collect();
     let mut report = Report {
         files: files.len(),

@@ -11,39 +11,15 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use gpuslice_node::arbiter::{Arbiter, ClientId, Order, Share, Usage};
-use gpuslice_node::slices::{SliceConfig, SliceKind};
-use serde::{Deserialize, Serialize};
+use gpuslice_contract::socket::{Compute as Message, Ready, Reply};
+use gpuslice_contract::{SliceConfig, SliceKind};
 
+use crate::arbiter::{Arbiter, ClientId, Order, Share, Usage};
 use crate::claims::{Claim, Need};
+use crate::process::ancestry;
 
 /// The default minimum slice when a pool names none.
 pub const DEFAULT_TIME_SLICE: Duration = Duration::from_millis(10);
-
-/// What a process sends after naming its slice; and what the agent answers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum Message {
-    Acquire,
-    Release,
-    Grant,
-    /// A grant to an uncapped slice nobody else wants: launches need no accounting until the
-    /// agent says `contended` (or `yield`).
-    Free,
-    Yield,
-    /// From a holder asked to yield: it launches nothing more; only its queued work remains.
-    Stopped,
-    /// Sent to the holder when another process waits: only then is an idle holder's GPU worth
-    /// handing on, so only then does the shim watch for idleness.
-    Contended,
-}
-
-/// The agent's answer to a slice's name.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Ready {
-    pub time_slice_us: u64,
-}
 
 /// The shares of one GPU's slices and its minimum slice.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -110,12 +86,9 @@ impl Hub {
 
 /// Sends without blocking the arbiter: a client that does not read its socket is cut off (its
 /// connection thread then sees the end and the arbiter forgets it).
-fn send(stream: &UnixStream, message: &impl Serialize) {
+fn send(stream: &UnixStream, message: &impl serde::Serialize) {
     use rustix::net::{SendFlags, send};
-    let Ok(mut line) = serde_json::to_vec(message) else {
-        return;
-    };
-    line.push(b'\n');
+    let line = gpuslice_contract::socket::line(message);
     let sent = send(stream, &line, SendFlags::DONTWAIT | SendFlags::NOSIGNAL);
     if !matches!(sent, Ok(n) if n == line.len()) {
         let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -205,7 +178,7 @@ impl Compute {
         claims: &[Claim],
     ) -> std::io::Result<()> {
         if let Err(reason) = authorize(slice, &ancestry(peer), claims) {
-            send(&stream, &crate::claims::Reply::Refused { reason });
+            send(&stream, &Reply::Refused { reason });
             return Ok(());
         }
         let (id, gpu, time_slice) = {
@@ -214,7 +187,7 @@ impl Compute {
                 drop(hub);
                 send(
                     &stream,
-                    &crate::claims::Reply::Refused {
+                    &Reply::Refused {
                         reason: format!("slice {slice} has no compute share on this node"),
                     },
                 );
@@ -230,7 +203,7 @@ impl Compute {
                 drop(hub);
                 send(
                     &stream,
-                    &crate::claims::Reply::Refused {
+                    &Reply::Refused {
                         reason: e.to_string(),
                     },
                 );
@@ -253,7 +226,7 @@ impl Compute {
         );
         let mut line = String::new();
         while reader.read_line(&mut line).unwrap_or(0) > 0 {
-            let message = serde_json::from_str::<Message>(line.trim());
+            let message = Message::from_wire(&line);
             line.clear();
             let now = now_ns();
             let mut hub = self.lock();
@@ -261,9 +234,9 @@ impl Compute {
                 break;
             };
             match message {
-                Ok(Message::Acquire) => arbiter.acquire(id, now),
-                Ok(Message::Release) => arbiter.release(id, now),
-                Ok(Message::Stopped) => arbiter.stopped(id, now),
+                Some(Message::Acquire) => arbiter.acquire(id, now),
+                Some(Message::Release) => arbiter.release(id, now),
+                Some(Message::Stopped) => arbiter.stopped(id, now),
                 // Anything else ends the conversation (and with it the process's turn).
                 _ => break,
             }
@@ -280,18 +253,6 @@ impl Compute {
         self.changed.notify_all();
         Ok(())
     }
-}
-
-/// A process and its ancestors, nearest first.
-fn ancestry(pid: u32) -> Vec<u32> {
-    let mut chain = vec![pid];
-    while let Some(parent) = crate::claims::parent_of(*chain.last().unwrap_or(&1)) {
-        if parent <= 1 || chain.contains(&parent) || chain.len() > 64 {
-            break;
-        }
-        chain.push(parent);
-    }
-    chain
 }
 
 /// Whether a process (given with its ancestors) may draw on `slice`'s compute budget.
@@ -382,8 +343,7 @@ mod tests {
 
     #[test]
     fn a_policy_lowers_the_cap_and_adds_its_guarantee() {
-        use gpuslice_node::slices::SliceKind;
-        let slice = |id: &str, gpu: u32| SliceConfig {
+            let slice = |id: &str, gpu: u32| SliceConfig {
             id: id.into(),
             kind: SliceKind::Software,
             gpu,

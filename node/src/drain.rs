@@ -1,7 +1,8 @@
-//! Draining busy slices in standalone mode, as the CheckpointPolicy says: send its signal to the
+//! Draining busy slices (both modes), as the CheckpointPolicy says: send its signal to the
 //! processes on what a transition needs, wait for their checkpoint-done marker or the grace
 //! period, then stop them; with `required: true` never stop them, only wait until they exit or
 //! checkpoint. Without a policy nothing is signalled: the transition waits for them to exit.
+//! The policy is the workload's (its GpuSlicePolicy's `checkpointPolicy`), else its pool's.
 //!
 //! What was signalled when is kept in `<state>/drains.json`, so a restarted agent neither
 //! signals twice nor restarts the grace period.
@@ -11,8 +12,10 @@ use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
 use gpuslice_api::{CheckpointPolicySpec, Signal};
-use gpuslice_node::BlockingProcess;
+use gpuslice_contract::StateDir;
 use serde::{Deserialize, Serialize};
+
+use crate::converge::BlockingProcess;
 
 /// Why drain records cannot be kept.
 #[derive(Debug, thiserror::Error)]
@@ -191,8 +194,8 @@ pub struct Drains {
 }
 
 impl Drains {
-    pub fn load(state: &Path) -> Result<Drains, DrainError> {
-        let path = state.join("drains.json");
+    pub fn load(state: &StateDir) -> Result<Drains, DrainError> {
+        let path = state.drains();
         let records = match std::fs::read(&path) {
             Ok(text) => serde_json::from_slice(&text).map_err(|source| DrainError::Corrupt {
                 path: path.display().to_string(),
@@ -223,21 +226,32 @@ impl Drains {
 }
 
 /// Whether a slice's workload has written its checkpoint-done marker.
-pub fn checkpoint_done(state: &Path, slice: &str) -> bool {
-    marker(state, slice).exists()
+pub fn checkpoint_done(state: &StateDir, slice: &str) -> bool {
+    state.checkpoint_done(slice).exists()
 }
 
-fn marker(state: &Path, slice: &str) -> PathBuf {
-    state.join("slices").join(slice).join("checkpoint-done")
+/// Which CheckpointPolicy drains a process: its workload's policy's, else its pool's. `None`
+/// when neither names one (or the one named does not exist: validate and the operator report it).
+pub fn policy_for(
+    workload_policy: Option<&str>,
+    pool_policy: Option<&str>,
+    checkpoints: &BTreeMap<String, CheckpointPolicySpec>,
+) -> Option<DrainPolicy> {
+    let name = workload_policy.or(pool_policy)?;
+    Some(DrainPolicy::new(name, checkpoints.get(name)?))
 }
 
 /// Carries out an action. A marker left from an earlier checkpoint is removed before the
 /// signal, so only a checkpoint made after it counts. Returns what went wrong, for the report.
-pub fn execute(state: &Path, action: Action, slice_of: impl Fn(u32) -> String) -> Option<String> {
+pub fn execute(
+    state: &StateDir,
+    action: Action,
+    slice_of: impl Fn(u32) -> String,
+) -> Option<String> {
     use rustix::process::{Pid, Signal as Sig, kill_process};
     let (pid, signal) = match action {
         Action::Signal { pid, signal } => {
-            let _ = std::fs::remove_file(marker(state, &slice_of(pid)));
+            let _ = std::fs::remove_file(state.checkpoint_done(&slice_of(pid)));
             let sig = match signal {
                 Signal::Usr1 => Sig::USR1,
                 Signal::Usr2 => Sig::USR2,

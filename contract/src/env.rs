@@ -1,0 +1,11 @@
+//! Environment variables of the node contract. Limits never come from these alone: the slice
+//! config a variable names must be one the workload cannot write (see the shim's `limits`).
+
+/// The absolute path of a slice's read-only config (`<state>/slices/<id>/config`).
+pub const SLICE_CONFIG: &str = "GPUSLICE_SLICE_CONFIG";
+/// The id of the slice a workload runs on (informational; the config is what counts).
+pub const SLICE: &str = "GPUSLICE_SLICE";
+/// Lowers (never raises) a slice's memory cap for one process, e.g. `8Gi`.
+pub const MEMORY_LIMIT: &str = "GPUSLICE_MEMORY_LIMIT";
+/// The emulated machine's state file that the emulated NVML and CUDA libraries open.
+pub const EMULATOR_STATE: &str = "GPUSLICE_EMULATOR_STATE";

@@ -1,0 +1,51 @@
+//! A slice's read-only config, `<state>/slices/<id>/config`: which device it is and what the shim
+//! enforces. The agent writes it (mode 0444); the shim, `gpuslice run` and the agent's socket read
+//! it.
+//!
+//! Slice ids: `gpu<i>-s<n>` for software slices, `gpu<i>-mig<start>-<profile>` for MIG instances
+//! (stable while the instance keeps its placement), `gpu<i>` for a whole GPU.
+
+use serde::{Deserialize, Serialize};
+
+/// What kind of slice a config describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum SliceKind {
+    /// A memory cap and a compute share on a GPU, enforced by the shim and the agent's arbiter.
+    Software,
+    /// A MIG instance (hardware isolation).
+    Mig,
+    /// A whole GPU.
+    Exclusive,
+}
+
+/// A slice's config.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SliceConfig {
+    pub id: String,
+    pub kind: SliceKind,
+    /// GPU index on the node.
+    pub gpu: u32,
+    /// The device the workload sees: the GPU's UUID, or the MIG device's.
+    pub device_uuid: String,
+    /// Memory cap in bytes (the whole device for MIG and exclusive slices).
+    pub memory_bytes: u64,
+    /// Compute share in percent of the device.
+    pub compute_percent: u32,
+}
+
+/// The id of software slice `n` of GPU `gpu`.
+pub fn software_slice_id(gpu: u32, n: u32) -> String {
+    format!("gpu{gpu}-s{n}")
+}
+
+/// The id of the slice a MIG instance is.
+pub fn mig_slice_id(gpu: u32, start: u32, profile: &str) -> String {
+    format!("gpu{gpu}-mig{start}-{profile}")
+}
+
+/// The id of a whole GPU used as one slice.
+pub fn gpu_slice_id(gpu: u32) -> String {
+    format!("gpu{gpu}")
+}

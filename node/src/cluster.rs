@@ -1,0 +1,345 @@
+//! Cluster mode (`gpuslice agent --kube`): the source is this node's `GpuNode` (written by the
+//! operator) with the policies claims may name, read from the API; the sink is
+//! `GpuNode.status`: the inventory, the generation applied, and `Ready` / `Blocked` conditions.
+//! The agent owns the status under its own field manager and states all of it in every apply.
+//! Passes are the standalone agent's: claims, drains and compute shares work the same.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use gpuslice_api::{
+    CheckpointPolicy, GpuNode, GpuNodeStatus, GpuPool, GpuSlicePolicy, NodeInventory,
+};
+use gpuslice_planning::clock::Clock;
+use gpuslice_planning::cluster::{Assignment, ClusterPlan, GpuPlan, NodePlan, plan_assigned};
+use gpuslice_runtime::apply_body;
+use gpuslice_runtime::conditions::{condition, keep_transition_times};
+use gpuslice_runtime::telemetry::Telemetry;
+use gpuslice_source::last_good::Config;
+use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::watcher;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::pass::{Agent, Intent, Pass, PassError};
+
+/// The field manager of what the agent writes.
+pub const MANAGER: &str = "gpuslice-agent";
+/// While a transition waits for busy processes, pass again at least this often.
+const BLOCKED_RETRY: Duration = Duration::from_secs(5);
+/// The shortest wait between passes.
+const MIN_WAIT: Duration = Duration::from_millis(200);
+
+/// Why the agent stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("GpuNode/{node}: {source}")]
+    Kube { node: String, source: kube::Error },
+    #[error(transparent)]
+    Pass(#[from] PassError),
+}
+
+/// The plan of each GPU the spec names, from the node as this pass read it; and what the spec
+/// asks that cannot be done.
+fn plan_spec(node: &NodeInventory, spec: &gpuslice_api::GpuNodeSpec) -> (Vec<GpuPlan>, Vec<String>) {
+    let mut plans = Vec::new();
+    let mut problems = Vec::new();
+    for assignment in &spec.gpus {
+        let Some(gpu) = node.gpus.iter().find(|g| g.index == assignment.index) else {
+            problems.push(format!(
+                "GPU {}: this node has no such GPU",
+                assignment.index
+            ));
+            continue;
+        };
+        if let (Some(want), Some(have)) = (&assignment.uuid, &gpu.uuid)
+            && want != have
+        {
+            problems.push(format!(
+                "GPU {}: the spec is for {want} but the GPU is {have}; not applied",
+                assignment.index
+            ));
+            continue;
+        }
+        let plan = plan_assigned(
+            gpu,
+            Assignment {
+                pool: &assignment.pool,
+                window: assignment.window.as_deref(),
+                layout: &assignment.layout,
+                time_slice: assignment.time_slice,
+                checkpoint_policy: assignment.checkpoint_policy.as_deref(),
+            },
+        );
+        if let Some(e) = &plan.error {
+            problems.push(format!("GPU {}: {e}", assignment.index));
+        }
+        plans.push(plan);
+    }
+    (plans, problems)
+}
+
+/// The status to report after a pass.
+fn status(pass: &Pass, generation: Option<i64>, previous: Option<&GpuNodeStatus>) -> GpuNodeStatus {
+    let blocked: Vec<String> = pass
+        .outcomes
+        .iter()
+        .filter(|o| !o.blocked_by.is_empty())
+        .map(|o| {
+            let what: Vec<String> = o.blocked_by.iter().map(ToString::to_string).collect();
+            let pids: Vec<String> = o
+                .blocking
+                .iter()
+                .map(|b| {
+                    let why = pass
+                        .draining
+                        .iter()
+                        .find(|w| w.pid == b.pid)
+                        .map(|w| format!(": {}", w.reason))
+                        .unwrap_or_default();
+                    format!("pid {} on {}{why}", b.pid, b.slice)
+                })
+                .collect();
+            format!("GPU {}: {} ({})", o.index, what.join(", "), pids.join("; "))
+        })
+        .collect();
+    let failed: Vec<String> = pass
+        .outcomes
+        .iter()
+        .filter_map(|o| o.error.as_ref().map(|e| format!("GPU {}: {e}", o.index)))
+        .chain(pass.problems.iter().cloned())
+        .chain(pass.drain_errors.iter().cloned())
+        .collect();
+    let converged = pass.converged();
+    let mut conditions = vec![
+        condition(
+            "Ready",
+            converged,
+            if converged {
+                "Applied"
+            } else if !failed.is_empty() {
+                "Failed"
+            } else {
+                "Progressing"
+            },
+            failed.join("; "),
+            generation,
+        ),
+        condition(
+            "Blocked",
+            !blocked.is_empty(),
+            if blocked.is_empty() {
+                "NothingBusy"
+            } else {
+                "BusyInstances"
+            },
+            blocked.join("; "),
+            generation,
+        ),
+    ];
+    keep_transition_times(
+        &mut conditions,
+        previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]),
+    );
+    GpuNodeStatus {
+        inventory: Some(pass.inventory.clone()),
+        applied_generation: if converged {
+            generation
+        } else {
+            previous.and_then(|p| p.applied_generation)
+        },
+        conditions,
+    }
+}
+
+/// The agent's metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    passes: Counter,
+    errors: Counter,
+    operations: Counter,
+    blocked_seconds: Counter<f64, AtomicU64>,
+    duration: Histogram,
+}
+
+impl Metrics {
+    /// Metrics registered under `gpuslice_agent_`.
+    pub fn register(registry: &mut Registry) -> Metrics {
+        let m = Metrics {
+            passes: Counter::default(),
+            errors: Counter::default(),
+            operations: Counter::default(),
+            blocked_seconds: Counter::default(),
+            duration: Histogram::new(gpuslice_runtime::duration_buckets()),
+        };
+        let r = registry.sub_registry_with_prefix("gpuslice_agent");
+        r.register("passes", "Reconcile passes", m.passes.clone());
+        r.register(
+            "errors",
+            "GPUs a pass could not bring to their layout",
+            m.errors.clone(),
+        );
+        r.register(
+            "operations",
+            "MIG and slice-table operations applied",
+            m.operations.clone(),
+        );
+        r.register(
+            "blocked_seconds",
+            "Time transitions spent waiting for busy instances",
+            m.blocked_seconds.clone(),
+        );
+        r.register(
+            "pass_duration_seconds",
+            "Time of one pass, NVML changes included",
+            m.duration.clone(),
+        );
+        m
+    }
+}
+
+
+impl Metrics {
+    fn record(
+        &self,
+        pass: &Pass,
+        started: std::time::Instant,
+        blocked_since: &mut Option<std::time::Instant>,
+    ) {
+        self.passes.inc();
+        self.errors
+            .inc_by(pass.outcomes.iter().filter(|o| o.error.is_some()).count() as u64);
+        self.operations.inc_by(
+            pass.outcomes
+                .iter()
+                .filter(|o| o.blocked_by.is_empty())
+                .map(|o| o.ops.len() as u64)
+                .sum(),
+        );
+        if let Some(since) = *blocked_since {
+            self.blocked_seconds.inc_by(since.elapsed().as_secs_f64());
+        }
+        *blocked_since = pass.blocked().then(std::time::Instant::now);
+        self.duration.observe(started.elapsed().as_secs_f64());
+    }
+}
+
+/// The policies claims may name, their pools' headroom, and the checkpoint policies drains
+/// follow, as the API has them now. A list that fails leaves that part empty (claims naming a
+/// policy are then refused, drains wait) and is retried next pass.
+async fn read_config(client: &Client) -> Config {
+    let params = ListParams::default();
+    let pools = Api::<GpuPool>::all(client.clone()).list(&params).await;
+    let policies = Api::<GpuSlicePolicy>::all(client.clone()).list(&params).await;
+    let checkpoints = Api::<CheckpointPolicy>::all(client.clone()).list(&params).await;
+    for (kind, e) in [
+        ("GpuPool", pools.as_ref().err()),
+        ("GpuSlicePolicy", policies.as_ref().err()),
+        ("CheckpointPolicy", checkpoints.as_ref().err()),
+    ] {
+        if let Some(e) = e {
+            tracing::warn!("listing {kind}: {e}");
+        }
+    }
+    Config {
+        pools: pools.map(|l| l.items).unwrap_or_default(),
+        policies: policies
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|p| Some((p.metadata.name?, p.spec)))
+            .collect(),
+        checkpoints: checkpoints
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|c| Some((c.metadata.name?, c.spec)))
+            .collect(),
+        revision: None,
+    }
+}
+
+/// Runs the agent until the process ends: a pass whenever its GpuNode changes, every
+/// `interval` (processes come and go), and sooner while a transition waits for busy processes.
+pub async fn run(
+    client: Client,
+    agent: &Agent,
+    clock: &Clock,
+    interval: Duration,
+    metrics: Metrics,
+    telemetry: Option<Telemetry>,
+) -> Result<(), ClusterError> {
+    let node = agent.node().to_string();
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let kube_err = |source| ClusterError::Kube {
+        node: node.clone(),
+        source,
+    };
+    let params = PatchParams::apply(MANAGER).force();
+    // The object must exist (with an empty spec, which the operator fills) before its status.
+    if api.get_opt(&node).await.map_err(kube_err)?.is_none() {
+        let object = apply_body("GpuNode", &node, "spec", &serde_json::json!({}));
+        api.patch(&node, &params, &Patch::Apply(&object))
+            .await
+            .map_err(kube_err)?;
+    }
+    let changes = watcher(
+        api.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={node}")),
+    );
+    futures::pin_mut!(changes);
+    let mut blocked_since: Option<std::time::Instant> = None;
+    agent.serve_socket()?;
+    loop {
+        let started = std::time::Instant::now();
+        let current = api.get(&node).await.map_err(kube_err)?;
+        let config = read_config(&client).await;
+        let now = clock.now();
+        let pass = agent.pass(now, |inventory| {
+            let (gpus, problems) = plan_spec(inventory, &current.spec);
+            Intent {
+                plan: ClusterPlan {
+                    at: now,
+                    pools: Vec::new(),
+                    nodes: vec![NodePlan {
+                        node: inventory.name.clone(),
+                        gpus,
+                    }],
+                },
+                config: Config {
+                    revision: current.spec.source_revision.clone(),
+                    ..config
+                },
+                problems,
+            }
+        })?;
+        metrics.record(&pass, started, &mut blocked_since);
+        if let Some(t) = &telemetry {
+            t.pass_done();
+        }
+        let report = status(&pass, current.metadata.generation, current.status.as_ref());
+        if current.status.as_ref() != Some(&report) {
+            let patch = apply_body("GpuNode", &node, "status", &report);
+            if let Err(e) = api.patch_status(&node, &params, &Patch::Apply(&patch)).await {
+                tracing::warn!("GpuNode/{node}: reporting status: {e}");
+            }
+        }
+        // Our own status write comes back as a change too; that pass finds nothing to do.
+        let _ = tokio::time::timeout(next_wake(&pass, clock, interval), changes.next()).await;
+    }
+}
+
+/// The interval, or (while blocked) the next retry or grace deadline.
+fn next_wake(pass: &Pass, clock: &Clock, interval: Duration) -> Duration {
+    let mut wake = interval;
+    if pass.blocked() {
+        wake = wake.min(BLOCKED_RETRY);
+        for until in pass.draining.iter().filter_map(|w| w.until) {
+            wake = wake.min(clock.until(until));
+        }
+    }
+    wake.max(MIN_WAIT)
+}

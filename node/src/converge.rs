@@ -1,0 +1,220 @@
+//! Converging a node's GPUs: from what NVML and the slice tables show (read once by the pass), run
+//! each GPU's transition step by step and read the node back once to confirm.
+
+use gpuslice_api::{GpuInventory, NodeInventory};
+use gpuslice_contract::StateDir;
+use gpuslice_contract::slice::{gpu_slice_id, mig_slice_id};
+use gpuslice_planning::catalog;
+use gpuslice_planning::cluster::GpuPlan;
+use gpuslice_planning::transition::{self, Blocker, Desired, GpuState, Op};
+use serde::Serialize;
+
+use crate::nvml::{NvmlError, NvmlGpus};
+use crate::slices;
+
+/// Why the node cannot be read or its slice tables kept.
+#[derive(Debug, thiserror::Error)]
+pub enum ConvergeError {
+    #[error(transparent)]
+    Nvml(#[from] NvmlError),
+    #[error(transparent)]
+    Slices(#[from] slices::SliceError),
+}
+
+/// What one pass did to one GPU.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuOutcome {
+    pub index: u32,
+    pub desired: Desired,
+    /// Operations run (or, without `apply`, that would run).
+    pub ops: Vec<Op>,
+    /// Busy instances or slices that block the transition; nothing was changed.
+    pub blocked_by: Vec<Blocker>,
+    /// The processes on what blocks, with the slice each runs on.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub blocking: Vec<BlockingProcess>,
+    /// GPU instances given the compute instance an interrupted earlier run did not create.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub completed: Vec<gpuslice_api::Placement>,
+    /// Whether the GPU now has the desired layout (confirmed by reading it back).
+    pub converged: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A process that holds a busy instance or GPU a transition needs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BlockingProcess {
+    pub pid: u32,
+    /// The slice it runs on (see [`slices`] for ids).
+    pub slice: String,
+}
+
+fn blocking_processes(gpu: &GpuInventory, blockers: &[Blocker]) -> Vec<BlockingProcess> {
+    let mut out = Vec::new();
+    let instances = gpu
+        .mig
+        .as_ref()
+        .map(|m| m.instances.as_slice())
+        .unwrap_or(&[]);
+    for blocker in blockers {
+        match blocker {
+            Blocker::Instance {
+                profile, placement, ..
+            } => {
+                for i in instances
+                    .iter()
+                    .filter(|i| i.placement == *placement && i.profile == *profile)
+                {
+                    let slice = mig_slice_id(gpu.index, i.placement.start, &i.profile);
+                    out.extend(i.processes.iter().map(|p| BlockingProcess {
+                        pid: p.pid,
+                        slice: slice.clone(),
+                    }));
+                }
+            }
+            Blocker::Gpu => out.extend(gpu.processes.iter().map(|p| BlockingProcess {
+                pid: p.pid,
+                slice: gpu_slice_id(gpu.index),
+            })),
+            Blocker::Slices { ids } => {
+                for s in gpu.slices.iter().filter(|s| ids.contains(&s.id)) {
+                    out.extend(s.processes.iter().map(|p| BlockingProcess {
+                        pid: p.pid,
+                        slice: s.id.clone(),
+                    }));
+                }
+            }
+        }
+    }
+    out.sort_by_key(|p| p.pid);
+    out.dedup();
+    out
+}
+
+/// A slice held by a workload (a claim), which makes it busy even before the workload touches
+/// the GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub slice: String,
+    pub pid: u32,
+}
+
+/// The node as NVML and the slice tables show it, with held slices marked busy.
+pub fn read_node(
+    gpus: &NvmlGpus,
+    node: &str,
+    state: &StateDir,
+    held: &[Held],
+) -> Result<NodeInventory, ConvergeError> {
+    let mut inventory = gpus.inventory(node)?;
+    for gpu in &mut inventory.gpus {
+        gpu.slices = slices::read(state, gpu.index)?;
+        for h in held {
+            let process = gpuslice_api::GpuProcess {
+                pid: h.pid,
+                memory: None,
+                name: Some(format!("claim on {}", h.slice)),
+            };
+            if h.slice == gpu_slice_id(gpu.index) {
+                gpu.processes.push(process);
+            } else if let Some(s) = gpu.slices.iter_mut().find(|s| s.id == h.slice) {
+                s.processes.push(process);
+            } else if let Some(i) = gpu.mig.as_mut().and_then(|m| {
+                m.instances
+                    .iter_mut()
+                    .find(|i| mig_slice_id(gpu.index, i.placement.start, &i.profile) == h.slice)
+            }) {
+                i.processes.push(process);
+            }
+        }
+    }
+    Ok(inventory)
+}
+
+/// Runs each planned GPU's transition (planned from `before`, the node as this pass read it)
+/// when `apply` is set and nothing blocks, then reads the node back once, publishes the slice
+/// directories and says which GPUs now match. Returns the outcomes and the node after.
+pub fn converge(
+    gpus: &NvmlGpus,
+    before: &NodeInventory,
+    state: &StateDir,
+    plans: &[GpuPlan],
+    held: &[Held],
+    apply: bool,
+) -> Result<(Vec<GpuOutcome>, NodeInventory), ConvergeError> {
+    let mut outcomes: Vec<GpuOutcome> = plans
+        .iter()
+        .filter(|plan| plan.error.is_none())
+        .filter_map(|plan| Some(converge_gpu(gpus, before, state, plan, plan.desired.as_ref()?, apply)))
+        .collect();
+    let after = read_node(gpus, &before.name, state, held)?;
+    if apply {
+        slices::sync_dirs(state, &slices::configs(&after))?;
+    }
+    for outcome in &mut outcomes {
+        if let Some(gpu) = after.gpus.iter().find(|g| g.index == outcome.index) {
+            outcome.converged = transition::satisfies(
+                catalog::model(&gpu.model).ok(),
+                &GpuState::from_inventory(gpu),
+                &outcome.desired,
+            );
+        }
+    }
+    Ok((outcomes, after))
+}
+
+fn converge_gpu(
+    gpus: &NvmlGpus,
+    before: &NodeInventory,
+    state: &StateDir,
+    plan: &GpuPlan,
+    want: &Desired,
+    apply: bool,
+) -> GpuOutcome {
+    let index = plan.index;
+    let mut outcome = GpuOutcome {
+        index,
+        desired: want.clone(),
+        ops: Vec::new(),
+        blocked_by: Vec::new(),
+        blocking: Vec::new(),
+        completed: Vec::new(),
+        converged: false,
+        error: None,
+    };
+    let Some(gpu) = before.gpus.iter().find(|g| g.index == index) else {
+        outcome.error = Some(format!("the node has no GPU {index}"));
+        return outcome;
+    };
+    if apply && gpu.mig.as_ref().is_some_and(|m| !m.instances.is_empty()) {
+        match gpus.complete_instances(gpu.index) {
+            Ok(done) => outcome.completed = done,
+            Err(e) => {
+                outcome.error = Some(e.to_string());
+                return outcome;
+            }
+        }
+    }
+    outcome.ops = plan.ops.clone();
+    outcome.blocking = blocking_processes(gpu, &plan.blocked_by);
+    outcome.blocked_by = plan.blocked_by.clone();
+    if !apply || !outcome.blocked_by.is_empty() {
+        return outcome;
+    }
+    for op in &outcome.ops {
+        let done = match op {
+            Op::WriteSlices { table } => slices::write(state, gpu, table).map_err(ConvergeError::from),
+            Op::ClearSlices => slices::clear(state, gpu.index).map_err(ConvergeError::from),
+            other => gpus.apply(gpu.index, other).map_err(ConvergeError::from),
+        };
+        if let Err(e) = done {
+            // Stop this GPU at the failed step; the next pass plans from what is there.
+            outcome.error = Some(format!("{op}: {e}"));
+            break;
+        }
+    }
+    outcome
+}

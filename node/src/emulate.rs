@@ -1,0 +1,46 @@
+//! `--emulate`: the agent on an emulated machine (the emulated NVML, seeded from a
+//! `NodeInventory`), for demos and tests without a GPU.
+
+use std::path::{Path, PathBuf};
+
+use gpuslice_api::NodeInventory;
+use gpuslice_contract::StateDir;
+
+/// Why the emulated machine cannot be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum EmulateError {
+    #[error("the NVML emulator (libnvidia_ml.so) is not next to {0}: build the workspace with cargo build")]
+    NoLibrary(String),
+    #[error("emulated node {node}: {message}")]
+    Machine { node: String, message: String },
+}
+
+/// Where the emulated `libnvidia-ml` is: next to the running `gpuslice`, as cargo builds it.
+pub fn emulator_library() -> Result<PathBuf, EmulateError> {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    [dir.join("libnvidia_ml.so"), dir.join("deps/libnvidia_ml.so")]
+        .into_iter()
+        .find(|p| p.exists())
+        .ok_or_else(|| EmulateError::NoLibrary(exe.display().to_string()))
+}
+
+/// Seeds (or reuses) the emulated machine's state file for an inventory, and points the
+/// emulated NVML at it. The state persists between runs, as hardware would.
+pub fn prepare_emulator(state: &StateDir, node: &NodeInventory) -> Result<PathBuf, EmulateError> {
+    let failed = |message: String| EmulateError::Machine {
+        node: node.name.clone(),
+        message,
+    };
+    std::fs::create_dir_all(state.root())
+        .map_err(|e| failed(format!("{}: {e}", state.root().display())))?;
+    let path = state.emulated_machine(&node.name);
+    if gpuslice_emulator::Store::open(&path).is_err() {
+        let machine =
+            gpuslice_emulator::Machine::from_inventory(node).map_err(|e| failed(e.to_string()))?;
+        gpuslice_emulator::Store::create(&path, &machine).map_err(|e| failed(e.to_string()))?;
+    }
+    // SAFETY: called from main before any other thread exists; the emulated NVML reads it at init.
+    unsafe { std::env::set_var(gpuslice_contract::env::EMULATOR_STATE, &path) };
+    Ok(path)
+}

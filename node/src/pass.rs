@@ -1,0 +1,268 @@
+//! The agent's one pass, the same in both modes: read the GPUs once, let the source say what they
+//! should be (planned once, from that read), converge, read back once, drain what blocks, publish
+//! the slice directories, and hand the slices, claims and compute shares to the socket. A mode is
+//! only a source of [`Intent`] and a sink for the [`Pass`] (see [`crate::standalone`],
+//! [`crate::cluster`]).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use gpuslice_api::NodeInventory;
+use gpuslice_contract::StateDir;
+use gpuslice_planning::cluster::ClusterPlan;
+use gpuslice_source::last_good::{Config, SourceStatus};
+use serde::Serialize;
+
+use crate::claims::{Claim, needs};
+use crate::compute::{DEFAULT_TIME_SLICE, shares};
+use crate::converge::{ConvergeError, GpuOutcome, Held, converge, read_node};
+use crate::drain::{self, DrainError, Drains, Waiting};
+use crate::nvml::NvmlGpus;
+use crate::socket::{self, SocketError};
+
+/// Why a pass could not run at all (a GPU that fails is an outcome, not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error(transparent)]
+    Converge(#[from] ConvergeError),
+    #[error(transparent)]
+    Drain(#[from] DrainError),
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+}
+
+/// What a source wants of this node now.
+#[derive(Clone, Debug)]
+pub struct Intent {
+    /// This node's GPUs planned from the pass's read: pool, layout, time slice, checkpoint
+    /// policy and transition of each; and, standalone, when each pool changes next.
+    pub plan: ClusterPlan,
+    /// The policies claims may name and the checkpoint policies drains follow.
+    pub config: Config,
+    /// What the source asked for that cannot be done (a GPU the node lacks, another UUID).
+    pub problems: Vec<String>,
+}
+
+/// The result of one pass.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Pass {
+    pub node: String,
+    pub applied: bool,
+    pub revision: Option<String>,
+    pub source: SourceStatus,
+    pub plan: ClusterPlan,
+    pub outcomes: Vec<GpuOutcome>,
+    /// What the source asked for that cannot be done.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
+    /// Processes a blocked transition waits for, and what the agent did about them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub draining: Vec<Waiting>,
+    /// Signals that could not be sent.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub drain_errors: Vec<String>,
+    /// Slices held through the agent's socket.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub claims: Vec<Claim>,
+    /// The node as read back at the end of the pass.
+    #[serde(skip)]
+    pub inventory: NodeInventory,
+}
+
+impl Pass {
+    /// Whether the pass left something wrong: a bad source, a failed GPU, a layout not reached.
+    pub fn failed(&self) -> bool {
+        !self.source.ok()
+            || !self.problems.is_empty()
+            || self.outcomes.iter().any(|o| {
+                o.error.is_some() || (self.applied && o.blocked_by.is_empty() && !o.converged)
+            })
+    }
+
+    /// Whether a transition waits for busy slices.
+    pub fn blocked(&self) -> bool {
+        self.outcomes.iter().any(|o| !o.blocked_by.is_empty())
+    }
+
+    /// Whether every planned GPU has its layout and nothing went wrong.
+    pub fn converged(&self) -> bool {
+        !self.failed() && !self.blocked() && self.outcomes.iter().all(|o| o.converged)
+    }
+}
+
+/// The node agent: its GPUs, its state directory, and what its socket serves.
+pub struct Agent {
+    gpus: NvmlGpus,
+    node: String,
+    labels: BTreeMap<String, String>,
+    state: StateDir,
+    apply: bool,
+    socket: socket::Node,
+}
+
+impl Agent {
+    /// An agent for `node` (name and labels; GPUs come from NVML). Without `apply` it only says
+    /// what it would do.
+    pub fn new(gpus: NvmlGpus, node: &NodeInventory, state: StateDir, apply: bool) -> Agent {
+        Agent {
+            gpus,
+            node: node.name.clone(),
+            labels: node.labels.clone(),
+            state,
+            apply,
+            socket: socket::Node::default(),
+        }
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    pub fn state(&self) -> &StateDir {
+        &self.state
+    }
+
+    /// Serves claims and compute shares on `<state>/agent.sock` from now on.
+    pub fn serve_socket(&self) -> Result<(), PassError> {
+        Ok(self.socket.serve(&self.state)?)
+    }
+
+    /// The pass. `intent` is the source: given the node as read, what it should be.
+    pub fn pass(
+        &self,
+        now: DateTime<Utc>,
+        intent: impl FnOnce(&NodeInventory) -> Intent,
+    ) -> Result<Pass, PassError> {
+        let span = tracing::info_span!("pass", node = %self.node);
+        let _entered = span.enter();
+        let held = self.held();
+        let mut before = read_node(&self.gpus, &self.node, &self.state, &held)?;
+        before.labels = self.labels.clone();
+        let intent = intent(&before);
+        let plans: Vec<_> = intent
+            .plan
+            .nodes
+            .iter()
+            .flat_map(|n| n.gpus.iter().cloned())
+            .collect();
+        let (outcomes, mut after) =
+            converge(&self.gpus, &before, &self.state, &plans, &held, self.apply)?;
+        after.labels = self.labels.clone();
+        let mut pass = Pass {
+            node: self.node.clone(),
+            applied: self.apply,
+            revision: intent.config.revision.clone(),
+            source: SourceStatus::default(),
+            plan: intent.plan,
+            outcomes,
+            problems: intent.problems,
+            draining: Vec::new(),
+            drain_errors: Vec::new(),
+            claims: Vec::new(),
+            inventory: after,
+        };
+        if self.apply {
+            self.drain(&mut pass, &intent.config, now)?;
+        }
+        let slices = crate::slices::published(&self.state);
+        let needs = needs(&intent.config);
+        self.socket.claims.update(slices.clone(), needs.clone());
+        pass.claims = self.socket.claims.held();
+        self.socket.compute.set(&shares(
+            &slices,
+            &pass.claims,
+            &needs,
+            &time_slices(&pass.plan),
+        ));
+        for o in &pass.outcomes {
+            if let Some(e) = &o.error {
+                tracing::warn!(gpu = o.index, "{e}");
+            } else if !o.blocked_by.is_empty() {
+                tracing::info!(gpu = o.index, blocked_by = ?o.blocked_by, "transition waits");
+            } else if self.apply && !o.ops.is_empty() {
+                tracing::info!(gpu = o.index, ops = o.ops.len(), converged = o.converged, "applied");
+            }
+        }
+        Ok(pass)
+    }
+
+    /// The claims held now, as processes that make their slices busy.
+    fn held(&self) -> Vec<Held> {
+        self.socket
+            .claims
+            .held()
+            .into_iter()
+            .map(|c| Held {
+                pid: c.workload.unwrap_or(c.client),
+                slice: c.slice,
+            })
+            .collect()
+    }
+
+    /// Warns or stops the processes that block this pass's transitions, each as its
+    /// CheckpointPolicy says: its workload's policy's, else its GPU's pool's.
+    fn drain(&self, pass: &mut Pass, config: &Config, now: DateTime<Utc>) -> Result<(), PassError> {
+        let claims = self.socket.claims.held();
+        let gpus: Vec<_> = pass.plan.nodes.iter().flat_map(|n| &n.gpus).collect();
+        let blocking: Vec<_> = pass
+            .outcomes
+            .iter()
+            .flat_map(|o| {
+                let pool_policy = gpus
+                    .iter()
+                    .find(|g| g.index == o.index)
+                    .and_then(|g| g.checkpoint_policy.as_deref());
+                o.blocking.iter().map(move |b| (b, pool_policy))
+            })
+            .map(|(b, pool_policy)| {
+                let workload_policy = claims
+                    .iter()
+                    .find(|c| c.slice == b.slice)
+                    .and_then(|c| c.policy.as_ref())
+                    .and_then(|p| config.policies.get(p))
+                    .and_then(|p| p.checkpoint_policy.as_deref());
+                let policy = drain::policy_for(workload_policy, pool_policy, &config.checkpoints);
+                (b.clone(), policy)
+            })
+            .collect();
+        let mut drains = Drains::load(&self.state)?;
+        if blocking.is_empty() && drains.records.is_empty() {
+            return Ok(());
+        }
+        let (actions, waiting) = drain::decide(&blocking, &mut drains.records, now, |slice| {
+            drain::checkpoint_done(&self.state, slice)
+        });
+        // Record before acting: a crash after a signal must not signal again or restart the grace.
+        drains.save()?;
+        let slice_of = |pid: u32| {
+            blocking
+                .iter()
+                .find(|(b, _)| b.pid == pid)
+                .map(|(b, _)| b.slice.clone())
+                .unwrap_or_default()
+        };
+        for action in &actions {
+            tracing::info!(?action, "drain");
+        }
+        pass.drain_errors = actions
+            .into_iter()
+            .filter_map(|a| drain::execute(&self.state, a, slice_of))
+            .collect();
+        pass.draining = waiting;
+        Ok(())
+    }
+}
+
+/// Each GPU's minimum compute slice: its pool's `timeSlice`.
+fn time_slices(plan: &ClusterPlan) -> BTreeMap<u32, Duration> {
+    plan.nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .map(|gpu| {
+            let slice = gpu.time_slice.map_or(DEFAULT_TIME_SLICE, Duration::from);
+            (gpu.index, slice)
+        })
+        .collect()
+}
