@@ -3,16 +3,27 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use gpuslice::validate::{read_repository, validate_files};
 use gpuslice_api::Kind;
+use gpuslice_contract::StateDir;
+use gpuslice_runtime::logging::{self, LogFormat};
 use gpuslice_source::SourceSpec;
+use gpuslice_source::validate::{read_repository, validate_files};
 
 /// Fine-grained GPU sharing on Kubernetes: MIG layouts and software slices declared in Git.
 #[derive(Parser)]
 #[command(name = "gpuslice", version, about)]
 struct Cli {
+    /// How the agent and the operator log (to stderr; RUST_LOG filters, default info).
+    #[arg(long, global = true, value_enum, default_value_t = LogOutput::Text)]
+    log_format: LogOutput,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogOutput {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -35,7 +46,8 @@ enum Command {
     Plan {
         /// A folder, a YAML file, a local Git repository or a Git URL (as for validate).
         source: String,
-        /// YAML list of nodes (NodeInventory): name, labels, GPUs with model and current state.
+        /// A node (NodeInventory: name, labels, GPUs with model and current state) or a YAML
+        /// list of them.
         #[arg(long)]
         nodes: PathBuf,
         /// The instant to plan for (RFC 3339, e.g. 2026-12-02T21:00:00+08:00); now by default.
@@ -87,7 +99,7 @@ enum Command {
         nvml: Option<PathBuf>,
         /// The agent's state directory (slice tables and configs, the last good source, drain
         /// records; the emulated machine with --emulate).
-        #[arg(long, default_value = "/run/gpuslice")]
+        #[arg(long, default_value = gpuslice_contract::paths::DEFAULT)]
         state: PathBuf,
         /// Change the GPUs; without it the agent only reports what it would do.
         #[arg(long)]
@@ -109,7 +121,7 @@ enum Command {
     /// back when it ends.
     Run {
         /// The agent's state directory.
-        #[arg(long, default_value = "/run/gpuslice")]
+        #[arg(long, default_value = gpuslice_contract::paths::DEFAULT)]
         state: PathBuf,
         /// A GpuSlicePolicy of the agent's source: its memory (plus the pool's headroom) and
         /// compute limit.
@@ -253,6 +265,10 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    logging::init(match cli.log_format {
+        LogOutput::Text => LogFormat::Text,
+        LogOutput::Json => LogFormat::Json,
+    });
     match cli.command {
         Command::Validate {
             source,
@@ -360,52 +376,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     .context("no node name: give --node-name or --node-file")?;
             }
             node.labels.extend(labels);
+            let state = StateDir::new(state);
             let library = match &emulate {
                 Some(_) => {
-                    gpuslice::agent::prepare_emulator(&state, &node)?;
-                    Some(gpuslice::agent::emulator_library()?)
+                    gpuslice_node::emulate::prepare_emulator(&state, &node)?;
+                    Some(gpuslice_node::emulate::emulator_library()?)
                 }
                 None => nvml,
             };
             if kube {
-                let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .context("starting the async runtime")?;
-                runtime.block_on(async {
-                    let client = kube::Client::try_default().await.context(
-                        "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
-                    )?;
-                    eprintln!("gpuslice agent: node {} in the cluster", node.name);
-                    let interval: std::time::Duration = interval.into();
-                    let mut registry = prometheus_client::registry::Registry::default();
-                    let metrics = gpuslice::incluster::Metrics::register(&mut registry);
-                    let telemetry = gpuslice_operator::telemetry::Telemetry::new(
-                        registry,
-                        interval * 3 + std::time::Duration::from_secs(60),
-                    );
-                    if let Some(addr) = metrics_addr {
-                        telemetry
-                            .serve(addr)
-                            .await
-                            .with_context(|| format!("serving metrics on {addr}"))?;
-                    }
-                    gpuslice::incluster::run(
-                        client,
-                        &gpus,
-                        &node.name,
-                        &state,
-                        interval,
-                        metrics,
-                        Some(telemetry),
-                    )
-                    .await?;
-                    anyhow::Ok(())
-                })?;
+                agent_in_cluster(node, library, state, clock, interval.into(), metrics_addr)?;
                 return Ok(ExitCode::SUCCESS);
             }
-            let options = gpuslice::agent::Options {
+            let options = gpuslice_node::standalone::Options {
                 source: SourceSpec {
                     location: source.context("--source is required without --kube")?,
                     git_ref,
@@ -421,41 +404,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 clock,
             };
             let mut shown = String::new();
-            let last = gpuslice::agent::run(&options, |pass| {
-                if once {
-                    for p in &pass.source.problems {
-                        eprintln!("{p}");
-                    }
-                }
-                match output {
-                    Output::Json => {
-                        if once {
-                            println!("{}", serde_json::to_string_pretty(pass).unwrap_or_default());
-                        } else {
-                            println!("{}", serde_json::to_string(pass).unwrap_or_default());
-                        }
-                    }
-                    Output::Text => {
-                        // A service prints a pass only when something changed.
-                        let body = gpuslice::agent::render_body(pass);
-                        if once || body != shown {
-                            print!("{}", gpuslice::agent::render(pass));
-                            shown = body;
-                        }
-                    }
-                }
-                if once && !pass.source.ok() {
-                    eprintln!(
-                        "{}",
-                        if pass.source.in_force {
-                            "the source was rejected; keeping the last good config"
-                        } else {
-                            "the source was rejected; nothing changed"
-                        }
-                    );
-                }
-                use std::io::Write as _;
-                let _ = std::io::stdout().flush();
+            let last = gpuslice_node::standalone::run(&options, |pass| {
+                show_pass(pass, once, output, &mut shown)
             })?;
             Ok(if last.failed() {
                 ExitCode::FAILURE
@@ -475,7 +425,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let memory_bytes = memory
                 .map(|m| gpuslice_api::bytes_of(&m).with_context(|| format!("--memory {m:?}")))
                 .transpose()?;
-            let want = gpuslice::claims::Want {
+            let want = gpuslice_contract::socket::Want {
                 policy,
                 memory_bytes,
                 compute_percent: compute,
@@ -485,7 +435,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some(s) => s,
                 None => gpuslice::run::shim_library()?,
             };
-            let code = gpuslice::run::run(&state, &want, &shim, &command)?;
+            let code = gpuslice::run::run(&StateDir::new(state), &want, &shim, &command)?;
             Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
         }
         Command::Operator {
@@ -505,7 +455,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let mut registry = prometheus_client::registry::Registry::default();
                 let metrics = gpuslice_operator::controller::Metrics::register(&mut registry);
                 // The loop passes at least every 5 minutes (it sleeps no longer between passes).
-                let telemetry = gpuslice_operator::telemetry::Telemetry::new(
+                let telemetry = gpuslice_runtime::telemetry::Telemetry::new(
                     registry,
                     std::time::Duration::from_secs(600),
                 );
@@ -530,7 +480,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     &identity,
                     lease_duration.into(),
                 );
-                eprintln!("gpuslice operator: started as {identity}");
+                tracing::info!("gpuslice operator: started as {identity}");
                 gpuslice_operator::controller::run(
                     client,
                     clock,
@@ -551,18 +501,18 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     traces,
                 },
         } => {
-            let nodes = gpuslice::bench::cluster(&data)?;
+            let nodes = gpuslice_bench::placement::cluster(&data)?;
             let files = if traces.is_empty() {
-                gpuslice::bench::traces(&data)?
+                gpuslice_bench::placement::traces(&data)?
             } else {
                 traces.iter().map(|t| data.join(t)).collect()
             };
             let mut results = Vec::new();
             for file in &files {
-                results.push(gpuslice::bench::run_trace(&nodes, file, seeds)?);
+                results.push(gpuslice_bench::placement::run_trace(&nodes, file, seeds)?);
                 eprintln!("replayed {}", file.display());
             }
-            let (table, ok) = gpuslice::bench::render(&results, seeds);
+            let (table, ok) = gpuslice_bench::placement::render(&results, seeds);
             print!("{table}");
             Ok(if ok {
                 ExitCode::SUCCESS
@@ -579,7 +529,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     real_gpu,
                 },
         } => {
-            let (table, ok) = gpuslice::compute_bench::run_all(
+            let (table, ok) = gpuslice_bench::compute::run_all(
                 seconds.max(2),
                 &scenarios,
                 !no_overhead,
@@ -610,7 +560,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 },
         } => {
             let report =
-                gpuslice::compute_bench::worker::run(gpuslice::compute_bench::worker::Plan {
+                gpuslice_bench::compute::worker::run(gpuslice_bench::compute::worker::Plan {
                     kernel_us,
                     seconds,
                     busy_ms,
@@ -657,4 +607,78 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
     }
+}
+
+/// Prints one standalone pass: in full with `--once`, else only when something changed.
+fn show_pass(pass: &gpuslice_node::pass::Pass, once: bool, output: Output, shown: &mut String) {
+    use std::io::Write as _;
+    if once {
+        for p in &pass.source.problems {
+            eprintln!("{p}");
+        }
+    }
+    match output {
+        Output::Json if once => {
+            println!("{}", serde_json::to_string_pretty(pass).unwrap_or_default())
+        }
+        Output::Json => println!("{}", serde_json::to_string(pass).unwrap_or_default()),
+        Output::Text => {
+            let body = gpuslice_node::render::render_body(pass);
+            if once || body != *shown {
+                print!("{}", gpuslice_node::render::render(pass));
+                *shown = body;
+            }
+        }
+    }
+    if once && !pass.source.ok() {
+        eprintln!(
+            "{}",
+            if pass.source.in_force {
+                "the source was rejected; keeping the last good config"
+            } else {
+                "the source was rejected; nothing changed"
+            }
+        );
+    }
+    let _ = std::io::stdout().flush();
+}
+
+/// `gpuslice agent --kube`: the agent fed by its GpuNode, with /metrics and /healthz.
+fn agent_in_cluster(
+    node: gpuslice_api::NodeInventory,
+    library: Option<PathBuf>,
+    state: StateDir,
+    clock: gpuslice_planning::clock::Clock,
+    interval: std::time::Duration,
+    metrics_addr: Option<std::net::SocketAddr>,
+) -> anyhow::Result<()> {
+    /// Healthy while a pass completed within this many intervals (plus a minute of slack).
+    const STALE_INTERVALS: u32 = 3;
+    let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
+    let agent = gpuslice_node::pass::Agent::new(gpus, &node, state, true);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let client = kube::Client::try_default()
+            .await
+            .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+        tracing::info!("gpuslice agent: node {} in the cluster", node.name);
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = gpuslice_node::cluster::Metrics::register(&mut registry);
+        let telemetry = gpuslice_runtime::telemetry::Telemetry::new(
+            registry,
+            interval * STALE_INTERVALS + std::time::Duration::from_secs(60),
+        );
+        if let Some(addr) = metrics_addr {
+            telemetry
+                .serve(addr)
+                .await
+                .with_context(|| format!("serving metrics on {addr}"))?;
+        }
+        gpuslice_node::cluster::run(client, &agent, &clock, interval, metrics, Some(telemetry))
+            .await?;
+        anyhow::Ok(())
+    })
 }

@@ -17,14 +17,25 @@ pub enum InventoryError {
     },
 }
 
-/// Reads a YAML list of nodes.
+/// Reads a YAML list of nodes, or a single node.
 pub fn parse_inventory(file: &str, text: &str) -> Result<Vec<NodeInventory>, InventoryError> {
-    let de = serde_yaml::Deserializer::from_str(text);
-    serde_path_to_error::deserialize(de).map_err(|e| InventoryError::Invalid {
+    let invalid = |path: String, message: String| InventoryError::Invalid {
         file: file.to_string(),
-        path: e.path().to_string(),
-        message: e.into_inner().to_string(),
-    })
+        path,
+        message,
+    };
+    let value: serde_yaml::Value =
+        serde_yaml::from_str(text).map_err(|e| invalid(".".into(), e.to_string()))?;
+    let by_path = |e: serde_path_to_error::Error<serde_yaml::Error>| {
+        invalid(e.path().to_string(), e.into_inner().to_string())
+    };
+    if value.is_sequence() {
+        serde_path_to_error::deserialize(value).map_err(by_path)
+    } else {
+        serde_path_to_error::deserialize(value)
+            .map(|node| vec![node])
+            .map_err(by_path)
+    }
 }
 
 /// The plan for people.

@@ -1,4 +1,4 @@
-//! `gpuslice run`: on a standalone node, ask the agent for a slice (waiting in line when none is
+//! `gpuslice run`: ask the node's agent for a slice (waiting in line when none is
 //! free), run the command on it under the shim, and give the slice back when the command ends.
 //! The slice is held by the open connection to the agent, so a killed `gpuslice run` frees it.
 
@@ -7,7 +7,8 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::claims::{Reply, Request, Want};
+use gpuslice_contract::socket::{self, Reply, Request, Want};
+use gpuslice_contract::{StateDir, env};
 
 /// Why a command could not run on a slice.
 #[derive(Debug, thiserror::Error)]
@@ -47,20 +48,21 @@ pub fn shim_library() -> Result<PathBuf, RunError> {
 }
 
 /// Runs `command` on a slice; returns its exit code (128 + signal when killed).
-pub fn run(state: &Path, want: &Want, shim: &Path, command: &[String]) -> Result<i32, RunError> {
-    let path = state.join("agent.sock");
+pub fn run(
+    state: &StateDir,
+    want: &Want,
+    shim: &Path,
+    command: &[String],
+) -> Result<i32, RunError> {
+    let path = state.socket();
     let stream = UnixStream::connect(&path).map_err(|source| RunError::Agent {
         path: path.display().to_string(),
-        state: state.display().to_string(),
+        state: state.root().display().to_string(),
         source,
     })?;
     let lost = |e: std::io::Error| RunError::Lost(e.to_string());
     let mut writer = stream.try_clone().map_err(lost)?;
-    let mut send = |request: &Request| -> Result<(), RunError> {
-        let mut line = serde_json::to_vec(request).map_err(|e| RunError::Lost(e.to_string()))?;
-        line.push(b'\n');
-        writer.write_all(&line).map_err(lost)
-    };
+    let mut send = |request: &Request| writer.write_all(&socket::line(request)).map_err(lost);
     send(&Request::Want(want.clone()))?;
     let mut replies = BufReader::new(stream);
     let (slice, config, device_uuid) = loop {
@@ -90,8 +92,8 @@ pub fn run(state: &Path, want: &Want, shim: &Path, command: &[String]) -> Result
         .env("LD_PRELOAD", preload)
         .env("CUDA_VISIBLE_DEVICES", &device_uuid)
         .env("NVIDIA_VISIBLE_DEVICES", &device_uuid)
-        .env(crate::SLICE_CONFIG_VAR, &config)
-        .env("GPUSLICE_SLICE", &slice)
+        .env(env::SLICE_CONFIG, &config)
+        .env(env::SLICE, &slice)
         .spawn()
         .map_err(|source| RunError::Spawn {
             command: command[0].clone(),

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use gpuslice::compute_bench::{Bench, Scenario, SliceSpec, Work, slice_id};
+use gpuslice_bench::compute::{Bench, Scenario, SliceSpec, Work, slice_id};
 use gpuslice_node::arbiter::Share;
 
 fn exe() -> &'static Path {
@@ -168,7 +168,7 @@ fn the_benchmark_prints_target_and_achieved_share_per_slice() {
 /// finished. That method, applied on the emulator, must agree with the timeline.
 #[test]
 fn shares_from_completed_kernels_agree_with_the_timeline() {
-    use gpuslice::compute_bench::{KERNEL_US, shares};
+    use gpuslice_bench::compute::{KERNEL_US, shares};
     let capped = |name, percent: u32| SliceSpec {
         name,
         share: Share::capped(percent),

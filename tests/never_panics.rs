@@ -3,8 +3,8 @@
 //! whole pipeline, and every problem points at a line of its file.
 
 use chrono::{TimeZone, Utc};
-use gpuslice::validate::validate_files;
 use gpuslice_source::SourceFile;
+use gpuslice_source::validate::validate_files;
 use proptest::prelude::*;
 
 fn examples() -> Vec<SourceFile> {

@@ -29,11 +29,12 @@ fn one_seed_of_the_default_trace_ranks_the_policies_as_the_paper_does() {
         );
         return;
     };
-    let nodes = gpuslice::bench::cluster(&dir).unwrap();
+    let nodes = gpuslice_bench::placement::cluster(&dir).unwrap();
     assert_eq!(nodes.len(), 1213);
     assert_eq!(nodes.iter().map(|n| n.gpus.len()).sum::<usize>(), 6212);
     let result =
-        gpuslice::bench::run_trace(&nodes, &dir.join("openb_pod_list_default.csv"), 1).unwrap();
+        gpuslice_bench::placement::run_trace(&nodes, &dir.join("openb_pod_list_default.csv"), 1)
+            .unwrap();
     let at100 = |name: &str| {
         result
             .rows

@@ -35,9 +35,13 @@ pub struct Want {
 pub enum Request {
     Want(Want),
     /// The claim's workload started with this pid (a child of the client).
-    Running { pid: u32 },
+    Running {
+        pid: u32,
+    },
     /// A process under the shim asks for compute arbitration on its slice.
-    Compute { slice: String },
+    Compute {
+        slice: String,
+    },
 }
 
 /// The agent's answer to a claim (and its refusal of a compute session).
@@ -45,13 +49,17 @@ pub enum Request {
 #[serde(rename_all = "camelCase")]
 pub enum Reply {
     /// Waiting: 1 is next in line.
-    Queued { position: usize },
+    Queued {
+        position: usize,
+    },
     Granted {
         slice: String,
         config: PathBuf,
         device_uuid: String,
     },
-    Refused { reason: String },
+    Refused {
+        reason: String,
+    },
 }
 
 /// The agent's answer to [`Request::Compute`] when it takes the process on.
@@ -147,6 +155,11 @@ mod tests {
         assert_eq!(text, b"{\"compute\":{\"slice\":\"gpu0-s1\"}}\n");
         assert_eq!(serde_json::from_slice::<Request>(&text).unwrap(), hello);
         let refused: Reply = serde_json::from_str(r#"{"refused":{"reason":"no"}}"#).unwrap();
-        assert_eq!(refused, Reply::Refused { reason: "no".into() });
+        assert_eq!(
+            refused,
+            Reply::Refused {
+                reason: "no".into()
+            }
+        );
     }
 }

@@ -10,11 +10,12 @@
 //! which dominates the transitions; the steady pass is what the agent costs a node.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use gpuslice_contract::StateDir;
 use gpuslice_emulator::{Machine, Store};
-use gpuslice_node::{NvmlGpus, converge};
+use gpuslice_node::{NvmlGpus, converge_to as converge};
 use gpuslice_planning::transition::Desired;
 
 const GPUS: u32 = 8;
@@ -58,7 +59,7 @@ fn median(mut samples: Vec<Duration>) -> Duration {
 
 /// Times `pass` from the state `setup` leaves, `RUNS` times.
 fn time(
-    run: &Path,
+    run: &StateDir,
     gpus: &NvmlGpus,
     setup: impl Fn(),
     desired: &[(u32, Desired)],
@@ -67,7 +68,7 @@ fn time(
     let mut ops = 0;
     for _ in 0..RUNS {
         setup();
-        let _ = std::fs::remove_dir_all(run);
+        let _ = std::fs::remove_dir_all(run.root());
         let start = Instant::now();
         let outcomes = converge(gpus, "bench", run, desired, &[], true).unwrap();
         samples.push(start.elapsed());
@@ -80,10 +81,10 @@ fn time(
 fn main() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("gpus.json");
-    let run = dir.path().join("run");
+    let run = StateDir::new(dir.path().join("run"));
     let store = Store::create(&state, &fresh()).unwrap();
     // SAFETY: set before NVML is loaded and before any other thread exists.
-    unsafe { std::env::set_var("GPUSLICE_EMULATOR_STATE", &state) };
+    unsafe { std::env::set_var(gpuslice_contract::env::EMULATOR_STATE, &state) };
     let gpus = NvmlGpus::open(Some(&library())).unwrap();
 
     let day = mig(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]);

@@ -44,7 +44,10 @@ pub enum ClusterError {
 
 /// The plan of each GPU the spec names, from the node as this pass read it; and what the spec
 /// asks that cannot be done.
-fn plan_spec(node: &NodeInventory, spec: &gpuslice_api::GpuNodeSpec) -> (Vec<GpuPlan>, Vec<String>) {
+fn plan_spec(
+    node: &NodeInventory,
+    spec: &gpuslice_api::GpuNodeSpec,
+) -> (Vec<GpuPlan>, Vec<String>) {
     let mut plans = Vec::new();
     let mut problems = Vec::new();
     for assignment in &spec.gpus {
@@ -201,7 +204,6 @@ impl Metrics {
     }
 }
 
-
 impl Metrics {
     fn record(
         &self,
@@ -233,8 +235,12 @@ impl Metrics {
 async fn read_config(client: &Client) -> Config {
     let params = ListParams::default();
     let pools = Api::<GpuPool>::all(client.clone()).list(&params).await;
-    let policies = Api::<GpuSlicePolicy>::all(client.clone()).list(&params).await;
-    let checkpoints = Api::<CheckpointPolicy>::all(client.clone()).list(&params).await;
+    let policies = Api::<GpuSlicePolicy>::all(client.clone())
+        .list(&params)
+        .await;
+    let checkpoints = Api::<CheckpointPolicy>::all(client.clone())
+        .list(&params)
+        .await;
     for (kind, e) in [
         ("GpuPool", pools.as_ref().err()),
         ("GpuSlicePolicy", policies.as_ref().err()),
@@ -323,7 +329,10 @@ pub async fn run(
         let report = status(&pass, current.metadata.generation, current.status.as_ref());
         if current.status.as_ref() != Some(&report) {
             let patch = apply_body("GpuNode", &node, "status", &report);
-            if let Err(e) = api.patch_status(&node, &params, &Patch::Apply(&patch)).await {
+            if let Err(e) = api
+                .patch_status(&node, &params, &Patch::Apply(&patch))
+                .await
+            {
                 tracing::warn!("GpuNode/{node}: reporting status: {e}");
             }
         }

@@ -343,7 +343,7 @@ mod tests {
 
     #[test]
     fn a_policy_lowers_the_cap_and_adds_its_guarantee() {
-            let slice = |id: &str, gpu: u32| SliceConfig {
+        let slice = |id: &str, gpu: u32| SliceConfig {
             id: id.into(),
             kind: SliceKind::Software,
             gpu,

@@ -5,7 +5,7 @@ use gpuslice_api::{GpuInventory, NodeInventory};
 use gpuslice_contract::StateDir;
 use gpuslice_contract::slice::{gpu_slice_id, mig_slice_id};
 use gpuslice_planning::catalog;
-use gpuslice_planning::cluster::GpuPlan;
+use gpuslice_planning::cluster::{GpuPlan, GpuPlanError};
 use gpuslice_planning::transition::{self, Blocker, Desired, GpuState, Op};
 use serde::Serialize;
 
@@ -148,7 +148,16 @@ pub fn converge(
     let mut outcomes: Vec<GpuOutcome> = plans
         .iter()
         .filter(|plan| plan.error.is_none())
-        .filter_map(|plan| Some(converge_gpu(gpus, before, state, plan, plan.desired.as_ref()?, apply)))
+        .filter_map(|plan| {
+            Some(converge_gpu(
+                gpus,
+                before,
+                state,
+                plan,
+                plan.desired.as_ref()?,
+                apply,
+            ))
+        })
         .collect();
     let after = read_node(gpus, &before.name, state, held)?;
     if apply {
@@ -164,6 +173,77 @@ pub fn converge(
         }
     }
     Ok((outcomes, after))
+}
+
+/// Converges the node to explicit layouts, outside any pool: one read, each GPU planned from
+/// it, [`converge`]. What tests and the reconcile benchmark drive.
+pub fn converge_to(
+    gpus: &NvmlGpus,
+    node: &str,
+    state: &StateDir,
+    desired: &[(u32, Desired)],
+    held: &[Held],
+    apply: bool,
+) -> Result<Vec<GpuOutcome>, ConvergeError> {
+    let before = read_node(gpus, node, state, held)?;
+    let plans: Vec<GpuPlan> = desired
+        .iter()
+        .map(|(index, want)| {
+            let gpu = before.gpus.iter().find(|g| g.index == *index);
+            let planned = gpu.map(|gpu| {
+                transition::plan(
+                    catalog::model(&gpu.model).ok(),
+                    &GpuState::from_inventory(gpu),
+                    want,
+                )
+            });
+            let (ops, blocked_by, error) = match planned {
+                Some(Ok(p)) => (p.ops, p.blocked_by, None),
+                Some(Err(e)) => (
+                    Vec::new(),
+                    Vec::new(),
+                    Some(GpuPlanError::Layout {
+                        pool: String::new(),
+                        message: e.to_string(),
+                    }),
+                ),
+                None => (Vec::new(), Vec::new(), None),
+            };
+            GpuPlan {
+                index: *index,
+                uuid: gpu.and_then(|g| g.uuid.clone()),
+                model: gpu.map(|g| g.model.clone()).unwrap_or_default(),
+                pool: None,
+                window: None,
+                layout: None,
+                desired: Some(want.clone()),
+                time_slice: None,
+                checkpoint_policy: None,
+                ops,
+                blocked_by,
+                error,
+            }
+        })
+        .collect();
+    let errors: Vec<GpuOutcome> = plans
+        .iter()
+        .filter_map(|p| {
+            Some(GpuOutcome {
+                index: p.index,
+                desired: p.desired.clone()?,
+                ops: Vec::new(),
+                blocked_by: Vec::new(),
+                blocking: Vec::new(),
+                completed: Vec::new(),
+                converged: false,
+                error: Some(p.error.as_ref()?.to_string()),
+            })
+        })
+        .collect();
+    let (mut outcomes, _) = converge(gpus, &before, state, &plans, held, apply)?;
+    outcomes.extend(errors);
+    outcomes.sort_by_key(|o| o.index);
+    Ok(outcomes)
 }
 
 fn converge_gpu(
@@ -206,7 +286,9 @@ fn converge_gpu(
     }
     for op in &outcome.ops {
         let done = match op {
-            Op::WriteSlices { table } => slices::write(state, gpu, table).map_err(ConvergeError::from),
+            Op::WriteSlices { table } => {
+                slices::write(state, gpu, table).map_err(ConvergeError::from)
+            }
             Op::ClearSlices => slices::clear(state, gpu.index).map_err(ConvergeError::from),
             other => gpus.apply(gpu.index, other).map_err(ConvergeError::from),
         };

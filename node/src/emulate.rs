@@ -9,7 +9,9 @@ use gpuslice_contract::StateDir;
 /// Why the emulated machine cannot be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum EmulateError {
-    #[error("the NVML emulator (libnvidia_ml.so) is not next to {0}: build the workspace with cargo build")]
+    #[error(
+        "the NVML emulator (libnvidia_ml.so) is not next to {0}: build the workspace with cargo build"
+    )]
     NoLibrary(String),
     #[error("emulated node {node}: {message}")]
     Machine { node: String, message: String },
@@ -19,10 +21,13 @@ pub enum EmulateError {
 pub fn emulator_library() -> Result<PathBuf, EmulateError> {
     let exe = std::env::current_exe().unwrap_or_default();
     let dir = exe.parent().unwrap_or(Path::new("."));
-    [dir.join("libnvidia_ml.so"), dir.join("deps/libnvidia_ml.so")]
-        .into_iter()
-        .find(|p| p.exists())
-        .ok_or_else(|| EmulateError::NoLibrary(exe.display().to_string()))
+    [
+        dir.join("libnvidia_ml.so"),
+        dir.join("deps/libnvidia_ml.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .ok_or_else(|| EmulateError::NoLibrary(exe.display().to_string()))
 }
 
 /// Seeds (or reuses) the emulated machine's state file for an inventory, and points the

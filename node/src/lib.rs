@@ -18,5 +18,5 @@ pub mod slices;
 pub mod socket;
 pub mod standalone;
 
-pub use converge::{BlockingProcess, GpuOutcome, Held, read_node};
+pub use converge::{BlockingProcess, GpuOutcome, Held, converge_to, read_node};
 pub use nvml::{NvmlError, NvmlGpus};

@@ -182,7 +182,12 @@ impl Agent {
             } else if !o.blocked_by.is_empty() {
                 tracing::info!(gpu = o.index, blocked_by = ?o.blocked_by, "transition waits");
             } else if self.apply && !o.ops.is_empty() {
-                tracing::info!(gpu = o.index, ops = o.ops.len(), converged = o.converged, "applied");
+                tracing::info!(
+                    gpu = o.index,
+                    ops = o.ops.len(),
+                    converged = o.converged,
+                    "applied"
+                );
             }
         }
         Ok(pass)

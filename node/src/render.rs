@@ -73,7 +73,10 @@ pub fn render_body(pass: &Pass) -> String {
     for g in pass.plan.nodes.iter().flat_map(|n| &n.gpus) {
         let _ = write!(out, "  GPU {} {}", g.index, g.model);
         let Some(pool) = &g.pool else {
-            let why = g.error.as_ref().map_or_else(|| "not in any pool".to_string(), ToString::to_string);
+            let why = g
+                .error
+                .as_ref()
+                .map_or_else(|| "not in any pool".to_string(), ToString::to_string);
             let _ = writeln!(out, ": {why}");
             continue;
         };

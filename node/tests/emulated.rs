@@ -4,8 +4,9 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use gpuslice_contract::StateDir;
 use gpuslice_emulator::{Machine, Store};
-use gpuslice_node::{NvmlGpus, converge};
+use gpuslice_node::{NvmlGpus, converge_to as converge};
 use gpuslice_planning::transition::{Blocker, Desired, SliceTable};
 
 fn library() -> PathBuf {
@@ -46,14 +47,14 @@ fn uuid_at(store: &Store, gpu: u32, start: u32) -> Option<String> {
 fn layouts_converge_incrementally_and_busy_instances_block() {
     let dir = tempfile::tempdir().unwrap();
     let state_file = dir.path().join("gpus.json");
-    let slices = dir.path().join("run");
+    let slices = StateDir::new(dir.path().join("run"));
     let node: gpuslice_api::NodeInventory = serde_yaml::from_str(
         "name: n\ngpus:\n- {index: 0, model: NVIDIA H200}\n- {index: 1, model: NVIDIA H200}\n",
     )
     .unwrap();
     let store = Store::create(&state_file, &Machine::from_inventory(&node).unwrap()).unwrap();
     // SAFETY: this test binary has a single test, so no other thread reads the environment.
-    unsafe { std::env::set_var("GPUSLICE_EMULATOR_STATE", &state_file) };
+    unsafe { std::env::set_var(gpuslice_contract::env::EMULATOR_STATE, &state_file) };
     let gpus = NvmlGpus::open(Some(&library())).unwrap();
 
     // A fresh node: MIG on GPU 0, software slices on GPU 1. Without apply nothing changes.
@@ -160,4 +161,47 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
     assert!(back[0].converged, "{back:#?}");
     assert!(!store.snapshot().unwrap().gpu(1).unwrap().mig_enabled);
     assert_eq!(gpuslice_node::slices::read(&slices, 1).unwrap().len(), 4);
+
+    // One whole pass of the agent (a pool, planned from the read) reads the node twice: once
+    // before planning, once to confirm. Counted by the emulated NVML.
+    let pool: gpuslice_api::GpuPool = serde_yaml::from_str(
+        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: p}\nspec:\n  layout: {mig: {profiles: {3g.71gb: 2}}}\n",
+    )
+    .unwrap();
+    let reads = node_reads();
+    let before = reads();
+    let agent = gpuslice_node::pass::Agent::new(gpus, &node, slices.clone(), true);
+    let now = chrono::Utc::now();
+    let pass = agent
+        .pass(now, |read| gpuslice_node::pass::Intent {
+            plan: gpuslice_planning::cluster::plan_cluster(
+                std::slice::from_ref(&pool),
+                std::slice::from_ref(read),
+                now,
+            ),
+            config: Default::default(),
+            problems: Vec::new(),
+        })
+        .unwrap();
+    assert!(pass.converged(), "{:#?}", pass.outcomes);
+    assert_eq!(pass.outcomes.len(), 2);
+    assert!(
+        pass.outcomes.iter().any(|o| !o.ops.is_empty()),
+        "it changed GPUs"
+    );
+    assert_eq!(reads() - before, 2, "one pass reads the node exactly twice");
+}
+
+/// The emulated NVML's count of whole-node reads in this process.
+fn node_reads() -> impl Fn() -> u64 {
+    // SAFETY: the emulator's library, already loaded by NVML above; the symbol has this type.
+    let library = unsafe { libloading::Library::new(library()) }.unwrap();
+    move || {
+        // SAFETY: `gpusliceEmulatorNodeReads` takes nothing and returns a u64.
+        unsafe {
+            let count: libloading::Symbol<unsafe extern "C" fn() -> u64> =
+                library.get(b"gpusliceEmulatorNodeReads").unwrap();
+            count()
+        }
+    }
 }

@@ -21,17 +21,17 @@ use kube::{Client, Resource, ResourceExt as _};
 use tokio::sync::Notify;
 
 use crate::desired::{NodeReport, Observed, desired};
+use crate::election::Leadership;
 use gpuslice_runtime::apply_body;
 use gpuslice_runtime::conditions::keep_transition_times;
-use crate::election::Leadership;
 use gpuslice_runtime::telemetry::Telemetry;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use tracing::Instrument as _;
 use prometheus_client::registry::Registry;
+use tracing::Instrument as _;
 
 /// GpuNode writes in flight at once.
 const WRITES_IN_FLIGHT: usize = 32;
@@ -206,12 +206,15 @@ pub async fn run(
             }
             want
         }
-        .instrument(tracing::info_span!("reconcile", leader = leadership.is_leader()))
+        .instrument(tracing::info_span!(
+            "reconcile",
+            leader = leadership.is_leader()
+        ))
         .await;
         // Wake on a change (a burst settles first) or at the next window boundary.
-        let until_boundary = want.next_change.map_or(IDLE_PASS, |t| {
-            clock.until(t) + BOUNDARY_MARGIN
-        });
+        let until_boundary = want
+            .next_change
+            .map_or(IDLE_PASS, |t| clock.until(t) + BOUNDARY_MARGIN);
         let until_boundary = if leadership.is_leader() {
             until_boundary
         } else {
@@ -297,9 +300,7 @@ impl Writer {
                 match api.patch(name, params, &Patch::Apply(&patch)).await {
                     Ok(_) => 0,
                     Err(e) => {
-                        tracing::warn!(
-                            "GpuNode/{name}: writing the desired layout: {e}"
-                        );
+                        tracing::warn!("GpuNode/{name}: writing the desired layout: {e}");
                         1
                     }
                 }

@@ -9,7 +9,7 @@ use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Ti
 use gpuslice_api::k8s_openapi::jiff::Timestamp;
 use gpuslice_api::{
     GpuAssignment, GpuNodeSpec, GpuPool, GpuPoolStatus, GpuSlicePolicy, GpuSlicePolicyStatus,
-    Layout, NodeInventory, SliceCounts,
+    NodeInventory, SliceCounts,
 };
 use gpuslice_planning::cluster::plan_cluster;
 use gpuslice_planning::transition::Desired;

@@ -19,7 +19,12 @@ pub fn duration_buckets() -> impl Iterator<Item = f64> {
 
 /// A server-side apply body for one of our cluster-scoped kinds: `apiVersion`, `kind`,
 /// `metadata.name` and one top-level field (`spec` or `status`), which is all the writer owns.
-pub fn apply_body(kind: &str, name: &str, field: &str, value: &impl Serialize) -> serde_json::Value {
+pub fn apply_body(
+    kind: &str,
+    name: &str,
+    field: &str,
+    value: &impl Serialize,
+) -> serde_json::Value {
     let mut body = serde_json::json!({
         "apiVersion": gpuslice_api::API_VERSION,
         "kind": kind,

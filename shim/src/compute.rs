@@ -182,7 +182,9 @@ fn read_line(socket: &mut UnixStream, buffer: &mut Vec<u8>) -> std::io::Result<S
 }
 
 fn send(session: &Session, message: Compute) -> bool {
-    (&session.socket).write_all(message.wire().as_bytes()).is_ok()
+    (&session.socket)
+        .write_all(message.wire().as_bytes())
+        .is_ok()
 }
 
 /// Runs a launch on `stream` when the slice holds the GPU, waiting for a grant if needed.
@@ -479,4 +481,3 @@ pub fn capture_ended(stream: Handle) {
         CAPTURES.fetch_sub(1, Ordering::SeqCst);
     }
 }
-

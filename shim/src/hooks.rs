@@ -31,7 +31,7 @@ pub struct Hook {
 fn missing(lib: Lib) -> c_int {
     match lib {
         Lib::Cuda => CUDA_ERROR_UNKNOWN,
-        Lib::Nvml => 13,  // NVML_ERROR_FUNCTION_NOT_FOUND
+        Lib::Nvml => 13, // NVML_ERROR_FUNCTION_NOT_FOUND
     }
 }
 

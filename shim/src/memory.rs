@@ -10,8 +10,8 @@ use std::sync::Mutex;
 use std::sync::atomic::AtomicUsize;
 
 use crate::dl::{Lib, resolve};
-use gpuslice_contract::cuda::{ArrayDescriptor, ArrayDescriptor3D, Handle};
 use crate::limits::{Kind, Limits, Slice, limits};
+use gpuslice_contract::cuda::{ArrayDescriptor, ArrayDescriptor3D, Handle};
 
 const SUCCESS: c_int = 0;
 const OUT_OF_MEMORY: c_int = 2;

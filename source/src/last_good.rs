@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::{Follower, SourceFile, SourceSpec};
 use chrono::{DateTime, Utc};
 use gpuslice_api::{CheckpointPolicySpec, GpuPool, GpuSlicePolicySpec};
-use crate::{Follower, SourceFile, SourceSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::validate::read_repository;
@@ -73,10 +73,7 @@ impl Source {
     /// Follows `spec`; Git mirrors and the last good config live under `dir`.
     pub fn new(spec: SourceSpec, dir: &Path) -> Source {
         let dir = dir.to_path_buf();
-        let saved_path = dir.join(format!(
-            "{}.last-good.json",
-            crate::source_key(&spec)
-        ));
+        let saved_path = dir.join(format!("{}.last-good.json", crate::source_key(&spec)));
         // A saved config that cannot be read is as good as none: the source is read afresh.
         let last_good = std::fs::read(&saved_path)
             .ok()

@@ -6,12 +6,12 @@
 
 use std::fmt;
 
+use crate::{Document, SourceFile};
 use chrono::{DateTime, Utc};
 use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuPool, GpuSlicePolicy, Kind, POLICY_LABEL, admission,
 };
 use gpuslice_planning::validate::{self as repo_checks, Located, Repo, Severity, WorkloadRef};
-use crate::{Document, SourceFile};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;

@@ -8,16 +8,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpuslice_contract::{SliceConfig, SliceKind, StateDir, env};
 use gpuslice_emulator::timeline::{Interval, Timeline, timeline_path};
 use gpuslice_emulator::{Machine, Store, device_key};
 use gpuslice_node::arbiter::Share;
-use gpuslice_node::slices::{SliceConfig, SliceKind};
-
-use crate::claims::Claims;
-use crate::compute::GpuShares;
+use gpuslice_node::compute::GpuShares;
+use gpuslice_node::socket;
 
 pub mod worker;
 
@@ -268,10 +266,10 @@ pub enum Gpu {
 pub struct Bench {
     _dir: tempfile::TempDir,
     gpu: Gpu,
-    state: PathBuf,
+    state: StateDir,
     shim: PathBuf,
     exe: PathBuf,
-    claims: Arc<Claims>,
+    agent: socket::Node,
 }
 
 /// One worker's report of a timed run.
@@ -377,7 +375,7 @@ impl Bench {
         scenarios: &[Scenario],
     ) -> Result<Bench, ComputeBenchError> {
         let shim = next_to(exe, &["libgpuslice.so"], "the shim (libgpuslice.so)")?;
-        let state = dir.path().join("state");
+        let state = StateDir::new(dir.path().join("state"));
         let mut configs: Vec<SliceConfig> = scenarios
             .iter()
             .enumerate()
@@ -393,21 +391,16 @@ impl Bench {
         });
         configs.push(software(ARBITRATED, 100));
         configs.extend((0..JOBS).map(|j| software(&job_slice(j), 100)));
-        gpuslice_node::slices::sync_dirs(&state, &configs).map_err(|e| setup(&state, e))?;
-        let socket = state.join("agent.sock");
-        let listener =
-            std::os::unix::net::UnixListener::bind(&socket).map_err(|e| setup(&socket, e))?;
-        let claims = Arc::new(Claims::default());
-        let serving = Arc::clone(&claims);
-        let served = state.clone();
-        std::thread::spawn(move || serving.serve(listener, served));
+        gpuslice_node::slices::sync_dirs(&state, &configs).map_err(|e| setup(state.root(), e))?;
+        let agent = socket::Node::default();
+        agent.serve(&state).map_err(|e| setup(state.root(), e))?;
         Ok(Bench {
             _dir: dir,
             gpu,
             state,
             shim,
             exe: exe.to_path_buf(),
-            claims,
+            agent,
         })
     }
 
@@ -418,16 +411,13 @@ impl Bench {
             .args(["bench", "compute-worker"])
             .args(args)
             .env("LD_PRELOAD", &self.shim)
-            .env(
-                "GPUSLICE_SLICE_CONFIG",
-                self.state.join("slices").join(slice).join("config"),
-            )
+            .env(env::SLICE_CONFIG, self.state.slice_config(slice))
             .stdout(Stdio::piped());
         match &self.gpu {
             Gpu::Emulated { lib, machine } => {
                 command
                     .env("LD_LIBRARY_PATH", lib)
-                    .env("GPUSLICE_EMULATOR_STATE", machine)
+                    .env(env::EMULATOR_STATE, machine)
                     .env_remove("CUDA_VISIBLE_DEVICES");
             }
             Gpu::Real { iterations, .. } => {
@@ -467,7 +457,7 @@ impl Bench {
             .iter()
             .map(|s| (slice_id(index, s.name), s.share))
             .collect();
-        self.claims.compute().set(&BTreeMap::from([(
+        self.agent.compute.set(&BTreeMap::from([(
             0,
             GpuShares {
                 time_slice: Duration::from_millis(scenario.time_slice_ms),
@@ -485,8 +475,8 @@ impl Bench {
     ) -> Result<ScenarioResult, ComputeBenchError> {
         self.activate(index, scenario);
         let switches_before = self
-            .claims
-            .compute()
+            .agent
+            .compute
             .usage()
             .get(&0)
             .map_or(0, |(_, switches)| *switches);
@@ -534,7 +524,7 @@ impl Bench {
                 .flat_map(|r| r.intervals(kernel_ns))
                 .collect(),
         };
-        let usage = self.claims.compute().usage();
+        let usage = self.agent.compute.usage();
         let (usage, switches) = usage.get(&0).cloned().unwrap_or_default();
         let slices = scenario
             .slices
@@ -599,7 +589,7 @@ impl Bench {
     /// arbitration (an exclusive slice) and with it (a software slice alone, no cap); best of
     /// `rounds` alternating runs of each.
     pub fn overhead(&self, rounds: usize) -> Result<(f64, f64), ComputeBenchError> {
-        self.claims.compute().set(&BTreeMap::from([(
+        self.agent.compute.set(&BTreeMap::from([(
             0,
             GpuShares {
                 time_slice: Duration::from_millis(10),
@@ -635,7 +625,7 @@ impl Bench {
     /// Four jobs of `kernels` kernels each, run one after another and then all at once on four
     /// slices of the GPU (equal weights, no caps): the seconds each way took.
     pub fn jobs(&self, kernels: u64) -> Result<Jobs, ComputeBenchError> {
-        self.claims.compute().set(&BTreeMap::from([(
+        self.agent.compute.set(&BTreeMap::from([(
             0,
             GpuShares {
                 time_slice: Duration::from_millis(10),

@@ -5,9 +5,8 @@
 use std::ffi::{CString, c_int, c_uint, c_void};
 use std::time::{Duration, Instant};
 
+use gpuslice_contract::cuda::{Handle, LaunchConfig};
 use gpuslice_emulator::timeline::now_ns;
-
-type Handle = *mut c_void;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Plan {
@@ -47,16 +46,6 @@ const WORK_PTX: &str = concat!(
     "  cvta.to.global.u64 %rd4, %rd2;\n  st.global.f32 [%rd4], %f1;\n",
     "END:\n  ret;\n}\n\0",
 );
-
-#[repr(C)]
-struct LaunchConfig {
-    grid: [c_uint; 3],
-    block: [c_uint; 3],
-    shared_mem_bytes: c_uint,
-    stream: Handle,
-    attrs: *mut c_void,
-    num_attrs: c_uint,
-}
 
 struct Driver {
     _lib: libloading::Library,

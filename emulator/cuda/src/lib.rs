@@ -30,9 +30,9 @@ use gpuslice_emulator::{Store, cuda_ledger_path, device_key};
 pub use gpuslice_contract::cuda::{
     ArrayDescriptor, ArrayDescriptor3D, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE,
     CUDA_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NO_DEVICE,
-    CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY,
-    CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, CuDevice as CUdevice, CuDevicePtr as CUdeviceptr,
-    CuResult as CUresult, Handle, LaunchConfig,
+    CUDA_ERROR_NOT_FOUND, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_UNKNOWN,
+    CUDA_SUCCESS, CuDevice as CUdevice, CuDevicePtr as CUdeviceptr, CuResult as CUresult, Handle,
+    LaunchConfig,
 };
 
 /// Device memory a context takes when created.

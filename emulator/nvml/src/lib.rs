@@ -14,6 +14,7 @@ use std::ffi::{CStr, c_char, c_uint, c_ulonglong};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpuslice_emulator::{Machine, NvmlError, Store};
 use gpuslice_planning::catalog;
@@ -221,8 +222,19 @@ pub extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uin
     guard(|| put_str(version, length, "575.57.08-gpuslice-emulator"))
 }
 
+/// How often this process enumerated the GPUs: each read of the whole node starts with it, so
+/// tests can assert how many times a pass reads the node.
+static NODE_READS: AtomicU64 = AtomicU64::new(0);
+
+/// Not NVML: the emulator's count of `nvmlDeviceGetCount` calls in this process.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpusliceEmulatorNodeReads() -> c_ulonglong {
+    NODE_READS.load(Ordering::SeqCst)
+}
+
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
+    NODE_READS.fetch_add(1, Ordering::SeqCst);
     guard(|| put(count, read(|m| Ok(m.gpus.len() as c_uint))?))
 }
 
