@@ -424,19 +424,40 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     )
     .await;
 
-    // A workload on one of gpu-a's instances: at the boundary that GPU cannot be re-sliced, and
-    // the pool says why until the workload ends.
+    // A workload on one of gpu-a's instances: at the boundary that GPU cannot be re-sliced, the
+    // pool says why, and the agent drains it as the pool's CheckpointPolicy says (`standard`:
+    // SIGUSR1, then it waits for the checkpoint-done marker, `required: true`). The workload
+    // checkpoints two seconds after the signal; the agent then stops it and re-slices.
     let state_a = dir.path().join("gpu-a").join("emulated-gpu-a.json");
-    let mut workload = std::process::Command::new("sleep")
-        .arg("600")
+    let (gi, start) = {
+        let m = gpuslice_emulator::Store::open(&state_a)
+            .unwrap()
+            .snapshot()
+            .unwrap();
+        let instance = &m.gpu(0).unwrap().instances[0];
+        (instance.id, instance.placement.start)
+    };
+    let slices = dir.path().join("gpu-a").join("slices");
+    let slice = std::fs::read_dir(&slices)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|name| name.starts_with(&format!("gpu0-mig{start}-")))
+        .unwrap_or_else(|| panic!("no slice directory for the instance at {start}"));
+    let marker = slices.join(&slice).join("checkpoint-done");
+    let signalled = dir.path().join("signalled");
+    let mut workload = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "trap 'touch {signalled}; sleep 2; touch {marker}' USR1; while :; do sleep 0.1; done",
+            signalled = signalled.display(),
+            marker = marker.display()
+        ))
         .spawn()
         .unwrap();
     gpuslice_emulator::Store::open(&state_a)
         .unwrap()
-        .update(|m| {
-            let gi = m.gpu(0).unwrap().instances[0].id;
-            m.attach_real_process(0, workload.id(), 1 << 30, Some(gi))
-        })
+        .update(|m| m.attach_real_process(0, workload.id(), 1 << 30, Some(gi)))
         .unwrap()
         .unwrap();
     eventually("the pool reports the busy instance", || {
@@ -450,8 +471,19 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
         }
     })
     .await;
-    workload.kill().unwrap();
-    workload.wait().unwrap();
+    let stopped = eventually("the agent signals, waits for the checkpoint, stops", || {
+        let status = workload.try_wait().unwrap();
+        let signalled = signalled.exists();
+        async move {
+            match status {
+                Some(status) if signalled => Ok(status),
+                other => Err(format!("signalled={signalled}, exit={other:?}")),
+            }
+        }
+    })
+    .await;
+    use std::os::unix::process::ExitStatusExt as _;
+    assert_eq!(stopped.signal(), Some(9), "stopped after its checkpoint");
 
     // At the boundary the operator re-slices every node for the night: one whole-GPU instance each.
     let instances = |name: &str| -> Vec<usize> {

@@ -355,4 +355,22 @@ mod tests {
         decide(&[], &mut records, at(1), |_| false);
         assert!(records.is_empty());
     }
+
+    #[test]
+    fn the_workloads_checkpoint_policy_wins_over_the_pools() {
+        let spec = |signal| CheckpointPolicySpec {
+            signal,
+            ..serde_json::from_value(serde_json::json!({"gracePeriod": "30s"})).unwrap()
+        };
+        let checkpoints = BTreeMap::from([
+            ("pool-wide".to_string(), spec(Signal::Term)),
+            ("careful".to_string(), spec(Signal::Usr1)),
+        ]);
+        let mine = policy_for(Some("careful"), Some("pool-wide"), &checkpoints).unwrap();
+        assert_eq!((mine.name.as_str(), mine.signal), ("careful", Signal::Usr1));
+        let pools = policy_for(None, Some("pool-wide"), &checkpoints).unwrap();
+        assert_eq!((pools.name.as_str(), pools.signal), ("pool-wide", Signal::Term));
+        assert_eq!(policy_for(None, None, &checkpoints), None);
+        assert_eq!(policy_for(Some("missing"), Some("pool-wide"), &checkpoints), None);
+    }
 }

@@ -8,7 +8,9 @@
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
-use gpuslice_contract::cuda::{self, CUDA_ERROR_UNKNOWN, Handle};
+use gpuslice_contract::cuda::{
+    ArrayDescriptor, ArrayDescriptor3D, CUDA_ERROR_UNKNOWN, Handle, LaunchConfig,
+};
 
 use crate::dl::{Lib, resolve};
 use crate::{launch, memory, nvml, proc_address};
@@ -122,9 +124,9 @@ hooks! {
         (handle: *mut u64, bytes: usize, prop: *const c_void, flags: u64) => memory::create;
     Cuda cuMemRelease "cuMemRelease" 10020 false (handle: u64) => memory::release;
     Cuda cuArrayCreate_v2 "cuArrayCreate" 3020 false
-        (array: *mut Handle, desc: *const cuda::ArrayDescriptor) => memory::array_create;
+        (array: *mut Handle, desc: *const ArrayDescriptor) => memory::array_create;
     Cuda cuArray3DCreate_v2 "cuArray3DCreate" 3020 false
-        (array: *mut Handle, desc: *const cuda::ArrayDescriptor3D) => memory::array3d_create;
+        (array: *mut Handle, desc: *const ArrayDescriptor3D) => memory::array3d_create;
     Cuda cuArrayDestroy "cuArrayDestroy" 2000 false (array: Handle) => memory::array_destroy;
     Cuda cuLaunchKernel "cuLaunchKernel" 4000 false
         (f: Handle, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
@@ -141,10 +143,10 @@ hooks! {
         (f: Handle, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint,
          shared: c_uint, stream: Handle, params: *mut *mut c_void) => launch::cooperative;
     Cuda cuLaunchKernelEx "cuLaunchKernelEx" 11060 false
-        (config: *const cuda::LaunchConfig, f: Handle, params: *mut *mut c_void,
+        (config: *const LaunchConfig, f: Handle, params: *mut *mut c_void,
          extra: *mut *mut c_void) => launch::ex;
     Cuda cuLaunchKernelEx_ptsz "cuLaunchKernelEx" 11060 true
-        (config: *const cuda::LaunchConfig, f: Handle, params: *mut *mut c_void,
+        (config: *const LaunchConfig, f: Handle, params: *mut *mut c_void,
          extra: *mut *mut c_void) => launch::ex;
     Cuda cuGraphLaunch "cuGraphLaunch" 10000 false (exec: Handle, stream: Handle) => launch::graph;
     Cuda cuGraphLaunch_ptsz "cuGraphLaunch" 10000 true
