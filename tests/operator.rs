@@ -695,3 +695,129 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
         "exactly one new generation: the edit"
     );
 }
+
+/// Cluster mode holds claims like standalone mode: a software slice claimed through the
+/// in-cluster agent's socket (with a policy the agent reads from the API) is busy, so the
+/// window change on its GPU waits, with the pool saying which slice, until the claim ends.
+#[tokio::test]
+async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
+    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
+        return;
+    };
+    let client = cluster.client().await.unwrap();
+    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    cluster
+        .create_node("gpu-s", &[("gpuslice.io/pool", "shared-a100")], &[])
+        .await
+        .unwrap();
+    let node_file = dir.path().join("gpu-s.yaml");
+    std::fs::write(
+        &node_file,
+        "name: gpu-s\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB}\n",
+    )
+    .unwrap();
+    let state = dir.path().join("gpu-s");
+    let spawn = |args: &[&str], clock: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_gpuslice"));
+        command
+            .args(args)
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        if let Some(start) = clock {
+            command.env("GPUSLICE_CLOCK_START", start);
+        }
+        Child2(command.spawn().unwrap())
+    };
+    let _agent = spawn(
+        &[
+            "agent",
+            "--kube",
+            "--interval",
+            "1s",
+            "--emulate",
+            node_file.to_str().unwrap(),
+            "--state",
+            state.to_str().unwrap(),
+        ],
+        None,
+    );
+    // 19:59:30 in Shanghai: the pool's night window (2 slices instead of 4) opens in 30 s.
+    let _operator = spawn(&["operator"], Some("2026-12-02T11:59:30Z"));
+    // No CheckpointPolicy: nothing is signalled, the change waits for the claim to end.
+    let pool = std::fs::read_to_string(root().join("examples/gitops/pools/shared-a100.yaml"))
+        .unwrap()
+        .replace("  checkpointPolicy: standard\n", "");
+    apply_yaml(&client, &pool).await;
+    apply_yaml(
+        &client,
+        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: small}\nspec:\n  pool: shared-a100\n  memory: 8Gi\n  compute: {limit: 20, guarantee: 10}\n",
+    )
+    .await;
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    let ready = |window: Option<&'static str>| {
+        let pools = pools.clone();
+        async move {
+            let p = pools.get("shared-a100").await.map_err(|e| e.to_string())?;
+            let active = p.status.as_ref().and_then(|s| s.active_window.clone());
+            match condition(&p, "Ready") {
+                Some((s, _, _)) if s == "True" && active.as_deref() == window => Ok(()),
+                other => Err(format!(
+                    "{other:?} {active:?} {:?}",
+                    condition(&p, "Progressing")
+                )),
+            }
+        }
+    };
+    eventually("the day layout (4 slices) is applied", || ready(None)).await;
+
+    // A claim through the agent's socket, by a policy the agent read from the API.
+    let mut claim = Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+        .args([
+            "run",
+            "--state",
+            state.to_str().unwrap(),
+            "--policy",
+            "small",
+        ])
+        .args(["--", "sh", "-c", "echo \"$GPUSLICE_SLICE\"; exec sleep 600"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let slice = {
+        use std::io::BufRead as _;
+        let mut line = String::new();
+        std::io::BufReader::new(claim.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        line.trim().to_string()
+    };
+    assert!(slice.starts_with("gpu0-s"), "{slice:?}");
+    let claim = Child2(claim);
+    eventually("the window change waits, naming the claimed slice", || {
+        let pools = pools.clone();
+        let slice = slice.clone();
+        async move {
+            let p = pools.get("shared-a100").await.map_err(|e| e.to_string())?;
+            match condition(&p, "Progressing") {
+                Some((s, r, m)) if s == "True" && r == "Blocked" && m.contains(&slice) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    let table = || std::fs::read_to_string(state.join("gpu-0.slices.json")).unwrap();
+    assert_eq!(table().matches("\"id\"").count(), 4, "nothing was re-cut");
+
+    // The claim ends: the night layout follows.
+    drop(claim);
+    eventually("the night layout (2 slices) is applied", || {
+        ready(Some("night"))
+    })
+    .await;
+    assert_eq!(table().matches("\"id\"").count(), 2);
+}

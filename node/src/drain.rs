@@ -369,8 +369,14 @@ mod tests {
         let mine = policy_for(Some("careful"), Some("pool-wide"), &checkpoints).unwrap();
         assert_eq!((mine.name.as_str(), mine.signal), ("careful", Signal::Usr1));
         let pools = policy_for(None, Some("pool-wide"), &checkpoints).unwrap();
-        assert_eq!((pools.name.as_str(), pools.signal), ("pool-wide", Signal::Term));
+        assert_eq!(
+            (pools.name.as_str(), pools.signal),
+            ("pool-wide", Signal::Term)
+        );
         assert_eq!(policy_for(None, None, &checkpoints), None);
-        assert_eq!(policy_for(Some("missing"), Some("pool-wide"), &checkpoints), None);
+        assert_eq!(
+            policy_for(Some("missing"), Some("pool-wide"), &checkpoints),
+            None
+        );
     }
 }
