@@ -165,7 +165,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
     // One whole pass of the agent (a pool, planned from the read) reads the node twice: once
     // before planning, once to confirm. Counted by the emulated NVML.
     let pool: gpuslice_api::GpuPool = serde_yaml::from_str(
-        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: p}\nspec:\n  layout: {mig: {profiles: {3g.71gb: 2}}}\n",
+        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: p}\nspec:\n  nodeSelector: {}\n  layout: {mig: {profiles: {3g.71gb: 2}}}\n",
     )
     .unwrap();
     let reads = node_reads();
