@@ -22,8 +22,11 @@ fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Fields the examples declare that no code acts on yet: each is a warning, file:line, field.
+const INERT: &str = "declared but not enforced yet";
+
 #[test]
-fn the_examples_pass_without_warnings() {
+fn the_examples_pass_warning_only_about_fields_not_enforced_yet() {
     let out = validate(&[repo_path("examples/gitops").to_str().unwrap()]);
     let text = stdout(&out);
     assert!(
@@ -31,8 +34,20 @@ fn the_examples_pass_without_warnings() {
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(text.starts_with("ok: 0 errors, 0 warnings"), "{text}");
+    assert!(text.starts_with("ok: 0 errors, "), "{text}");
     assert!(text.contains("6 gpuslice objects, 2 workloads"), "{text}");
+    let warnings: Vec<&str> = text.lines().filter(|l| l.contains("warning:")).collect();
+    assert!(warnings.iter().all(|w| w.contains(INERT)), "{warnings:#?}");
+    for field in [
+        "pools/shared-a100.yaml:32: GpuPool/shared-a100: spec.io.bandwidthPerSlice: warning: declared but not enforced yet",
+        "GpuPool/h200-mig: spec.faultIsolation: warning: declared but not enforced yet",
+        "GpuSlicePolicy/bert-finetune: spec.namespaceSelector: warning: declared but not enforced yet",
+    ] {
+        assert!(
+            warnings.iter().any(|w| w.contains(field)),
+            "{field}: {warnings:#?}"
+        );
+    }
 }
 
 /// Copies the examples and one broken file into a fresh folder.
@@ -111,7 +126,11 @@ fn every_broken_document_fails_with_its_field_and_reason() {
         );
         assert_eq!(report.errors == 0, only_warnings, "{name}");
         let lines: Vec<&str> = text.lines().collect();
-        for problem in &report.problems {
+        for problem in report
+            .problems
+            .iter()
+            .filter(|p| !p.message.contains(INERT))
+        {
             assert!(
                 problem.file.ends_with(&name),
                 "{name}: a problem outside the broken file: {} {}: {}",

@@ -90,6 +90,7 @@ pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
         .iter()
         .map(|p| (name_of(&p.object.metadata), p))
         .collect();
+    inert_fields(repo, &mut out);
     for w in &repo.workloads {
         if w.via_annotation {
             out.warn(w.doc, &w.path, format!(
@@ -110,6 +111,75 @@ pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
         }
     }
     out.0
+}
+
+/// What a warning about a field no code acts on yet says; each goes away in the change that
+/// makes its field work.
+pub const NOT_ENFORCED: &str = "declared but not enforced yet";
+
+/// Warns about every field that is accepted but has no effect yet, so nobody relies on it.
+fn inert_fields(repo: &Repo, out: &mut Findings) {
+    for pool in &repo.pools {
+        let spec = &pool.object.spec;
+        let mut warn = |path: &str, what: &str| {
+            out.warn(
+                pool.doc,
+                path,
+                format!("{NOT_ENFORCED}: {what}; it has no effect today"),
+            )
+        };
+        if spec.scheduling.is_some() {
+            warn(
+                "spec.scheduling",
+                "no scheduler queues, orders or preempts workloads by it",
+            );
+        }
+        if spec.compaction.is_some() {
+            warn("spec.compaction", "nothing compacts a pool's slices");
+        }
+        if let Some(io) = &spec.io {
+            if io.bandwidth_per_slice.is_some() {
+                warn(
+                    "spec.io.bandwidthPerSlice",
+                    "no I/O limit is applied to slices",
+                );
+            }
+            if io.local_cache.is_some() {
+                warn("spec.io.localCache", "no local cache is set up for slices");
+            }
+        }
+        if spec.fault_isolation.is_some() {
+            warn(
+                "spec.faultIsolation",
+                "XID faults are not watched and no slice is isolated on them",
+            );
+        }
+    }
+    for policy in &repo.policies {
+        let spec = &policy.object.spec;
+        let mut warn = |path: &str, what: &str| {
+            out.warn(
+                policy.doc,
+                path,
+                format!("{NOT_ENFORCED}: {what}; it has no effect today"),
+            )
+        };
+        if spec.priority != "normal" {
+            warn("spec.priority", "workloads are not ordered by priority");
+        }
+        if !spec.preemptible {
+            warn("spec.preemptible", "nothing preempts workloads yet");
+        }
+        if spec.namespace_selector.is_some() {
+            warn(
+                "spec.namespaceSelector",
+                "the policy is not restricted to namespaces",
+            );
+        }
+        if spec.count > 1 {
+            warn("spec.count", "a workload gets one slice");
+        }
+    }
 }
 
 #[derive(Default)]

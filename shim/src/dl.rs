@@ -120,8 +120,10 @@ fn handle(lib: Lib) -> Option<*mut c_void> {
         Lib::Cuda => c"libcuda.so.1",
         Lib::Nvml => c"libnvidia-ml.so.1",
     };
+    // Local: the shim's lookup must not add the driver's symbols to the program's global scope
+    // (a program that links the driver has them there already; one that dlopens it decides).
     // SAFETY: dlopen of a library by name; the program would load it to call it anyway.
-    let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if h.is_null() {
         return None;
     }

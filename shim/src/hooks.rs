@@ -5,6 +5,7 @@
 //! the program its call. (Hooks do their own work before the real call or after it without
 //! panicking, so the fallback never repeats a call that happened.)
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
@@ -27,6 +28,30 @@ pub struct Hook {
     pub per_thread: bool,
     /// The shim's function.
     pub function: usize,
+}
+
+thread_local! {
+    /// Whether a hook runs on this thread now.
+    static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as inside a hook until dropped (also when the hook unwinds).
+struct Reentry;
+
+impl Reentry {
+    /// `None` when the thread is already inside a hook.
+    fn enter() -> Option<Reentry> {
+        INSIDE
+            .try_with(|inside| (!inside.replace(true)).then_some(Reentry))
+            .ok()
+            .flatten()
+    }
+}
+
+impl Drop for Reentry {
+    fn drop(&mut self) {
+        let _ = INSIDE.try_with(|inside| inside.set(false));
+    }
 }
 
 /// What a hook returns when the real library lacks the function.
@@ -58,6 +83,12 @@ macro_rules! hooks {
                 };
                 // SAFETY: the address is the real library's function of this name and signature.
                 let real = unsafe { std::mem::transmute::<usize, Real>(address) };
+                // A call made while a hook of this thread runs (the driver calling its own
+                // exports, or the shim's own work) is the real call: charged once, never gated twice.
+                let Some(_inside) = Reentry::enter() else {
+                    // SAFETY: the program's (or the driver's) own call, with its own arguments.
+                    return unsafe { real($($arg),*) };
+                };
                 let hooked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     $body(real, $($arg),*)
                 }));

@@ -209,7 +209,7 @@ fn init() -> Result<(), CUresult> {
     if lock.is_some() {
         return Ok(());
     }
-    let path = std::env::var_os("GPUSLICE_EMULATOR_STATE")
+    let path = std::env::var_os(gpuslice_contract::env::EMULATOR_STATE)
         .map(PathBuf::from)
         .ok_or(CUDA_ERROR_NO_DEVICE)?;
     let machine = Store::open(&path).and_then(|s| s.snapshot()).map_err(|e| {

@@ -168,7 +168,7 @@ fn put_list<T: Copy>(out: *mut T, count: *mut c_uint, items: &[T]) -> Result<(),
 }
 
 fn init() -> Result<(), nvmlReturn_t> {
-    let path = std::env::var_os("GPUSLICE_EMULATOR_STATE")
+    let path = std::env::var_os(gpuslice_contract::env::EMULATOR_STATE)
         .map(PathBuf::from)
         .ok_or(nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_LIBRARY_NOT_FOUND)?;
     let store = Store::open(&path).map_err(|e| {
