@@ -33,7 +33,7 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, String>>,
 {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         match check().await {
             Ok(v) => return v,
@@ -114,15 +114,21 @@ fn condition(pool: &GpuPool, kind: &str) -> Option<(String, String, String)> {
         .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
 }
 
-#[tokio::test]
-async fn pools_become_node_layouts_and_status() {
-    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
-        return;
-    };
+/// A control plane with our CRDs installed, and a client; `None` where none can run.
+async fn cluster_with_crds() -> Option<(ControlPlane, Client)> {
+    let cluster = ControlPlane::start(Components::default()).await.unwrap()?;
     let client = cluster.client().await.unwrap();
     gpuslice_testcluster::install_crds(&client, &root().join("crds"))
         .await
         .unwrap();
+    Some((cluster, client))
+}
+
+#[tokio::test]
+async fn pools_become_node_layouts_and_status() {
+    let Some((cluster, client)) = cluster_with_crds().await else {
+        return;
+    };
     for name in ["h200-a", "h200-b"] {
         cluster
             .create_node(name, &[("gpuslice.io/pool", "h200-mig")], &[])
@@ -346,13 +352,9 @@ fn http_get(port: u16, path: &str) -> (String, String) {
 #[tokio::test]
 async fn the_operator_and_agents_converge_emulated_nodes() {
     let (operator_port, agent_port) = (free_port(), free_port());
-    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
+    let Some((cluster, client)) = cluster_with_crds().await else {
         return;
     };
-    let client = cluster.client().await.unwrap();
-    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-        .await
-        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut processes = Vec::new();
     for name in ["gpu-a", "gpu-b"] {
@@ -389,8 +391,9 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
             .arg("operator")
             .args(["--metrics-addr", &format!("127.0.0.1:{operator_port}")])
             .env("KUBECONFIG", cluster.kubeconfig_path())
-            // 21:59:30 in Berlin on a Wednesday: the night window opens in 30 s.
-            .env("GPUSLICE_CLOCK_START", "2026-12-02T20:59:30Z")
+            // 21:59 in Berlin on a Wednesday: the night window opens in 60 s, time for the day
+            // layout to be applied and the workload to start even on a loaded machine.
+            .env("GPUSLICE_CLOCK_START", "2026-12-02T20:59:00Z")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -429,14 +432,20 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     // SIGUSR1, then it waits for the checkpoint-done marker, `required: true`). The workload
     // checkpoints two seconds after the signal; the agent then stops it and re-slices.
     let state_a = dir.path().join("gpu-a").join("emulated-gpu-a.json");
-    let (gi, start) = {
+    let (gi, start) = eventually("gpu-a's GPU 0 has the day layout's four instances", || {
         let m = gpuslice_emulator::Store::open(&state_a)
             .unwrap()
             .snapshot()
             .unwrap();
-        let instance = &m.gpu(0).unwrap().instances[0];
-        (instance.id, instance.placement.start)
-    };
+        let instances = m.gpu(0).unwrap().instances.clone();
+        async move {
+            match &instances[..] {
+                [first, _, _, _] => Ok((first.id, first.placement.start)),
+                other => Err(format!("{} instances", other.len())),
+            }
+        }
+    })
+    .await;
     let slices = dir.path().join("gpu-a").join("slices");
     let slice = std::fs::read_dir(&slices)
         .unwrap()
@@ -574,13 +583,9 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
 
 #[tokio::test]
 async fn a_standby_operator_takes_over_when_the_leader_dies() {
-    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
+    let Some((cluster, client)) = cluster_with_crds().await else {
         return;
     };
-    let client = cluster.client().await.unwrap();
-    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-        .await
-        .unwrap();
     for name in ["n1", "n2"] {
         cluster.create_node(name, &[], &[]).await.unwrap();
         report_gpus(&client, name, "- {index: 0, model: NVIDIA H200}\n").await;
@@ -697,17 +702,14 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
 }
 
 /// Cluster mode holds claims like standalone mode: a software slice claimed through the
-/// in-cluster agent's socket (with a policy the agent reads from the API) is busy, so the
-/// window change on its GPU waits, with the pool saying which slice, until the claim ends.
+/// in-cluster agent's socket (with a policy the agent reads from the API) gets that policy's
+/// compute limit and guarantee from the arbiter, and is busy, so the window change on its GPU
+/// waits, with the pool saying which slice, until the claim ends.
 #[tokio::test]
 async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
-    let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
+    let Some((cluster, client)) = cluster_with_crds().await else {
         return;
     };
-    let client = cluster.client().await.unwrap();
-    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-        .await
-        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     cluster
         .create_node("gpu-s", &[("gpuslice.io/pool", "shared-a100")], &[])
@@ -720,6 +722,7 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
     )
     .unwrap();
     let state = dir.path().join("gpu-s");
+    let metrics_port = free_port();
     let spawn = |args: &[&str], clock: Option<&str>| {
         let mut command = Command::new(env!("CARGO_BIN_EXE_gpuslice"));
         command
@@ -742,11 +745,13 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
             node_file.to_str().unwrap(),
             "--state",
             state.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{metrics_port}"),
         ],
         None,
     );
-    // 19:59:30 in Shanghai: the pool's night window (2 slices instead of 4) opens in 30 s.
-    let _operator = spawn(&["operator"], Some("2026-12-02T11:59:30Z"));
+    // 19:59 in Shanghai: the pool's night window (2 slices instead of 4) opens in 60 s.
+    let _operator = spawn(&["operator"], Some("2026-12-02T11:59:00Z"));
     // No CheckpointPolicy: nothing is signalled, the change waits for the claim to end.
     let pool = std::fs::read_to_string(root().join("examples/gitops/pools/shared-a100.yaml"))
         .unwrap()
@@ -798,6 +803,37 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
     };
     assert!(slice.starts_with("gpu0-s"), "{slice:?}");
     let claim = Child2(claim);
+    let share = |metrics: &str, name: &str, slice: &str| {
+        let key = format!("gpuslice_agent_slice_compute_{name}_percent{{slice=\"{slice}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(key.as_str()))
+            .map(|v| v.trim().to_string())
+    };
+    eventually("the arbiter takes the policy's limit and guarantee", || {
+        let (_, metrics) = http_get(metrics_port, "/metrics");
+        let got = (
+            share(&metrics, "limit", &slice),
+            share(&metrics, "guarantee", &slice),
+        );
+        let unclaimed = if slice == "gpu0-s1" {
+            "gpu0-s0"
+        } else {
+            "gpu0-s1"
+        };
+        let other = share(&metrics, "limit", unclaimed);
+        async move {
+            match (&got, &other) {
+                ((Some(limit), Some(guarantee)), Some(other))
+                    if limit == "20" && guarantee == "10" && other == "25" =>
+                {
+                    Ok(())
+                }
+                _ => Err(format!("{got:?}, unclaimed {other:?}")),
+            }
+        }
+    })
+    .await;
     eventually("the window change waits, naming the claimed slice", || {
         let pools = pools.clone();
         let slice = slice.clone();

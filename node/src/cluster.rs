@@ -20,7 +20,10 @@ use gpuslice_source::last_good::Config;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::watcher;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -166,6 +169,13 @@ pub struct Metrics {
     operations: Counter,
     blocked_seconds: Counter<f64, AtomicU64>,
     duration: Histogram,
+    slice_limit: Family<SliceLabel, Gauge>,
+    slice_guarantee: Family<SliceLabel, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SliceLabel {
+    slice: String,
 }
 
 impl Metrics {
@@ -177,6 +187,8 @@ impl Metrics {
             operations: Counter::default(),
             blocked_seconds: Counter::default(),
             duration: Histogram::new(gpuslice_runtime::duration_buckets()),
+            slice_limit: Family::default(),
+            slice_guarantee: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuslice_agent");
         r.register("passes", "Reconcile passes", m.passes.clone());
@@ -199,6 +211,16 @@ impl Metrics {
             "pass_duration_seconds",
             "Time of one pass, NVML changes included",
             m.duration.clone(),
+        );
+        r.register(
+            "slice_compute_limit_percent",
+            "The compute cap the arbiter enforces on a software slice (its claim's policy's limit, else the slice's share)",
+            m.slice_limit.clone(),
+        );
+        r.register(
+            "slice_compute_guarantee_percent",
+            "The compute floor the arbiter gives a software slice under contention",
+            m.slice_guarantee.clone(),
         );
         m
     }
@@ -225,6 +247,19 @@ impl Metrics {
             self.blocked_seconds.inc_by(since.elapsed().as_secs_f64());
         }
         *blocked_since = pass.blocked().then(std::time::Instant::now);
+        self.slice_limit.clear();
+        self.slice_guarantee.clear();
+        for (slice, share) in pass.shares.values().flat_map(|gpu| &gpu.slices) {
+            let label = SliceLabel {
+                slice: slice.clone(),
+            };
+            self.slice_limit
+                .get_or_create(&label)
+                .set(i64::from(share.limit));
+            self.slice_guarantee
+                .get_or_create(&label)
+                .set(i64::from(share.guarantee));
+        }
         self.duration.observe(started.elapsed().as_secs_f64());
     }
 }

@@ -15,7 +15,7 @@ use gpuslice_source::last_good::{Config, SourceStatus};
 use serde::Serialize;
 
 use crate::claims::{Claim, needs};
-use crate::compute::{DEFAULT_TIME_SLICE, shares};
+use crate::compute::{DEFAULT_TIME_SLICE, GpuShares, shares};
 use crate::converge::{ConvergeError, GpuOutcome, Held, converge, read_node};
 use crate::drain::{self, DrainError, Drains, Waiting};
 use crate::nvml::NvmlGpus;
@@ -69,6 +69,9 @@ pub struct Pass {
     /// The node as read back at the end of the pass.
     #[serde(skip)]
     pub inventory: NodeInventory,
+    /// What the arbiters were given: each GPU's software slices with their shares.
+    #[serde(skip)]
+    pub shares: BTreeMap<u32, GpuShares>,
 }
 
 impl Pass {
@@ -162,6 +165,7 @@ impl Agent {
             drain_errors: Vec::new(),
             claims: Vec::new(),
             inventory: after,
+            shares: BTreeMap::new(),
         };
         if self.apply {
             self.drain(&mut pass, &intent.config, now)?;
@@ -170,12 +174,8 @@ impl Agent {
         let needs = needs(&intent.config);
         self.socket.claims.update(slices.clone(), needs.clone());
         pass.claims = self.socket.claims.held();
-        self.socket.compute.set(&shares(
-            &slices,
-            &pass.claims,
-            &needs,
-            &time_slices(&pass.plan),
-        ));
+        pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
+        self.socket.compute.set(&pass.shares);
         for o in &pass.outcomes {
             if let Some(e) = &o.error {
                 tracing::warn!(gpu = o.index, "{e}");

@@ -121,13 +121,7 @@ pub const NOT_ENFORCED: &str = "declared but not enforced yet";
 fn inert_fields(repo: &Repo, out: &mut Findings) {
     for pool in &repo.pools {
         let spec = &pool.object.spec;
-        let mut warn = |path: &str, what: &str| {
-            out.warn(
-                pool.doc,
-                path,
-                format!("{NOT_ENFORCED}: {what}; it has no effect today"),
-            )
-        };
+        let mut warn = |path: &str, what: &str| out.inert(pool.doc, path, what);
         if spec.scheduling.is_some() {
             warn(
                 "spec.scheduling",
@@ -157,13 +151,7 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
     }
     for policy in &repo.policies {
         let spec = &policy.object.spec;
-        let mut warn = |path: &str, what: &str| {
-            out.warn(
-                policy.doc,
-                path,
-                format!("{NOT_ENFORCED}: {what}; it has no effect today"),
-            )
-        };
+        let mut warn = |path: &str, what: &str| out.inert(policy.doc, path, what);
         if spec.priority != "normal" {
             warn("spec.priority", "workloads are not ordered by priority");
         }
@@ -196,6 +184,14 @@ impl Findings {
     }
     fn error(&mut self, doc: usize, path: &str, message: String) {
         self.push(doc, Severity::Error, path, message);
+    }
+    /// A field accepted but not acted on yet.
+    fn inert(&mut self, doc: usize, path: &str, what: &str) {
+        self.warn(
+            doc,
+            path,
+            format!("{NOT_ENFORCED}: {what}; it has no effect today"),
+        );
     }
     fn warn(&mut self, doc: usize, path: &str, message: String) {
         self.push(doc, Severity::Warning, path, message);
