@@ -163,3 +163,14 @@ fn a_broken_inventory_names_the_field() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("[0].gpus[0].index"), "{err}");
 }
+
+/// One node's file (what `gpuslice agent --emulate` takes) is an inventory too.
+#[test]
+fn a_single_node_file_is_an_inventory_of_one() {
+    let node = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/nodes/h200-node.yaml");
+    let (code, plan) = plan("2026-12-02T10:30:00+01:00", &node);
+    assert_eq!(code, Some(0), "{plan}");
+    let gpu0 = gpu(&plan, "h200-node-1", 0);
+    assert_eq!(gpu0["pool"], "h200-mig");
+    assert!(!gpu0["ops"].as_array().unwrap().is_empty(), "{gpu0}");
+}

@@ -175,3 +175,98 @@ fn slices_are_granted_held_busy_queued_and_given_back() {
         state.join("slices/gpu0-s3/config").exists()
     });
 }
+
+/// Draining a claimed slice follows the claim's policy's CheckpointPolicy; a claim made without
+/// a policy (or whose policy names none) is drained with the pool's.
+#[test]
+fn the_claims_checkpoint_policy_wins_over_the_pools() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    let checkpoints = "---\napiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: pool-wide}\nspec: {signal: SIGTERM, gracePeriod: 1h, required: true}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: careful}\nspec: {signal: SIGUSR1, gracePeriod: 1h, required: true}\n";
+    let config = |slices: u32, memory: &str| {
+        pool(slices, memory)
+            .replace(
+                "  memoryHeadroom: 1Gi\n",
+                "  memoryHeadroom: 1Gi\n  checkpointPolicy: pool-wide\n",
+            )
+            .replace(
+                "  compute: {limit: 25}\n",
+                "  compute: {limit: 25}\n  checkpointPolicy: careful\n",
+            )
+            + checkpoints
+    };
+    std::fs::write(source.join("pool.yaml"), config(2, "40Gi")).unwrap();
+    let node = dir.path().join("node.yaml");
+    std::fs::write(
+        &node,
+        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB, uuid: GPU-a100-0}\n",
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    children.keep(
+        Command::new(BIN)
+            .args(["agent", "--apply", "--interval", "1s", "--source"])
+            .arg(&source)
+            .arg("--emulate")
+            .arg(&node)
+            .arg("--state")
+            .arg(&state)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s1/config").exists()
+    });
+    // Each workload writes down the signals it gets, and runs until told to end.
+    let end = dir.path().join("end");
+    let workload = |name: &str| {
+        let seen = dir.path().join(name);
+        format!(
+            "trap 'echo USR1 >> {seen}' USR1; trap 'echo TERM >> {seen}' TERM; echo ready; while [ ! -e {end} ]; do sleep 0.1; done",
+            seen = seen.display(),
+            end = end.display()
+        )
+    };
+    for (name, args) in [
+        ("with-policy", ["--policy", "small"]),
+        ("without", ["--memory", "20Gi"]),
+    ] {
+        let child = children.keep(
+            run(&state, &args)
+                .args(["--", "sh", "-c", &workload(name)])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready");
+    }
+    // A re-slicing needs both claimed slices: each workload is asked to checkpoint.
+    std::fs::write(source.join("pool.yaml"), config(4, "20Gi")).unwrap();
+    let seen = |name: &str| std::fs::read_to_string(dir.path().join(name)).unwrap_or_default();
+    eventually("both workloads are signalled", || {
+        !seen("with-policy").is_empty() && !seen("without").is_empty()
+    });
+    assert_eq!(
+        seen("with-policy").trim(),
+        "USR1",
+        "its policy's CheckpointPolicy"
+    );
+    assert_eq!(
+        seen("without").trim(),
+        "TERM",
+        "the pool's CheckpointPolicy"
+    );
+    std::fs::write(&end, "").unwrap();
+    eventually("four slices once they end", || {
+        state.join("slices/gpu0-s3/config").exists()
+    });
+}
