@@ -454,11 +454,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 )?;
                 let mut registry = prometheus_client::registry::Registry::default();
                 let metrics = gpuslice_operator::controller::Metrics::register(&mut registry);
-                // The loop passes at least every 5 minutes (it sleeps no longer between passes).
-                let telemetry = gpuslice_runtime::telemetry::Telemetry::new(
-                    registry,
-                    std::time::Duration::from_secs(600),
-                );
+                // The loop passes at least every 5 minutes (it sleeps no longer between passes),
+                // so twice that without a pass means it is stuck.
+                const OPERATOR_STALE: std::time::Duration = std::time::Duration::from_secs(600);
+                let telemetry =
+                    gpuslice_runtime::telemetry::Telemetry::new(registry, OPERATOR_STALE);
                 if let Some(addr) = metrics_addr {
                     telemetry
                         .serve(addr)
@@ -654,6 +654,7 @@ fn agent_in_cluster(
 ) -> anyhow::Result<()> {
     /// Healthy while a pass completed within this many intervals (plus a minute of slack).
     const STALE_INTERVALS: u32 = 3;
+    const STALE_SLACK: std::time::Duration = std::time::Duration::from_secs(60);
     let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
     let agent = gpuslice_node::pass::Agent::new(gpus, &node, state, true);
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -669,7 +670,7 @@ fn agent_in_cluster(
         let metrics = gpuslice_node::cluster::Metrics::register(&mut registry);
         let telemetry = gpuslice_runtime::telemetry::Telemetry::new(
             registry,
-            interval * STALE_INTERVALS + std::time::Duration::from_secs(60),
+            interval * STALE_INTERVALS + STALE_SLACK,
         );
         if let Some(addr) = metrics_addr {
             telemetry

@@ -430,7 +430,7 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     // A workload on one of gpu-a's instances: at the boundary that GPU cannot be re-sliced, the
     // pool says why, and the agent drains it as the pool's CheckpointPolicy says (`standard`:
     // SIGUSR1, then it waits for the checkpoint-done marker, `required: true`). The workload
-    // checkpoints two seconds after the signal; the agent then stops it and re-slices.
+    // checkpoints once the test has seen the pool blocked; the agent then stops it and re-slices.
     let state_a = dir.path().join("gpu-a").join("emulated-gpu-a.json");
     let (gi, start) = eventually("gpu-a's GPU 0 has the day layout's four instances", || {
         let m = gpuslice_emulator::Store::open(&state_a)
@@ -455,11 +455,13 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
         .unwrap_or_else(|| panic!("no slice directory for the instance at {start}"));
     let marker = slices.join(&slice).join("checkpoint-done");
     let signalled = dir.path().join("signalled");
+    let go = dir.path().join("go");
     let mut workload = std::process::Command::new("sh")
         .arg("-c")
         .arg(format!(
-            "trap 'touch {signalled}; sleep 2; touch {marker}' USR1; while :; do sleep 0.1; done",
+            "trap 'touch {signalled}; while [ ! -e {go} ]; do sleep 0.1; done; touch {marker}' USR1; while :; do sleep 0.1; done",
             signalled = signalled.display(),
+            go = go.display(),
             marker = marker.display()
         ))
         .spawn()
@@ -474,12 +476,20 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
         async move {
             let p = pools.get("h200-mig").await.map_err(|e| e.to_string())?;
             match condition(&p, "Progressing") {
-                Some((s, r, m)) if s == "True" && r == "Blocked" && m.contains("gpu-a") => Ok(()),
+                Some((s, r, m))
+                    if s == "True"
+                        && r == "Blocked"
+                        && m.contains("gpu-a")
+                        && m.contains("sent SIGUSR1 (standard)") =>
+                {
+                    Ok(())
+                }
                 other => Err(format!("{other:?}")),
             }
         }
     })
     .await;
+    std::fs::write(&go, "").unwrap();
     let stopped = eventually("the agent signals, waits for the checkpoint, stops", || {
         let status = workload.try_wait().unwrap();
         let signalled = signalled.exists();
@@ -594,6 +604,9 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .args(["operator", "--lease-duration", "2s"])
             .env("KUBECONFIG", cluster.kubeconfig_path())
+            // A Wednesday morning in Berlin: the pool's default layout is in force, whatever
+            // the time the test runs (at night the `whole` preset would be).
+            .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

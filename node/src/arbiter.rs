@@ -140,7 +140,9 @@ impl Arbiter {
 
     /// A holder that ignores a yield keeps the GPU this long after being asked, no longer.
     fn revoke_after(&self) -> u64 {
-        self.time_slice.max(50_000_000)
+        /// However short the slice, a holder gets this long (ns) to stop before it is overruled.
+        const MIN_REVOKE_NS: u64 = 50_000_000;
+        self.time_slice.max(MIN_REVOKE_NS)
     }
 
     /// When `hold` is asked to yield for the next waiter, at the earliest: its minimum slice,

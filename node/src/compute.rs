@@ -18,6 +18,11 @@ use crate::arbiter::{Arbiter, ClientId, Order, Share, Usage};
 use crate::claims::{Claim, Need};
 use crate::process::ancestry;
 
+/// With nothing due, the arbiters' timer still looks this often (ns).
+const TIMER_IDLE_NS: u64 = 1_000_000_000;
+/// The timer never sleeps less than this (ns): a deadline just passed is served on waking.
+const TIMER_MIN_WAIT_NS: u64 = 50_000;
+
 /// The default minimum slice when a pool names none.
 pub const DEFAULT_TIME_SLICE: Duration = Duration::from_millis(10);
 
@@ -149,14 +154,15 @@ impl Compute {
             loop {
                 let now = now_ns();
                 let gpus: Vec<u32> = hub.gpus.keys().copied().collect();
-                let mut wake = now + 1_000_000_000;
+                let mut wake = now + TIMER_IDLE_NS;
                 for gpu in gpus {
                     hub.step(gpu, now);
                     if let Some(at) = hub.gpus[&gpu].next_wake(now) {
                         wake = wake.min(at);
                     }
                 }
-                let timeout = Duration::from_nanos(wake.saturating_sub(now_ns()).max(50_000));
+                let timeout =
+                    Duration::from_nanos(wake.saturating_sub(now_ns()).max(TIMER_MIN_WAIT_NS));
                 hub = compute
                     .changed
                     .wait_timeout(hub, timeout)
