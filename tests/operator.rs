@@ -571,7 +571,11 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
             std::os::unix::net::UnixStream::connect(dir.path().join("gpu-a").join("agent.sock"))
                 .unwrap();
         socket
-            .write_all(b"{\"compute\":{\"slice\":\"gpu0-mig0-7g.141gb\"}}\n")
+            .write_all(&gpuslice_contract::socket::line(
+                &gpuslice_contract::socket::Request::Compute {
+                    slice: "gpu0-mig0-7g.141gb".into(),
+                },
+            ))
             .unwrap();
         let mut answer = String::new();
         BufReader::new(socket).read_line(&mut answer).unwrap();
