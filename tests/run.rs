@@ -42,6 +42,36 @@ fn run(state: &Path, args: &[&str]) -> Command {
     cmd
 }
 
+/// The agent as a service on an emulated one-A100 node in the `lab` pool, following `source`,
+/// with its state in `<dir>/state` and its passes (JSON lines) to `passes`.
+fn agent(dir: &Path, source: &Path, passes: Stdio) -> Child {
+    let node = dir.join("node.yaml");
+    std::fs::write(
+        &node,
+        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB, uuid: GPU-a100-0}\n",
+    )
+    .unwrap();
+    Command::new(BIN)
+        .args([
+            "agent",
+            "--apply",
+            "--interval",
+            "1s",
+            "--output",
+            "json",
+            "--source",
+        ])
+        .arg(source)
+        .arg("--emulate")
+        .arg(&node)
+        .arg("--state")
+        .arg(dir.join("state"))
+        .stdout(passes)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
 /// Waits (within a guard against hanging) until `check` holds.
 fn eventually(what: &str, check: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -57,36 +87,14 @@ fn slices_are_granted_held_busy_queued_and_given_back() {
     let source = dir.path().join("gitops");
     std::fs::create_dir_all(&source).unwrap();
     std::fs::write(source.join("pool.yaml"), pool(2, "40Gi")).unwrap();
-    let node = dir.path().join("node.yaml");
-    std::fs::write(
-        &node,
-        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB, uuid: GPU-a100-0}\n",
-    )
-    .unwrap();
     let state = dir.path().join("state");
     let log = dir.path().join("agent.jsonl");
     let mut children = Reaper(Vec::new());
-    children.keep(
-        Command::new(BIN)
-            .args([
-                "agent",
-                "--apply",
-                "--interval",
-                "1s",
-                "--output",
-                "json",
-                "--source",
-            ])
-            .arg(&source)
-            .arg("--emulate")
-            .arg(&node)
-            .arg("--state")
-            .arg(&state)
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    children.keep(agent(
+        dir.path(),
+        &source,
+        std::fs::File::create(&log).unwrap().into(),
+    ));
     eventually("the slices exist", || {
         state.join("slices/gpu0-s1/config").exists()
     });
@@ -197,27 +205,9 @@ fn the_claims_checkpoint_policy_wins_over_the_pools() {
             + checkpoints
     };
     std::fs::write(source.join("pool.yaml"), config(2, "40Gi")).unwrap();
-    let node = dir.path().join("node.yaml");
-    std::fs::write(
-        &node,
-        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB, uuid: GPU-a100-0}\n",
-    )
-    .unwrap();
     let state = dir.path().join("state");
     let mut children = Reaper(Vec::new());
-    children.keep(
-        Command::new(BIN)
-            .args(["agent", "--apply", "--interval", "1s", "--source"])
-            .arg(&source)
-            .arg("--emulate")
-            .arg(&node)
-            .arg("--state")
-            .arg(&state)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    children.keep(agent(dir.path(), &source, Stdio::null()));
     eventually("the slices exist", || {
         state.join("slices/gpu0-s1/config").exists()
     });

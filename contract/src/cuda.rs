@@ -57,3 +57,40 @@ pub struct ArrayDescriptor3D {
     pub channels: c_uint,
     pub flags: c_uint,
 }
+
+/// `cuLaunchKernel`: function, grid x/y/z, block x/y/z, shared memory, stream, parameters, extra.
+pub type LaunchKernelFn = unsafe extern "C" fn(
+    Handle,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    Handle,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CuResult;
+
+/// `cuLaunchCooperativeKernel`: as `cuLaunchKernel` without `extra`.
+pub type LaunchCooperativeKernelFn = unsafe extern "C" fn(
+    Handle,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    Handle,
+    *mut *mut c_void,
+) -> CuResult;
+
+/// `cuLaunchKernelEx`: config, function, parameters, extra.
+pub type LaunchKernelExFn = unsafe extern "C" fn(
+    *const LaunchConfig,
+    Handle,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CuResult;

@@ -5,21 +5,11 @@
 use std::ffi::{c_int, c_uint, c_void};
 
 use crate::compute::{capture_ended, capture_started, gate};
-use gpuslice_contract::cuda::{Handle, LaunchConfig};
+use gpuslice_contract::cuda::{
+    Handle, LaunchConfig, LaunchCooperativeKernelFn, LaunchKernelExFn, LaunchKernelFn,
+};
 
-type Launch = unsafe extern "C" fn(
-    Handle,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    Handle,
-    *mut *mut c_void,
-    *mut *mut c_void,
-) -> c_int;
+type Launch = LaunchKernelFn;
 
 #[allow(clippy::too_many_arguments)] // the driver's signature
 pub fn launch(
@@ -42,18 +32,7 @@ pub fn launch(
     })
 }
 
-type Cooperative = unsafe extern "C" fn(
-    Handle,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    Handle,
-    *mut *mut c_void,
-) -> c_int;
+type Cooperative = LaunchCooperativeKernelFn;
 
 #[allow(clippy::too_many_arguments)] // the driver's signature
 pub fn cooperative(
@@ -76,12 +55,7 @@ pub fn cooperative(
 }
 
 pub fn ex(
-    real: unsafe extern "C" fn(
-        *const LaunchConfig,
-        Handle,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> c_int,
+    real: LaunchKernelExFn,
     config: *const LaunchConfig,
     f: Handle,
     params: *mut *mut c_void,

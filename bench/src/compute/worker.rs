@@ -5,7 +5,9 @@
 use std::ffi::{CString, c_int, c_uint, c_void};
 use std::time::{Duration, Instant};
 
-use gpuslice_contract::cuda::{Handle, LaunchConfig};
+use gpuslice_contract::cuda::{
+    Handle, LaunchConfig, LaunchCooperativeKernelFn, LaunchKernelExFn, LaunchKernelFn,
+};
 use gpuslice_emulator::timeline::now_ns;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -49,37 +51,9 @@ const WORK_PTX: &str = concat!(
 
 struct Driver {
     _lib: libloading::Library,
-    launch: unsafe extern "C" fn(
-        Handle,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        Handle,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> c_int,
-    cooperative: unsafe extern "C" fn(
-        Handle,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        Handle,
-        *mut *mut c_void,
-    ) -> c_int,
-    launch_ex: unsafe extern "C" fn(
-        *const LaunchConfig,
-        Handle,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> c_int,
+    launch: LaunchKernelFn,
+    cooperative: LaunchCooperativeKernelFn,
+    launch_ex: LaunchKernelExFn,
     sync: unsafe extern "C" fn(Handle) -> c_int,
     event_record: unsafe extern "C" fn(Handle, Handle) -> c_int,
     event_sync: unsafe extern "C" fn(Handle) -> c_int,
