@@ -795,6 +795,16 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
         }
     };
     eventually("the day layout (4 slices) is applied", || ready(None)).await;
+    let table = || std::fs::read_to_string(state.join("gpu-0.slices.json")).unwrap_or_default();
+    eventually("the agent wrote the 4-slice table", || {
+        let slices = table().matches("\"id\"").count();
+        async move {
+            (slices == 4)
+                .then_some(())
+                .ok_or(format!("{slices} slices"))
+        }
+    })
+    .await;
 
     // A claim through the agent's socket, by a policy the agent read from the API.
     let mut claim = Command::new(env!("CARGO_BIN_EXE_gpuslice"))
@@ -863,7 +873,6 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
         }
     })
     .await;
-    let table = || std::fs::read_to_string(state.join("gpu-0.slices.json")).unwrap();
     assert_eq!(table().matches("\"id\"").count(), 4, "nothing was re-cut");
 
     // The claim ends: the night layout follows.

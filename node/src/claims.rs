@@ -22,18 +22,26 @@ use crate::process::parent_of;
 const HANGUP_CHECK: Duration = Duration::from_millis(500);
 
 /// What a request needs from a slice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Need {
     pub memory: u64,
     /// The policy's compute limit (0: none).
     pub compute: u32,
     /// The policy's compute guarantee (0: none).
     pub guarantee: u32,
+    /// The policy's pool: only slices of its GPUs will do.
+    pub pool: Option<String>,
 }
 
 impl Need {
-    fn fits(&self, slice: &SliceConfig) -> bool {
-        slice.memory_bytes >= self.memory && slice.compute_percent >= self.compute
+    /// Whether `slice` fits, its GPU belonging to `pool_of_gpu`'s pool.
+    fn fits(&self, slice: &SliceConfig, pool_of_gpu: &BTreeMap<u32, String>) -> bool {
+        slice.memory_bytes >= self.memory
+            && slice.compute_percent >= self.compute
+            && self
+                .pool
+                .as_ref()
+                .is_none_or(|pool| pool_of_gpu.get(&slice.gpu) == Some(pool))
     }
 }
 
@@ -55,6 +63,8 @@ pub struct Claim {
 #[derive(Default)]
 struct Board {
     slices: Vec<SliceConfig>,
+    /// GPU index → the pool it belongs to now.
+    pools: BTreeMap<u32, String>,
     /// Policy name → need.
     policies: BTreeMap<String, Need>,
     claims: HashMap<u64, Claim>,
@@ -72,7 +82,7 @@ impl Board {
             let best = self
                 .slices
                 .iter()
-                .filter(|s| !taken.contains(&s.id.as_str()) && need.fits(s))
+                .filter(|s| !taken.contains(&s.id.as_str()) && need.fits(s, &self.pools))
                 .min_by_key(|s| (s.memory_bytes, s.compute_percent, s.id.clone()))
                 .map(|s| s.id.clone());
             match best {
@@ -87,11 +97,16 @@ impl Board {
                         },
                     );
                 }
-                None if !self.slices.iter().any(|s| need.fits(s)) => {
+                None if !self.slices.iter().any(|s| need.fits(s, &self.pools)) => {
+                    let of_pool = need
+                        .pool
+                        .as_ref()
+                        .map(|p| format!(" of pool {p}"))
+                        .unwrap_or_default();
                     self.refused.insert(
                         conn,
                         format!(
-                            "no slice on this node has {} of memory and {}% compute",
+                            "no slice{of_pool} on this node has {} of memory and {}% compute",
                             gpuslice_api::quantity::format_bytes(need.memory),
                             need.compute
                         ),
@@ -116,10 +131,17 @@ impl Claims {
         self.board.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The slices the node has now and what each policy needs; waiters may now fit.
-    pub fn update(&self, slices: Vec<SliceConfig>, policies: BTreeMap<String, Need>) {
+    /// The slices the node has now, the pool of each GPU, and what each policy needs; waiters
+    /// may now fit.
+    pub fn update(
+        &self,
+        slices: Vec<SliceConfig>,
+        pools: BTreeMap<u32, String>,
+        policies: BTreeMap<String, Need>,
+    ) {
         let mut board = self.lock();
         board.slices = slices;
+        board.pools = pools;
         board.policies = policies;
         board.assign();
         self.changed.notify_all();
@@ -248,14 +270,11 @@ fn hung_up(stream: &UnixStream) -> bool {
 
 fn resolve(want: &Want, policies: &BTreeMap<String, Need>) -> Result<Need, String> {
     let mut need = match &want.policy {
-        Some(name) => *policies
+        Some(name) => policies
             .get(name)
+            .cloned()
             .ok_or_else(|| format!("GpuSlicePolicy {name:?} is not in this node's source"))?,
-        None => Need {
-            memory: 0,
-            compute: 0,
-            guarantee: 0,
-        },
+        None => Need::default(),
     };
     if let Some(m) = want.memory_bytes {
         need.memory = need.memory.max(m);
@@ -288,6 +307,7 @@ pub fn needs(config: &Config) -> BTreeMap<String, Need> {
                     memory: memory.saturating_add(headroom),
                     compute,
                     guarantee,
+                    pool: Some(spec.pool.clone()),
                 },
             )
         })
@@ -319,7 +339,7 @@ mod tests {
         let need = |gib: u64| Need {
             memory: gib << 30,
             compute: 10,
-            guarantee: 0,
+            ..Need::default()
         };
         board.queue = VecDeque::from([
             (1, need(5), None),
@@ -343,5 +363,37 @@ mod tests {
         board.claims.remove(&2);
         board.assign();
         assert_eq!(board.claims[&3].slice, "big", "3 gets the slice 2 left");
+    }
+
+    #[test]
+    fn a_policy_takes_only_slices_of_its_pool() {
+        let mut other = slice("other", 40, 50);
+        other.gpu = 1;
+        let mut board = Board {
+            slices: vec![slice("mine", 10, 25), other],
+            pools: BTreeMap::from([(0, "lab".to_string()), (1, "prod".to_string())]),
+            ..Board::default()
+        };
+        let need = |gib: u64| Need {
+            memory: gib << 30,
+            pool: Some("lab".into()),
+            ..Need::default()
+        };
+        board.queue = VecDeque::from([(1, need(5), None), (2, need(5), None), (3, need(20), None)]);
+        board.assign();
+        assert_eq!(board.claims[&1].slice, "mine");
+        assert!(
+            !board.claims.contains_key(&2),
+            "prod's free slice is not lab's"
+        );
+        assert_eq!(
+            board.queue.iter().map(|(c, _, _)| *c).collect::<Vec<_>>(),
+            [2]
+        );
+        assert!(
+            board.refused[&3].contains("of pool lab"),
+            "{}",
+            board.refused[&3]
+        );
     }
 }

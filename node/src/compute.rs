@@ -362,9 +362,9 @@ mod tests {
         let policies = [(
             "train".to_string(),
             Need {
-                memory: 0,
                 compute: 30,
                 guarantee: 20,
+                ..Need::default()
             },
         )]
         .into();

@@ -172,7 +172,16 @@ impl Agent {
         }
         let slices = crate::slices::published(&self.state);
         let needs = needs(&intent.config);
-        self.socket.claims.update(slices.clone(), needs.clone());
+        let pools = pass
+            .plan
+            .nodes
+            .iter()
+            .flat_map(|n| &n.gpus)
+            .filter_map(|g| Some((g.index, g.pool.clone()?)))
+            .collect();
+        self.socket
+            .claims
+            .update(slices.clone(), pools, needs.clone());
         pass.claims = self.socket.claims.held();
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
         self.socket.compute.set(&pass.shares);
