@@ -681,21 +681,26 @@ impl Bench {
                 .arg(format!("--callgrind-out-file={}", out_file.display()))
                 .arg(worker.get_program())
                 .args(worker.get_args())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null());
+                .stdout(Stdio::null());
             for (key, value) in worker.get_envs() {
                 match value {
                     Some(v) => command.env(key, v),
                     None => command.env_remove(key),
                 };
             }
-            let Ok(status) = command.status() else {
+            let Ok(out) = command.output() else {
                 return Ok(None);
             };
-            if !status.success() {
+            if !out.status.success() {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                let tail: Vec<&str> = stderr.lines().rev().take(12).collect();
                 return Err(ComputeBenchError::Worker(
                     slice.to_string(),
-                    format!("under callgrind: {status}"),
+                    format!(
+                        "under callgrind: {}:\n{}",
+                        out.status,
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    ),
                 ));
             }
             let text = std::fs::read_to_string(&out_file)
