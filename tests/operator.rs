@@ -432,27 +432,34 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     // SIGUSR1, then it waits for the checkpoint-done marker, `required: true`). The workload
     // checkpoints once the test has seen the pool blocked; the agent then stops it and re-slices.
     let state_a = dir.path().join("gpu-a").join("emulated-gpu-a.json");
-    let (gi, start) = eventually("gpu-a's GPU 0 has the day layout's four instances", || {
+    let slices = dir.path().join("gpu-a").join("slices");
+    let (gi, slice) = eventually("gpu-a's GPU 0 has the day layout's four instances", || {
         let m = gpuslice_emulator::Store::open(&state_a)
             .unwrap()
             .snapshot()
             .unwrap();
         let instances = m.gpu(0).unwrap().instances.clone();
+        let published: Vec<String> = std::fs::read_dir(&slices)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
         async move {
-            match &instances[..] {
-                [first, _, _, _] => Ok((first.id, first.placement.start)),
-                other => Err(format!("{} instances", other.len())),
-            }
+            let [first, _, _, _] = &instances[..] else {
+                return Err(format!("{} instances", instances.len()));
+            };
+            // The agent publishes the instance's slice directory once it has read it back.
+            let prefix = format!("gpu0-mig{}-", first.placement.start);
+            let slice = published
+                .into_iter()
+                .find(|name| name.starts_with(&prefix))
+                .ok_or_else(|| format!("no slice directory {prefix}*"))?;
+            Ok((first.id, slice))
         }
     })
     .await;
-    let slices = dir.path().join("gpu-a").join("slices");
-    let slice = std::fs::read_dir(&slices)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .find(|name| name.starts_with(&format!("gpu0-mig{start}-")))
-        .unwrap_or_else(|| panic!("no slice directory for the instance at {start}"));
     let marker = slices.join(&slice).join("checkpoint-done");
     let signalled = dir.path().join("signalled");
     let go = dir.path().join("go");
