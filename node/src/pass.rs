@@ -123,10 +123,6 @@ impl Agent {
         &self.node
     }
 
-    pub fn state(&self) -> &StateDir {
-        &self.state
-    }
-
     /// Serves claims and compute shares on `<state>/agent.sock` from now on.
     pub fn serve_socket(&self) -> Result<(), PassError> {
         Ok(self.socket.serve(&self.state)?)
