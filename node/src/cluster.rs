@@ -224,9 +224,7 @@ impl Metrics {
         );
         m
     }
-}
 
-impl Metrics {
     fn record(
         &self,
         pass: &Pass,
