@@ -63,6 +63,55 @@ pub struct Usage {
     pub grants: u64,
     /// Longest wait from asking to being granted (ns).
     pub max_wait: u64,
+    /// Every wait from asking to being granted.
+    pub waits: Waits,
+}
+
+/// Waits counted in 1 ms buckets (the last one holds everything longer): enough to read a
+/// percentile, where one wait stretched by the host's scheduler would decide a maximum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waits {
+    buckets: [u64; Waits::BUCKETS],
+}
+
+impl Default for Waits {
+    fn default() -> Self {
+        Waits {
+            buckets: [0; Waits::BUCKETS],
+        }
+    }
+}
+
+impl Waits {
+    const BUCKETS: usize = 64;
+    const BUCKET_NS: u64 = 1_000_000;
+
+    pub fn record(&mut self, wait_ns: u64) {
+        let bucket = ((wait_ns / Self::BUCKET_NS) as usize).min(Self::BUCKETS - 1);
+        self.buckets[bucket] += 1;
+    }
+
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+
+    /// The wait (ns, a bucket's upper edge) that `percent` % of waits did not exceed; `None`
+    /// before the first wait, or when that percentile lies beyond the last bucket.
+    pub fn percentile(&self, percent: f64) -> Option<u64> {
+        let count = self.count();
+        if count == 0 {
+            return None;
+        }
+        let wanted = ((count as f64 * percent / 100.0).ceil() as u64).clamp(1, count);
+        let mut seen = 0;
+        for (i, n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= wanted {
+                return (i + 1 < Self::BUCKETS).then_some((i as u64 + 1) * Self::BUCKET_NS);
+            }
+        }
+        None
+    }
 }
 
 #[derive(Debug)]
@@ -296,6 +345,7 @@ impl Arbiter {
             let slice = self.slices.get_mut(&c.slice).expect("a client's slice");
             slice.usage.grants += 1;
             slice.usage.max_wait = slice.usage.max_wait.max(waited);
+            slice.usage.waits.record(waited);
             self.holder = Some(Hold {
                 client,
                 since: now,
@@ -645,6 +695,24 @@ mod tests {
             "the guaranteed slice waited {} ms",
             usage["g"].max_wait as f64 / MS as f64
         );
+        assert_eq!(usage["g"].waits.count(), usage["g"].grants);
+        assert!(usage["g"].waits.percentile(99.0).unwrap() <= 11 * MS);
+    }
+
+    #[test]
+    fn a_percentile_of_waits_ignores_one_outlier() {
+        let mut waits = Waits::default();
+        assert_eq!(waits.percentile(99.0), None);
+        for _ in 0..199 {
+            waits.record(3 * MS + 200_000);
+        }
+        waits.record(19 * MS);
+        assert_eq!(waits.percentile(99.0), Some(4 * MS));
+        assert_eq!(waits.percentile(100.0), Some(20 * MS));
+        waits.record(500 * MS);
+        waits.record(500 * MS);
+        waits.record(500 * MS);
+        assert_eq!(waits.percentile(99.0), None, "beyond the last bucket");
     }
 
     #[test]

@@ -222,6 +222,8 @@ pub struct SliceResult {
     pub overall: f64,
     pub windows: Vec<f64>,
     pub max_wait_ms: f64,
+    /// The wait (ms) that 99 % of grants did not exceed; `None` with no grants or past 64 ms.
+    pub p99_wait_ms: Option<f64>,
     pub guaranteed: bool,
     /// Percentage points a window may miss the target by.
     pub tolerance: f64,
@@ -251,13 +253,16 @@ pub struct ScenarioResult {
 }
 
 impl ScenarioResult {
-    /// Shares hold, and a guaranteed slice waited at most one time slice (plus the kernel in
-    /// flight, which a GPU cannot stop, and 1 ms for the messages).
+    /// Shares hold, and 99 % of a guaranteed slice's waits lasted at most one time slice (plus
+    /// the kernel in flight, which a GPU cannot stop, and 1 ms for the messages). A percentile,
+    /// not the maximum: on a shared host one wait stretched by the OS scheduler would decide it.
     pub fn passed(&self) -> bool {
         self.slices.iter().all(|s| {
             s.holds()
                 && (!s.guaranteed
-                    || s.max_wait_ms <= self.time_slice_ms as f64 + KERNEL_US as f64 / 1000.0 + 1.0)
+                    || s.p99_wait_ms.is_some_and(|p99| {
+                        p99 <= self.time_slice_ms as f64 + KERNEL_US as f64 / 1000.0 + 1.0
+                    }))
         })
     }
 }
@@ -558,6 +563,10 @@ impl Bench {
                     overall,
                     windows,
                     max_wait_ms: usage.get(&id).map_or(0.0, |u| u.max_wait as f64 / 1e6),
+                    p99_wait_ms: usage
+                        .get(&id)
+                        .and_then(|u| u.waits.percentile(99.0))
+                        .map(|ns| ns as f64 / 1e6),
                     guaranteed: spec.share.guarantee > 0,
                     tolerance: tolerance(scenario.time_slice_ms),
                 }
@@ -889,14 +898,14 @@ pub fn render(
     );
     let _ = writeln!(
         out,
-        "{:<32} {:>5} {:<6} {:>6} {:>8}  {:<28} {:>9} {:>10} {:>9}  result",
+        "{:<32} {:>5} {:<6} {:>6} {:>8}  {:<28} {:>13} {:>10} {:>9}  result",
         "scenario",
         "slice",
         "",
         "target",
         "overall",
         "windows",
-        "wait ms",
+        "wait ms p99/max",
         "switches/s",
         "kernels/s"
     );
@@ -908,14 +917,19 @@ pub fn render(
             let first = i == 0;
             let _ = writeln!(
                 out,
-                "{:<32} {:>5} {:<6} {:>6.1} {:>8.2}  {:<28} {:>9.1} {:>10} {:>9}  {}",
+                "{:<32} {:>5} {:<6} {:>6.1} {:>8.2}  {:<28} {:>13} {:>10} {:>9}  {}",
                 if first { r.name.as_str() } else { "" },
                 s.name,
                 if s.guaranteed { "(g)" } else { "" },
                 s.target,
                 s.overall,
                 windows.join(" "),
-                s.max_wait_ms,
+                format!(
+                    "{}/{:.1}",
+                    s.p99_wait_ms
+                        .map_or_else(|| "-".to_string(), |p| format!("{p:.0}")),
+                    s.max_wait_ms
+                ),
                 if first {
                     format!("{:.0}", r.switches_per_s)
                 } else {
