@@ -110,6 +110,10 @@ enum Command {
         /// How often to fetch the source and reconcile (Go duration).
         #[arg(long, default_value = "30s")]
         interval: gpuslice_api::Duration,
+        /// With --kube: taint a GPU's DRA devices (gpuslice.io/recut, NoSchedule) this long before
+        /// a window change re-cuts it, so that no new pod lands on a slice about to go.
+        #[arg(long, default_value = "10m", requires = "kube")]
+        recut_lookahead: gpuslice_api::Duration,
         /// The instant to plan for (RFC 3339), with --once; now by default.
         #[arg(long, requires = "once")]
         at: Option<chrono::DateTime<chrono::FixedOffset>>,
@@ -352,6 +356,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             apply,
             once,
             interval,
+            recut_lookahead,
             at,
             output,
         } => {
@@ -385,7 +390,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 None => nvml,
             };
             if kube {
-                agent_in_cluster(node, library, state, clock, interval.into(), metrics_addr)?;
+                let settings = gpuslice_node::cluster::Settings {
+                    interval: interval.into(),
+                    recut_lookahead: recut_lookahead.into(),
+                };
+                agent_in_cluster(node, library, state, clock, settings, metrics_addr)?;
                 return Ok(ExitCode::SUCCESS);
             }
             let options = gpuslice_node::standalone::Options {
@@ -649,7 +658,7 @@ fn agent_in_cluster(
     library: Option<PathBuf>,
     state: StateDir,
     clock: gpuslice_planning::clock::Clock,
-    interval: std::time::Duration,
+    settings: gpuslice_node::cluster::Settings,
     metrics_addr: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<()> {
     /// Healthy while a pass completed within this many intervals (plus a minute of slack).
@@ -670,7 +679,7 @@ fn agent_in_cluster(
         let metrics = gpuslice_node::cluster::Metrics::register(&mut registry);
         let telemetry = gpuslice_runtime::telemetry::Telemetry::new(
             registry,
-            interval * STALE_INTERVALS + STALE_SLACK,
+            settings.interval * STALE_INTERVALS + STALE_SLACK,
         );
         if let Some(addr) = metrics_addr {
             telemetry
@@ -678,7 +687,7 @@ fn agent_in_cluster(
                 .await
                 .with_context(|| format!("serving metrics on {addr}"))?;
         }
-        gpuslice_node::cluster::run(client, &agent, &clock, interval, metrics, Some(telemetry))
+        gpuslice_node::cluster::run(client, &agent, &clock, settings, metrics, Some(telemetry))
             .await?;
         anyhow::Ok(())
     })

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use gpuslice_api::GpuPool;
 use gpuslice_testcluster::{Components, ControlPlane};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::api::{Api, Patch, PatchParams};
 
 const NAMESPACE: &str = "gpuslice-system";
@@ -164,6 +165,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     for file in [
         "examples/gitops/policies/checkpoint-standard.yaml",
         "examples/gitops/pools/h200-mig.yaml",
+        "examples/gitops/policies/llm-inference.yaml",
     ] {
         let doc: serde_json::Value =
             serde_yaml::from_str(&std::fs::read_to_string(root().join(file)).unwrap()).unwrap();
@@ -188,6 +190,24 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         assert!(
             Instant::now() < deadline,
             "not Ready under the chart's roles: {ready:?}\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // Under the same roles the agent publishes the node's slices for DRA and the operator
+    // writes the policy's DeviceClass.
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let classes: Api<DeviceClass> = Api::all(admin.clone());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let published = slices.list(&Default::default()).await.unwrap().items.len();
+        let class = classes.get_opt("llm-inference.gpuslice.io").await.unwrap();
+        if published == 1 && class.is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{published} ResourceSlices, class {class:?}\n{}",
             cluster.logs()
         );
         tokio::time::sleep(Duration::from_millis(300)).await;

@@ -4,11 +4,10 @@
 //! CheckpointPolicy is Degraded while the others reconcile.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
 use gpuslice_api::{GpuNode, GpuPool, NodeInventory};
-use gpuslice_testcluster::{Components, ControlPlane};
+use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
@@ -17,30 +16,6 @@ const AGENT: &str = "gpuslice-test-agent";
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-struct Operator(Child);
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, String>>,
-{
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        match check().await {
-            Ok(v) => return v,
-            Err(last) if Instant::now() > deadline => panic!("{what} did not happen; last: {last}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-        }
-    }
 }
 
 /// What an agent on `node` would report: its GPUs.
@@ -144,7 +119,7 @@ async fn pools_become_node_layouts_and_status() {
     cluster.create_node("h200-c", &[], &[]).await.unwrap();
     report_gpus(&client, "h200-c", "- {index: 0, model: NVIDIA H200}\n").await;
 
-    let _operator = Operator(
+    let _operator = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .arg("operator")
             .env("KUBECONFIG", cluster.kubeconfig_path())
@@ -313,16 +288,6 @@ async fn pools_become_node_layouts_and_status() {
     .await;
 }
 
-/// A child process killed when the test ends.
-struct Child2(Child);
-
-impl Drop for Child2 {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -375,7 +340,7 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
         if name == "gpu-a" {
             agent.args(["--metrics-addr", &format!("127.0.0.1:{agent_port}")]);
         }
-        processes.push(Child2(
+        processes.push(KillOnDrop(
             agent
                 .arg("--state")
                 .arg(dir.path().join(name))
@@ -386,7 +351,7 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
                 .unwrap(),
         ));
     }
-    processes.push(Child2(
+    processes.push(KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .arg("operator")
             .args(["--metrics-addr", &format!("127.0.0.1:{operator_port}")])
@@ -623,7 +588,7 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
             .spawn()
             .unwrap()
     };
-    let mut operators = vec![Operator(spawn()), Operator(spawn())];
+    let mut operators = vec![KillOnDrop(spawn()), KillOnDrop(spawn())];
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), "default");
     let holder = eventually("one operator holds the lease", || {
@@ -698,7 +663,7 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
         .patch("h200-mig", &PatchParams::default(), &Patch::Merge(&edit))
         .await
         .unwrap();
-    let _restarted = Operator(spawn());
+    let _restarted = KillOnDrop(spawn());
     eventually("the restarted operator applies the edit", || {
         let gpu_nodes = gpu_nodes.clone();
         async move {
@@ -757,7 +722,7 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
         if let Some(start) = clock {
             command.env("GPUSLICE_CLOCK_START", start);
         }
-        Child2(command.spawn().unwrap())
+        KillOnDrop(command.spawn().unwrap())
     };
     let _agent = spawn(
         &[
@@ -836,7 +801,7 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
         line.trim().to_string()
     };
     assert!(slice.starts_with("gpu0-s"), "{slice:?}");
-    let claim = Child2(claim);
+    let claim = KillOnDrop(claim);
     let share = |metrics: &str, name: &str, slice: &str| {
         let key = format!("gpuslice_agent_slice_compute_{name}_percent{{slice=\"{slice}\"}} ");
         metrics

@@ -9,6 +9,7 @@
 pub mod admission;
 pub mod checkpoint;
 pub mod crd;
+pub mod dra;
 pub mod layout;
 pub mod node;
 pub mod policy;

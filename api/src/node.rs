@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
 use kube::core::Duration;
 use schemars::JsonSchema;
@@ -68,6 +68,11 @@ pub struct GpuAssignment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub checkpoint_policy: Option<String>,
+    /// When the pool's next window change gives this GPU another layout. The agent taints the
+    /// GPU's DRA devices (`gpuslice.io/recut`, NoSchedule) a lookahead before it, so that no new
+    /// pod lands on a slice about to be re-cut. Absent when the next change leaves it as it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recut_at: Option<Time>,
 }
 
 /// What the node agent observed and applied.

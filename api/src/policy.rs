@@ -90,4 +90,7 @@ pub struct GpuSlicePolicyStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Slices allocated now to workloads that use this policy (through its DeviceClass).
+    #[serde(default)]
+    pub allocated: u32,
 }

@@ -2,12 +2,16 @@
 //! operator) with the policies claims may name, read from the API; the sink is
 //! `GpuNode.status`: the inventory, the generation applied, and `Ready` / `Blocked` conditions.
 //! The agent owns the status under its own field manager and states all of it in every apply.
-//! Passes are the standalone agent's: claims, drains and compute shares work the same.
+//! Passes are the standalone agent's: claims, drains and compute shares work the same. After each
+//! pass the slices in force are published as DRA devices ([`crate::dra`]) in ResourceSlices the
+//! Node owns, written only when a device changed.
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use gpuslice_api::k8s_openapi::api::core::v1::Node;
+use gpuslice_api::k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuNodeStatus, GpuPool, GpuSlicePolicy, NodeInventory,
 };
@@ -18,7 +22,7 @@ use gpuslice_runtime::conditions::{condition, keep_transition_times};
 use gpuslice_runtime::telemetry::Telemetry;
 use gpuslice_source::last_good::Config;
 use kube::Client;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -27,6 +31,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::dra::{self, NodeRef};
 use crate::pass::{Agent, Intent, Pass, PassError};
 
 /// The field manager of what the agent writes.
@@ -301,16 +306,104 @@ async fn read_config(client: &Client) -> Config {
     }
 }
 
+/// How the agent runs in a cluster.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    /// Pass at least this often (processes come and go).
+    pub interval: Duration,
+    /// Taint a GPU's devices this long before a window change re-cuts it.
+    pub recut_lookahead: Duration,
+}
+
+/// Writes the node's devices as ResourceSlices, remembering what it last wrote so that an
+/// unchanged pass costs no request.
+struct Publisher {
+    client: Client,
+    node: String,
+    owner: Option<NodeRef>,
+    published: Option<Vec<Device>>,
+}
+
+impl Publisher {
+    /// Publishes `devices`; a failure is logged and retried on the next pass.
+    async fn publish(&mut self, devices: Vec<Device>) {
+        if self.published.as_ref() == Some(&devices) {
+            return;
+        }
+        match self.write(&devices).await {
+            Ok(()) => self.published = Some(devices),
+            Err(e) => tracing::warn!("ResourceSlices of node {}: {e}", self.node),
+        }
+    }
+
+    async fn write(&mut self, devices: &[Device]) -> Result<(), kube::Error> {
+        let owner = match &self.owner {
+            Some(owner) => owner.clone(),
+            None => {
+                let node = Api::<Node>::all(self.client.clone())
+                    .get(&self.node)
+                    .await?;
+                let owner = NodeRef {
+                    name: self.node.clone(),
+                    uid: node.metadata.uid.unwrap_or_default(),
+                };
+                self.owner = Some(owner.clone());
+                owner
+            }
+        };
+        let api: Api<ResourceSlice> = Api::all(self.client.clone());
+        let existing = api
+            .list(&ListParams::default().fields(&format!(
+                "spec.nodeName={},spec.driver={}",
+                self.node,
+                gpuslice_api::dra::DRIVER
+            )))
+            .await?
+            .items;
+        let Some(generation) = dra::next_generation(&existing, devices) else {
+            return Ok(());
+        };
+        let wanted = dra::resource_slices(&owner, MANAGER, devices, generation);
+        let params = PatchParams::apply(MANAGER).force();
+        for slice in &wanted {
+            let name = slice.metadata.name.clone().unwrap_or_default();
+            api.patch(&name, &params, &Patch::Apply(slice)).await?;
+        }
+        for old in existing {
+            let name = old.metadata.name.unwrap_or_default();
+            if !wanted
+                .iter()
+                .any(|w| w.metadata.name.as_ref() == Some(&name))
+            {
+                match api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(s)) if s.code == 404 => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        tracing::info!(
+            "node {}: published {} devices (pool generation {generation})",
+            self.node,
+            devices.len()
+        );
+        Ok(())
+    }
+}
+
 /// Runs the agent until the process ends: a pass whenever its GpuNode changes, every
 /// `interval` (processes come and go), and sooner while a transition waits for busy processes.
 pub async fn run(
     client: Client,
     agent: &Agent,
     clock: &Clock,
-    interval: Duration,
+    settings: Settings,
     metrics: Metrics,
     telemetry: Option<Telemetry>,
 ) -> Result<(), ClusterError> {
+    let interval = settings.interval;
+    let lookahead =
+        chrono::Duration::from_std(settings.recut_lookahead).unwrap_or(chrono::Duration::zero());
     let node = agent.node().to_string();
     let api: Api<GpuNode> = Api::all(client.clone());
     let kube_err = |source| ClusterError::Kube {
@@ -331,6 +424,12 @@ pub async fn run(
     );
     futures::pin_mut!(changes);
     let mut blocked_since: Option<std::time::Instant> = None;
+    let mut publisher = Publisher {
+        client: client.clone(),
+        node: node.clone(),
+        owner: None,
+        published: None,
+    };
     agent.serve_socket()?;
     loop {
         let started = std::time::Instant::now();
@@ -369,9 +468,41 @@ pub async fn run(
                 tracing::warn!("GpuNode/{node}: reporting status: {e}");
             }
         }
+        let now = clock.now();
+        let devices = dra::devices(&pass.inventory, &current.spec.gpus, &|a| {
+            dra::recut_taint(a.recut_at.as_ref().and_then(chrono_time), lookahead, now)
+        });
+        publisher.publish(devices).await;
         // Our own status write comes back as a change too; that pass finds nothing to do.
-        let _ = tokio::time::timeout(next_wake(&pass, clock, interval), changes.next()).await;
+        let wake = next_wake(&pass, clock, interval).min(until_taint(
+            &current.spec.gpus,
+            lookahead,
+            clock,
+        ));
+        let _ = tokio::time::timeout(wake, changes.next()).await;
     }
+}
+
+fn chrono_time(
+    t: &gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
+) -> Option<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::from_timestamp(t.0.as_second(), t.0.subsec_nanosecond().max(0) as u32)
+}
+
+/// Until the next re-cut taint is due (never, when none is ahead).
+fn until_taint(
+    gpus: &[gpuslice_api::GpuAssignment],
+    lookahead: chrono::Duration,
+    clock: &Clock,
+) -> Duration {
+    let now = clock.now();
+    gpus.iter()
+        .filter_map(|a| a.recut_at.as_ref().and_then(chrono_time))
+        .map(|at| at - lookahead)
+        .filter(|due| *due > now)
+        .map(|due| clock.until(due))
+        .min()
+        .unwrap_or(Duration::MAX)
 }
 
 /// The interval, or (while blocked) the next retry or grace deadline.

@@ -8,6 +8,7 @@ pub mod claims;
 pub mod cluster;
 pub mod compute;
 pub mod converge;
+pub mod dra;
 pub mod drain;
 pub mod emulate;
 pub mod nvml;

@@ -8,19 +8,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use gpuslice_api::dra;
 use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, GpuSlicePolicy, NodeInventory,
 };
 use gpuslice_planning::clock::Clock;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Client, Resource, ResourceExt as _};
 use tokio::sync::Notify;
 
-use crate::desired::{NodeReport, Observed, desired};
+use crate::desired::{Allocated, NodeReport, Observed, desired};
 use crate::election::Leadership;
 use gpuslice_runtime::apply_body;
 use gpuslice_runtime::conditions::keep_transition_times;
@@ -36,8 +38,7 @@ use tracing::Instrument as _;
 /// GpuNode writes in flight at once.
 const WRITES_IN_FLIGHT: usize = 32;
 
-/// The field manager of everything the operator writes.
-pub const MANAGER: &str = "gpuslice-operator";
+pub use crate::MANAGER;
 
 /// Why the operator stopped.
 #[derive(Debug, thiserror::Error)]
@@ -46,13 +47,13 @@ pub enum OperatorError {
     Cache { kind: &'static str, message: String },
 }
 
-fn cache<K>(api: Api<K>, changed: Arc<Notify>) -> Store<K>
+fn cache<K>(api: Api<K>, config: watcher::Config, changed: Arc<Notify>) -> Store<K>
 where
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
 {
     let (reader, writer) = reflector::store();
-    let stream = watcher(api, watcher::Config::default())
+    let stream = watcher(api, config)
         .default_backoff()
         .reflect(writer)
         .touched_objects();
@@ -136,20 +137,44 @@ pub async fn run(
     leadership: Leadership,
 ) -> Result<(), OperatorError> {
     let changed = Arc::new(Notify::new());
-    let pools = cache(Api::<GpuPool>::all(client.clone()), changed.clone());
+    let all = watcher::Config::default;
+    let pools = cache(Api::<GpuPool>::all(client.clone()), all(), changed.clone());
     let checkpoints = cache(
         Api::<CheckpointPolicy>::all(client.clone()),
+        all(),
         changed.clone(),
     );
-    let policies = cache(Api::<GpuSlicePolicy>::all(client.clone()), changed.clone());
-    let nodes = cache(Api::<Node>::all(client.clone()), changed.clone());
-    let gpu_nodes = cache(Api::<GpuNode>::all(client.clone()), changed.clone());
+    let policies = cache(
+        Api::<GpuSlicePolicy>::all(client.clone()),
+        all(),
+        changed.clone(),
+    );
+    let nodes = cache(Api::<Node>::all(client.clone()), all(), changed.clone());
+    let gpu_nodes = cache(Api::<GpuNode>::all(client.clone()), all(), changed.clone());
+    let classes = cache(
+        Api::<DeviceClass>::all(client.clone()),
+        all().labels(&format!("{}={MANAGER}", dra::MANAGED_BY_LABEL)),
+        changed.clone(),
+    );
+    let slices = cache(
+        Api::<ResourceSlice>::all(client.clone()),
+        all().fields(&format!("spec.driver={}", dra::DRIVER)),
+        changed.clone(),
+    );
+    let claims = cache(
+        Api::<ResourceClaim>::all(client.clone()),
+        all(),
+        changed.clone(),
+    );
     for (kind, ready) in [
         ("GpuPool", pools.wait_until_ready().await),
         ("CheckpointPolicy", checkpoints.wait_until_ready().await),
         ("GpuSlicePolicy", policies.wait_until_ready().await),
         ("Node", nodes.wait_until_ready().await),
         ("GpuNode", gpu_nodes.wait_until_ready().await),
+        ("DeviceClass", classes.wait_until_ready().await),
+        ("ResourceSlice", slices.wait_until_ready().await),
+        ("ResourceClaim", claims.wait_until_ready().await),
     ] {
         ready.map_err(|e| OperatorError::Cache {
             kind,
@@ -171,12 +196,14 @@ pub async fn run(
         let want = async {
             let mut observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
             observed.policies = policies.state().iter().map(|p| (**p).clone()).collect();
+            observed.allocated = allocated(&slices, &claims);
             let now = clock.now();
             let want = desired(&observed, now);
             // Only the leader writes; the others keep their caches warm to take over at once.
             let failed = if leadership.is_leader() {
                 writer.apply(&want, &pools, &gpu_nodes).await
                     + writer.apply_policies(&want, &policies).await
+                    + writer.apply_classes(&want, &classes).await
             } else {
                 0
             };
@@ -268,9 +295,73 @@ fn observe(
     Observed {
         pools,
         policies: Vec::new(),
+        allocated: Vec::new(),
         checkpoint_policies: checkpoints.state().iter().map(|c| c.name_any()).collect(),
         nodes: reports,
     }
+}
+
+/// Every gpuslice device allocated in a ResourceClaim, with the GpuPool its agent published it
+/// in and the policy whose class the request named.
+fn allocated(slices: &Store<ResourceSlice>, claims: &Store<ResourceClaim>) -> Vec<Allocated> {
+    let mut pool_of: std::collections::HashMap<(&str, &str), Option<String>> =
+        std::collections::HashMap::new();
+    let slices = slices.state();
+    for slice in &slices {
+        for device in slice.spec.devices.iter().flatten() {
+            let pool = device
+                .attributes
+                .as_ref()
+                .and_then(|a| a.get(dra::attribute::POOL))
+                .and_then(|a| a.string.clone());
+            pool_of.insert((slice.spec.pool.name.as_str(), device.name.as_str()), pool);
+        }
+    }
+    let mut out = Vec::new();
+    for claim in claims.state() {
+        let Some(results) = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref())
+        else {
+            continue;
+        };
+        for result in results.iter().filter(|r| r.driver == dra::DRIVER) {
+            // `request`, or `request/subrequest` for one of `firstAvailable`.
+            let (top, sub) = match result.request.split_once('/') {
+                Some((top, sub)) => (top, Some(sub)),
+                None => (result.request.as_str(), None),
+            };
+            let request = claim
+                .spec
+                .devices
+                .as_ref()
+                .and_then(|d| d.requests.as_ref())
+                .and_then(|r| r.iter().find(|r| r.name == top));
+            let class = match sub {
+                None => request
+                    .and_then(|r| r.exactly.as_ref())
+                    .map(|e| e.device_class_name.as_str()),
+                Some(sub) => request
+                    .and_then(|r| r.first_available.as_ref())
+                    .and_then(|f| f.iter().find(|s| s.name == sub))
+                    .map(|s| s.device_class_name.as_str()),
+            };
+            let policy = class
+                .and_then(|c| c.strip_suffix(&format!(".{}", dra::DRIVER)))
+                .map(str::to_string);
+            out.push(Allocated {
+                pool: pool_of
+                    .get(&(result.pool.as_str(), result.device.as_str()))
+                    .cloned()
+                    .flatten(),
+                policy,
+            });
+        }
+    }
+    out
 }
 
 struct Writer {
@@ -375,6 +466,49 @@ impl Writer {
             if let Err(e) = api.patch_status(name, &params, &Patch::Apply(&patch)).await {
                 tracing::warn!("GpuSlicePolicy/{name}: writing status: {e}");
                 failed += 1;
+            }
+        }
+        failed
+    }
+}
+
+impl Writer {
+    /// Writes each policy's DeviceClass where it differs, and deletes the classes (ours, by
+    /// label) whose policy is gone.
+    async fn apply_classes(
+        &self,
+        want: &crate::desired::DesiredState,
+        classes: &Store<DeviceClass>,
+    ) -> u64 {
+        let api: Api<DeviceClass> = Api::all(self.client.clone());
+        let params = PatchParams::apply(MANAGER).force();
+        let mut failed = 0;
+        for (name, class) in &want.device_classes {
+            let current = classes.get(&reflector::ObjectRef::new(name));
+            if current.as_ref().is_some_and(|c| {
+                c.spec == class.spec
+                    && c.metadata.labels == class.metadata.labels
+                    && c.metadata.owner_references == class.metadata.owner_references
+            }) {
+                continue;
+            }
+            if let Err(e) = api.patch(name, &params, &Patch::Apply(class)).await {
+                tracing::warn!("DeviceClass/{name}: writing it: {e}");
+                failed += 1;
+            }
+        }
+        for stale in classes.state() {
+            let name = stale.name_any();
+            if want.device_classes.contains_key(&name) {
+                continue;
+            }
+            match api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => tracing::info!("DeviceClass/{name}: deleted, its policy is gone"),
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => {
+                    tracing::warn!("DeviceClass/{name}: deleting it: {e}");
+                    failed += 1;
+                }
             }
         }
         failed

@@ -14,6 +14,7 @@ use gpuslice_api::{
 use gpuslice_planning::cluster::plan_cluster;
 use gpuslice_planning::transition::Desired;
 use gpuslice_runtime::conditions::condition;
+use k8s_openapi::api::resource::v1::DeviceClass;
 
 /// What the agent of a node reported, and what it has applied.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -27,11 +28,22 @@ pub struct NodeReport {
     pub blocked: Option<String>,
 }
 
+/// One device allocated to a workload, from a ResourceClaim's allocation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Allocated {
+    /// The GpuPool of the device (its `pool` attribute as published).
+    pub pool: Option<String>,
+    /// The policy whose DeviceClass the request named.
+    pub policy: Option<String>,
+}
+
 /// The cluster as the operator read it.
 #[derive(Clone, Debug, Default)]
 pub struct Observed {
     pub pools: Vec<GpuPool>,
     pub policies: Vec<GpuSlicePolicy>,
+    /// Every gpuslice device allocated now.
+    pub allocated: Vec<Allocated>,
     /// Names of the CheckpointPolicies that exist.
     pub checkpoint_policies: BTreeSet<String>,
     pub nodes: Vec<NodeReport>,
@@ -46,6 +58,8 @@ pub struct DesiredState {
     pub pool_status: BTreeMap<String, GpuPoolStatus>,
     /// GpuSlicePolicy name → its status.
     pub policy_status: BTreeMap<String, GpuSlicePolicyStatus>,
+    /// DeviceClass name → the class of a policy.
+    pub device_classes: BTreeMap<String, DeviceClass>,
     /// When a window opens or closes next: reconcile again then.
     pub next_change: Option<DateTime<Utc>>,
 }
@@ -64,15 +78,30 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
     let plan = plan_cluster(&observed.pools, &inventories, at);
     let mut out = DesiredState {
         next_change: plan.pools.iter().filter_map(|p| p.next_change).min(),
+        device_classes: crate::classes::device_classes(
+            &observed.policies,
+            &observed.pools,
+            crate::MANAGER,
+        ),
         ..DesiredState::default()
     };
+    // The plan at the next window change, to tell which GPUs it re-cuts.
+    let later = out
+        .next_change
+        .map(|next| (next, plan_cluster(&observed.pools, &inventories, next)));
 
     for node in &plan.nodes {
+        let later_node = later
+            .as_ref()
+            .and_then(|(_, l)| l.nodes.iter().find(|n| n.node == node.node));
         let gpus: Vec<GpuAssignment> = node
             .gpus
             .iter()
             .filter(|g| g.error.is_none())
             .filter_map(|g| {
+                let recut = later_node
+                    .and_then(|n| n.gpus.iter().find(|x| x.index == g.index))
+                    .is_some_and(|x| x.layout != g.layout || x.pool != g.pool);
                 Some(GpuAssignment {
                     index: g.index,
                     uuid: g.uuid.clone(),
@@ -81,6 +110,10 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                     layout: g.layout.clone()?,
                     time_slice: g.time_slice,
                     checkpoint_policy: g.checkpoint_policy.clone(),
+                    recut_at: later
+                        .as_ref()
+                        .filter(|_| recut)
+                        .and_then(|(next, _)| time(*next)),
                 })
             })
             .collect();
@@ -207,6 +240,11 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             )
         };
         conditions.push(condition("Ready", ready, reason, message, generation));
+        let allocated = observed
+            .allocated
+            .iter()
+            .filter(|a| a.pool.as_deref() == Some(name.as_str()))
+            .count() as u32;
         out.pool_status.insert(
             name,
             GpuPoolStatus {
@@ -218,7 +256,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                 gpus,
                 slices: SliceCounts {
                     total: slices,
-                    allocated: 0,
+                    allocated,
                 },
             },
         );
@@ -226,6 +264,11 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
     for policy in &observed.policies {
         let name = policy.metadata.name.clone().unwrap_or_default();
         let (ready, reason, message) = policy_ready(observed, &plan, policy);
+        let allocated = observed
+            .allocated
+            .iter()
+            .filter(|a| a.policy.as_deref() == Some(name.as_str()))
+            .count() as u32;
         out.policy_status.insert(
             name,
             GpuSlicePolicyStatus {
@@ -237,6 +280,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                     policy.metadata.generation,
                 )],
                 observed_generation: policy.metadata.generation,
+                allocated,
             },
         );
     }

@@ -2,6 +2,10 @@
 //! which the node agent applies) and reports per-pool status, as a pipeline — read (watch
 //! caches) → build the desired state (pure, [`desired`]) → server-side apply → status.
 
+pub mod classes;
 pub mod controller;
 pub mod desired;
 pub mod election;
+
+/// The field manager of everything the operator writes.
+pub const MANAGER: &str = "gpuslice-operator";

@@ -747,3 +747,30 @@ pub async fn apply_document(
             .map(|_| ()),
     )
 }
+
+/// Polls `check` every 200 ms until it returns `Ok`, for up to two minutes; then panics with
+/// `what` and the last `Err` it gave.
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(last) if Instant::now() > deadline => panic!("{what} did not happen; last: {last}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// A child process (an operator, an agent) killed when the test ends, also when it panics.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -1,0 +1,101 @@
+//! The names gpuslice uses in Dynamic Resource Allocation (`resource.k8s.io/v1`), shared by the
+//! agent (which publishes a node's slices as devices) and the operator (which writes a
+//! DeviceClass per `GpuSlicePolicy` whose CEL selector reads those attributes).
+
+/// The DRA driver name: ResourceSlices, device attributes and opaque configs use it.
+pub const DRIVER: &str = "gpuslice.io";
+
+/// Device attributes (in the driver's domain: `device.attributes["gpuslice.io"].<name>`).
+pub mod attribute {
+    /// The `GpuPool` the slice's GPU belongs to (string).
+    pub const POOL: &str = "pool";
+    /// The pool's time window in force when the slice was cut; empty outside windows (string).
+    pub const WINDOW: &str = "window";
+    /// `software`, `mig` or `gpu` (a whole GPU) (string).
+    pub const KIND: &str = "kind";
+    /// The GPU model as NVML names it, e.g. `NVIDIA H200` (string).
+    pub const MODEL: &str = "model";
+    /// The UUID of the physical GPU the slice is on (string).
+    pub const GPU_UUID: &str = "gpuUUID";
+    /// The index of that GPU on the node (int).
+    pub const GPU_INDEX: &str = "gpuIndex";
+    /// The MIG profile of a MIG slice, e.g. `1g.18gb` (string; MIG slices only).
+    pub const MIG_PROFILE: &str = "migProfile";
+    /// The slice id the agent uses on the node (`gpu0-s1`, `gpu0-mig4-1g.18gb`, `gpu1`) (string).
+    pub const SLICE: &str = "slice";
+}
+
+/// Device capacities (`device.capacity["gpuslice.io"].<name>`).
+pub mod capacity {
+    /// GPU memory a workload on the slice may use (bytes).
+    pub const MEMORY: &str = "memory";
+    /// The slice's share of its GPU's compute, in percent (MIG and whole GPUs: 100 of their own).
+    pub const COMPUTE: &str = "compute";
+}
+
+/// The value of [`attribute::KIND`] for each kind of slice.
+pub mod kind {
+    pub const SOFTWARE: &str = "software";
+    pub const MIG: &str = "mig";
+    pub const GPU: &str = "gpu";
+}
+
+/// The device taint key on slices a window change will re-cut soon: new pods do not land there.
+pub const RECUT_TAINT: &str = "gpuslice.io/recut";
+
+/// The label on every object the operator and agents write for DRA, naming the writer.
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+
+/// The label on a DeviceClass naming the `GpuSlicePolicy` it was written for.
+pub const POLICY_CLASS_LABEL: &str = "gpuslice.io/policy";
+
+/// The DeviceClass of a policy: `<policy>.gpuslice.io`.
+pub fn device_class_name(policy: &str) -> String {
+    format!("{policy}.{DRIVER}")
+}
+
+/// The extended resource a pod may request to get a slice of a policy: `gpuslice.io/<policy>`.
+pub fn extended_resource_name(policy: &str) -> String {
+    format!("{DRIVER}/{policy}")
+}
+
+/// The device name of a slice: its id as a DNS label (lowercase letters, digits and `-`; MIG
+/// profiles' `.` and `+` become `-`), e.g. `gpu0-mig4-1g-18gb`.
+pub fn device_name(slice_id: &str) -> String {
+    let name: String = slice_id
+        .chars()
+        .map(|c| match c {
+            'a'..='z' | '0'..='9' => c,
+            'A'..='Z' => c.to_ascii_lowercase(),
+            _ => '-',
+        })
+        .collect();
+    let name = name.trim_matches('-');
+    name.chars().take(63).collect::<String>()
+}
+
+/// The name of the `n`-th ResourceSlice a node's agent publishes.
+pub fn resource_slice_name(node: &str, n: usize) -> String {
+    format!("{node}-{DRIVER}-{n}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slice_ids_become_dns_labels() {
+        assert_eq!(device_name("gpu0-s3"), "gpu0-s3");
+        assert_eq!(device_name("gpu1-mig4-1g.18gb"), "gpu1-mig4-1g-18gb");
+        assert_eq!(device_name("gpu1-mig0-1g.18gb+me"), "gpu1-mig0-1g-18gb-me");
+        assert_eq!(device_name("gpu7"), "gpu7");
+        let long = format!("gpu0-{}", "x".repeat(100));
+        assert_eq!(device_name(&long).len(), 63);
+    }
+
+    #[test]
+    fn a_policy_has_one_class_and_one_extended_resource() {
+        assert_eq!(device_class_name("llm-7b"), "llm-7b.gpuslice.io");
+        assert_eq!(extended_resource_name("llm-7b"), "gpuslice.io/llm-7b");
+    }
+}

@@ -1,0 +1,365 @@
+//! What the agent publishes for Dynamic Resource Allocation (pure; `cluster.rs` writes it): every
+//! slice in force on a GPU the node's `GpuNode.spec` assigns to a pool becomes one device of the
+//! driver `gpuslice.io`, with the attributes a DeviceClass selects on (pool, window, kind, model,
+//! GPU UUID, MIG profile) and its capacities (memory, compute). Devices go into ResourceSlices of
+//! one resource pool named after the node, owned by the Node; the pool's generation goes up
+//! whenever a device changes, so the scheduler never mixes two layouts.
+
+use chrono::{DateTime, Utc};
+use gpuslice_api::dra::{self, attribute, capacity, kind};
+use gpuslice_api::k8s_openapi::api::resource::v1::{
+    Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
+};
+use gpuslice_api::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use gpuslice_api::quantity::format_bytes;
+use gpuslice_api::{GpuAssignment, NodeInventory};
+use gpuslice_contract::SliceKind;
+
+use crate::slices;
+
+/// The most devices one ResourceSlice may hold (`resource.k8s.io/v1` validation).
+pub const DEVICES_PER_SLICE: usize = 128;
+
+/// The Node that owns the ResourceSlices: deleting it deletes them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeRef {
+    pub name: String,
+    pub uid: String,
+}
+
+fn string(value: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(value.to_string()),
+        ..DeviceAttribute::default()
+    }
+}
+
+fn capacity_of(value: String) -> DeviceCapacity {
+    DeviceCapacity {
+        value: Quantity(value),
+        ..DeviceCapacity::default()
+    }
+}
+
+/// The devices of this node: one per slice in force on a GPU the spec assigns, smallest first
+/// (the scheduler tries devices in the order they are published, so a request lands on the
+/// smallest slice that fits it). A GPU in `recut` (its index) carries the re-cut taint.
+pub fn devices(
+    inventory: &NodeInventory,
+    assignments: &[GpuAssignment],
+    recut: &dyn Fn(&GpuAssignment) -> Option<DeviceTaint>,
+) -> Vec<Device> {
+    let mut out: Vec<(u64, u32, String, Device)> = Vec::new();
+    for slice in slices::configs(inventory) {
+        let Some(assignment) = assignments.iter().find(|a| a.index == slice.gpu) else {
+            continue;
+        };
+        let Some(gpu) = inventory.gpus.iter().find(|g| g.index == slice.gpu) else {
+            continue;
+        };
+        // A spec written for another GPU is not applied; its slices are not the pool's.
+        if let (Some(want), Some(have)) = (&assignment.uuid, &gpu.uuid)
+            && want != have
+        {
+            continue;
+        }
+        let mut attributes = std::collections::BTreeMap::from([
+            (attribute::POOL.to_string(), string(&assignment.pool)),
+            (
+                attribute::WINDOW.to_string(),
+                string(assignment.window.as_deref().unwrap_or("")),
+            ),
+            (
+                attribute::KIND.to_string(),
+                string(match slice.kind {
+                    SliceKind::Software => kind::SOFTWARE,
+                    SliceKind::Mig => kind::MIG,
+                    SliceKind::Exclusive => kind::GPU,
+                }),
+            ),
+            (attribute::MODEL.to_string(), string(&gpu.model)),
+            (
+                attribute::GPU_UUID.to_string(),
+                string(gpu.uuid.as_deref().unwrap_or("")),
+            ),
+            (
+                attribute::GPU_INDEX.to_string(),
+                DeviceAttribute {
+                    int: Some(i64::from(gpu.index)),
+                    ..DeviceAttribute::default()
+                },
+            ),
+            (attribute::SLICE.to_string(), string(&slice.id)),
+        ]);
+        if slice.kind == SliceKind::Mig
+            && let Some(instance) = gpu.mig.as_ref().and_then(|m| {
+                m.instances
+                    .iter()
+                    .find(|i| i.uuid.as_deref() == Some(slice.device_uuid.as_str()))
+            })
+        {
+            attributes.insert(
+                attribute::MIG_PROFILE.to_string(),
+                string(&instance.profile),
+            );
+        }
+        let device = Device {
+            name: dra::device_name(&slice.id),
+            attributes: Some(attributes),
+            capacity: Some(std::collections::BTreeMap::from([
+                (
+                    capacity::MEMORY.to_string(),
+                    capacity_of(format_bytes(slice.memory_bytes)),
+                ),
+                (
+                    capacity::COMPUTE.to_string(),
+                    capacity_of(slice.compute_percent.to_string()),
+                ),
+            ])),
+            taints: recut(assignment).map(|t| vec![t]),
+            ..Device::default()
+        };
+        out.push((slice.memory_bytes, slice.compute_percent, slice.id, device));
+    }
+    out.sort_by(|a, b| (a.0, a.1, &a.2).cmp(&(b.0, b.1, &b.2)));
+    out.into_iter().map(|(_, _, _, d)| d).collect()
+}
+
+/// The re-cut taint of a GPU whose layout changes at `recut_at`, from `lookahead` before it
+/// until the spec stops saying so (the operator writes the new layout after the boundary; a
+/// slice stays closed to new pods until then).
+pub fn recut_taint(
+    recut_at: Option<DateTime<Utc>>,
+    lookahead: chrono::Duration,
+    now: DateTime<Utc>,
+) -> Option<DeviceTaint> {
+    let at = recut_at?;
+    (now + lookahead >= at).then(|| DeviceTaint {
+        key: dra::RECUT_TAINT.to_string(),
+        // A label value: the boundary as 20261202T210000Z.
+        value: Some(at.format("%Y%m%dT%H%M%SZ").to_string()),
+        effect: "NoSchedule".to_string(),
+        time_added: None,
+    })
+}
+
+/// The ResourceSlices that publish `devices` as generation `generation` of the node's pool.
+/// No devices, no slices (the pool disappears).
+pub fn resource_slices(
+    node: &NodeRef,
+    manager: &str,
+    devices: &[Device],
+    generation: i64,
+) -> Vec<ResourceSlice> {
+    let chunks: Vec<&[Device]> = devices.chunks(DEVICES_PER_SLICE).collect();
+    chunks
+        .iter()
+        .enumerate()
+        .map(|(n, chunk)| ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(dra::resource_slice_name(&node.name, n)),
+                labels: Some(std::collections::BTreeMap::from([(
+                    dra::MANAGED_BY_LABEL.to_string(),
+                    manager.to_string(),
+                )])),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "v1".to_string(),
+                    kind: "Node".to_string(),
+                    name: node.name.clone(),
+                    uid: node.uid.clone(),
+                    controller: Some(true),
+                    block_owner_deletion: None,
+                }]),
+                ..ObjectMeta::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: dra::DRIVER.to_string(),
+                node_name: Some(node.name.clone()),
+                pool: ResourcePool {
+                    name: node.name.clone(),
+                    generation,
+                    resource_slice_count: chunks.len() as i64,
+                },
+                devices: Some(chunk.to_vec()),
+                ..ResourceSliceSpec::default()
+            },
+        })
+        .collect()
+}
+
+/// The generation to publish `devices` with, given the node's ResourceSlices now: `None` when
+/// they already say exactly that (nothing to write), else one above the highest seen.
+pub fn next_generation(existing: &[ResourceSlice], devices: &[Device]) -> Option<i64> {
+    let highest = existing.iter().map(|s| s.spec.pool.generation).max();
+    let mut current: Vec<&ResourceSlice> = existing
+        .iter()
+        .filter(|s| Some(s.spec.pool.generation) == highest)
+        .collect();
+    current.sort_by_key(|s| s.metadata.name.clone());
+    let complete = current
+        .first()
+        .is_some_and(|s| s.spec.pool.resource_slice_count == current.len() as i64)
+        && current.len() == existing.len();
+    let published: Vec<&Device> = current
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .collect();
+    let same = complete
+        && published.len() == devices.len()
+        && published.iter().zip(devices).all(|(a, b)| *a == b);
+    match (same, highest) {
+        (true, _) => None,
+        (false, Some(h)) => Some(h + 1),
+        (false, None) if devices.is_empty() => None,
+        (false, None) => Some(1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> NodeInventory {
+        serde_yaml::from_str(
+            r#"
+name: n1
+gpus:
+- index: 0
+  uuid: GPU-0
+  model: NVIDIA H200
+  slices:
+  - {id: gpu0-s0, memory: 20Gi, compute: 25}
+  - {id: gpu0-s1, memory: 20Gi, compute: 25}
+- index: 1
+  uuid: GPU-1
+  model: NVIDIA H200
+  mig:
+    enabled: true
+    instances:
+    - {profile: 3g.71gb, placement: {start: 4, size: 4}, uuid: MIG-a}
+    - {profile: 1g.18gb, placement: {start: 0, size: 1}, uuid: MIG-b}
+- index: 2
+  uuid: GPU-2
+  model: NVIDIA H200
+"#,
+        )
+        .unwrap()
+    }
+
+    fn assignment(index: u32, pool: &str) -> GpuAssignment {
+        serde_yaml::from_str(&format!(
+            "{{index: {index}, pool: {pool}, window: day, layout: {{kind: Exclusive}}}}"
+        ))
+        .unwrap()
+    }
+
+    fn attr<'a>(d: &'a Device, name: &str) -> &'a DeviceAttribute {
+        &d.attributes.as_ref().unwrap()[name]
+    }
+
+    #[test]
+    fn slices_of_assigned_gpus_become_devices_smallest_first() {
+        let got = devices(
+            &node(),
+            &[assignment(0, "infer"), assignment(1, "train")],
+            &|_| None,
+        );
+        let names: Vec<&str> = got.iter().map(|d| d.name.as_str()).collect();
+        // GPU 2 is in no pool: not published. The 1g instance (about 16.5 GiB) is smaller than
+        // the 20 GiB software slices.
+        assert_eq!(
+            names,
+            [
+                "gpu1-mig0-1g-18gb",
+                "gpu0-s0",
+                "gpu0-s1",
+                "gpu1-mig4-3g-71gb"
+            ]
+        );
+        let mig = &got[0];
+        assert_eq!(attr(mig, "pool").string.as_deref(), Some("train"));
+        assert_eq!(attr(mig, "kind").string.as_deref(), Some("mig"));
+        assert_eq!(attr(mig, "migProfile").string.as_deref(), Some("1g.18gb"));
+        assert_eq!(attr(mig, "gpuUUID").string.as_deref(), Some("GPU-1"));
+        assert_eq!(
+            attr(mig, "slice").string.as_deref(),
+            Some("gpu1-mig0-1g.18gb")
+        );
+        let software = &got[1];
+        assert_eq!(attr(software, "kind").string.as_deref(), Some("software"));
+        assert_eq!(attr(software, "window").string.as_deref(), Some("day"));
+        let capacity = software.capacity.as_ref().unwrap();
+        assert_eq!(capacity["memory"].value.0, "20Gi");
+        assert_eq!(capacity["compute"].value.0, "25");
+    }
+
+    #[test]
+    fn a_spec_for_another_gpu_publishes_nothing() {
+        let mut a = assignment(0, "infer");
+        a.uuid = Some("GPU-other".into());
+        assert!(devices(&node(), &[a], &|_| None).is_empty());
+    }
+
+    #[test]
+    fn the_generation_goes_up_only_when_a_device_changes() {
+        let me = NodeRef {
+            name: "n1".into(),
+            uid: "u1".into(),
+        };
+        let first = devices(&node(), &[assignment(0, "infer")], &|_| None);
+        assert_eq!(next_generation(&[], &first), Some(1));
+        let published = resource_slices(&me, "m", &first, 1);
+        assert_eq!(next_generation(&published, &first), None, "unchanged");
+        let tainted = devices(&node(), &[assignment(0, "infer")], &|_| {
+            recut_taint(
+                Some("2026-12-02T21:00:00Z".parse().unwrap()),
+                chrono::Duration::minutes(5),
+                "2026-12-02T20:56:00Z".parse().unwrap(),
+            )
+        });
+        assert_eq!(next_generation(&published, &tainted), Some(2));
+        assert_eq!(next_generation(&published, &[]), Some(2), "all gone");
+        assert_eq!(next_generation(&[], &[]), None);
+    }
+
+    #[test]
+    fn many_devices_span_several_slices_of_one_pool() {
+        let me = NodeRef {
+            name: "n1".into(),
+            uid: "u1".into(),
+        };
+        let one = devices(&node(), &[assignment(0, "infer")], &|_| None).remove(0);
+        let many: Vec<Device> = (0..300)
+            .map(|i| Device {
+                name: format!("d{i}"),
+                ..one.clone()
+            })
+            .collect();
+        let slices = resource_slices(&me, "m", &many, 7);
+        assert_eq!(slices.len(), 3);
+        assert!(slices.iter().all(|s| s.spec.pool.resource_slice_count == 3
+            && s.spec.pool.generation == 7
+            && s.spec.pool.name == "n1"));
+        assert_eq!(next_generation(&slices, &many), None);
+        assert_eq!(next_generation(&slices[..2], &many), Some(8), "one missing");
+    }
+
+    #[test]
+    fn the_recut_taint_starts_a_lookahead_before_the_boundary() {
+        let at: DateTime<Utc> = "2026-12-02T21:00:00Z".parse().unwrap();
+        let ahead = chrono::Duration::minutes(5);
+        let t = |s: &str| recut_taint(Some(at), ahead, s.parse().unwrap());
+        assert!(t("2026-12-02T20:54:59Z").is_none());
+        let taint = t("2026-12-02T20:55:00Z").unwrap();
+        assert_eq!(taint.key, "gpuslice.io/recut");
+        assert_eq!(taint.effect, "NoSchedule");
+        assert_eq!(taint.value.as_deref(), Some("20261202T210000Z"));
+        assert!(
+            t("2026-12-02T21:00:30Z").is_some(),
+            "past it, until the spec moves on"
+        );
+        assert!(recut_taint(None, ahead, at).is_none());
+    }
+}

@@ -1,0 +1,387 @@
+//! Workloads on slices through Dynamic Resource Allocation, against a real control plane
+//! (kube-apiserver, kube-scheduler, kube-controller-manager, etcd, kwok nodes) with the operator
+//! and one agent per node on emulated GPUs: the agents publish their slices as devices, the
+//! operator writes a DeviceClass per policy, and pods that ask for `gpuslice.io/<policy>` are
+//! placed by the real scheduler on fitting slices — never two on one slice; the rest wait.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use gpuslice_api::{GpuPool, GpuSlicePolicy};
+use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Applies every document of the example files, in order.
+async fn apply_examples(client: &Client, files: &[&str]) {
+    let discovery = kube::discovery::Discovery::new(client.clone())
+        .run()
+        .await
+        .unwrap();
+    for file in files {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let value: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
+            gpuslice_testcluster::apply_document(client, &discovery, &value, false)
+                .await
+                .unwrap_or_else(|| panic!("{file}: no such kind"))
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+        }
+    }
+}
+
+/// A pod asking for one slice of `policy` through the extended resource.
+fn pod(name: &str, policy: &str) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "dra-test"}},
+        "spec": {
+            "containers": [{
+                "name": "main",
+                "image": "example.com/worker:1",
+                "resources": {"limits": {format!("gpuslice.io/{policy}"): "1"}}
+            }],
+            "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+        }
+    }))
+    .unwrap()
+}
+
+/// Each bound pod's node and the devices its claims were allocated, from the ResourceClaims.
+async fn allocations(client: &Client, namespace: &str) -> BTreeMap<String, Vec<(String, String)>> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    let mut out: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+    for claim in claims.list(&ListParams::default()).await.unwrap() {
+        let Some(owner) = claim
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .find(|o| o.kind == "Pod")
+        else {
+            continue;
+        };
+        let results = claim
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default();
+        for r in results {
+            assert_eq!(r.driver, "gpuslice.io");
+            out.entry(owner.name.clone())
+                .or_default()
+                .push((r.pool, r.device));
+        }
+    }
+    out
+}
+
+/// Pods by phase-ish state: bound to a node, or Pending with the scheduler's message.
+async fn placement(pods: &Api<Pod>, selector: &str) -> (Vec<(String, String)>, Vec<String>) {
+    let mut bound = Vec::new();
+    let mut waiting = Vec::new();
+    for p in pods
+        .list(&ListParams::default().labels(selector))
+        .await
+        .unwrap()
+    {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        match p.spec.as_ref().and_then(|s| s.node_name.clone()) {
+            Some(node) => bound.push((name, node)),
+            None => {
+                let why = p
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .find(|c| c.type_ == "PodScheduled")
+                    .and_then(|c| c.message)
+                    .unwrap_or_default();
+                waiting.push(format!("{name}: {why}"));
+            }
+        }
+    }
+    (bound, waiting)
+}
+
+#[tokio::test]
+async fn pods_naming_a_policy_get_their_own_fitting_slice() {
+    let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
+        return;
+    };
+    let client = cluster.client().await.unwrap();
+    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut processes = Vec::new();
+    for (name, pool, model) in [
+        ("a100-a", "shared-a100", "NVIDIA A100-SXM4-80GB"),
+        ("h200-a", "h200-mig", "NVIDIA H200"),
+    ] {
+        cluster
+            .create_node(name, &[("gpuslice.io/pool", pool)], &[])
+            .await
+            .unwrap();
+        let node_file = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(
+            &node_file,
+            format!("name: {name}\ngpus:\n- {{index: 0, model: {model}}}\n"),
+        )
+        .unwrap();
+        processes.push(KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+                .args([
+                    "agent",
+                    "--kube",
+                    "--apply",
+                    "--interval",
+                    "2s",
+                    "--emulate",
+                ])
+                .arg(&node_file)
+                .arg("--state")
+                .arg(dir.path().join(name))
+                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("GPUSLICE_CLOCK_START", "2026-12-02T10:00:00Z")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        ));
+    }
+    // 11:00 in Berlin and 18:00 in Shanghai on a Wednesday: both pools in their day layouts for
+    // two hours.
+    processes.push(KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .arg("operator")
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("GPUSLICE_CLOCK_START", "2026-12-02T10:00:00Z")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    ));
+    apply_examples(
+        &client,
+        &[
+            "examples/gitops/policies/checkpoint-standard.yaml",
+            "examples/gitops/pools/shared-a100.yaml",
+            "examples/gitops/pools/h200-mig.yaml",
+            "examples/gitops/policies/notebook.yaml",
+            "examples/gitops/policies/llm-inference.yaml",
+        ],
+    )
+    .await;
+
+    // The agents publish the day layouts: four 20 GiB software slices; 1g, 1g, 2g and 3g
+    // instances, smallest first.
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let published = eventually("both nodes publish their slices", || {
+        let slices = slices.clone();
+        async move {
+            let mut by_node: BTreeMap<String, Vec<String>> = BTreeMap::new();
+            for s in slices
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                assert_eq!(s.spec.driver, "gpuslice.io");
+                let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
+                assert_eq!(
+                    (owner.kind.as_str(), owner.name.as_str()),
+                    ("Node", s.spec.node_name.as_deref().unwrap())
+                );
+                by_node
+                    .entry(s.spec.node_name.clone().unwrap_or_default())
+                    .or_default()
+                    .extend(s.spec.devices.iter().flatten().map(|d| d.name.clone()));
+            }
+            (by_node.get("a100-a").map(Vec::len) == Some(4)
+                && by_node.get("h200-a").map(Vec::len) == Some(4))
+            .then_some(by_node.clone())
+            .ok_or_else(|| format!("{by_node:?}"))
+        }
+    })
+    .await;
+    assert_eq!(
+        published["a100-a"],
+        ["gpu0-s0", "gpu0-s1", "gpu0-s2", "gpu0-s3"]
+    );
+    assert!(published["h200-a"][0].contains("1g-18gb"), "{published:?}");
+    assert!(published["h200-a"][3].contains("3g-71gb"), "{published:?}");
+
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    eventually("the operator writes a DeviceClass per policy", || {
+        let classes = classes.clone();
+        async move {
+            let names: BTreeSet<String> = classes
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .filter_map(|c| c.metadata.name)
+                .collect();
+            (names.contains("notebook.gpuslice.io") && names.contains("llm-inference.gpuslice.io"))
+                .then_some(())
+                .ok_or_else(|| format!("{names:?}"))
+        }
+    })
+    .await;
+
+    // Five notebooks on four software slices: four placed on distinct slices of the A100
+    // node, the fifth waits with the scheduler's reason.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    for i in 0..5 {
+        pods.create(
+            &PostParams::default(),
+            &pod(&format!("notebook-{i}"), "notebook"),
+        )
+        .await
+        .unwrap();
+    }
+    let (bound, waiting) = eventually("four notebooks are placed, one waits", || {
+        let pods = pods.clone();
+        async move {
+            let (bound, waiting) = placement(&pods, "app=dra-test").await;
+            (bound.len() == 4 && waiting.len() == 1 && !waiting[0].ends_with(": "))
+                .then_some((bound.clone(), waiting.clone()))
+                .ok_or_else(|| format!("bound {bound:?}, waiting {waiting:?}"))
+        }
+    })
+    .await;
+    assert!(bound.iter().all(|(_, node)| node == "a100-a"), "{bound:?}");
+    assert!(
+        waiting[0].contains("cannot allocate all claims"),
+        "the scheduler says what is missing: {waiting:?}"
+    );
+    let given = eventually("the placed notebooks' claims are allocated", || {
+        let client = client.clone();
+        async move {
+            let a = allocations(&client, "default").await;
+            (a.len() == 4)
+                .then_some(a.clone())
+                .ok_or_else(|| format!("{a:?}"))
+        }
+    })
+    .await;
+    let devices: BTreeSet<&(String, String)> = given.values().flatten().collect();
+    assert_eq!(devices.len(), 4, "never one slice for two pods: {given:?}");
+    assert!(
+        devices
+            .iter()
+            .all(|(pool, d)| pool == "a100-a" && d.starts_with("gpu0-s"))
+    );
+
+    // A placed notebook goes away: its slice goes to the one that waited.
+    let (gone, _) = &bound[0];
+    pods.delete(gone, &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    eventually("the waiting notebook gets the freed slice", || {
+        let pods = pods.clone();
+        async move {
+            let (bound, waiting) = placement(&pods, "app=dra-test").await;
+            (bound.len() == 4 && waiting.is_empty())
+                .then_some(())
+                .ok_or_else(|| format!("bound {bound:?}, waiting {waiting:?}"))
+        }
+    })
+    .await;
+
+    // The inference Deployment (30 GiB): the 2g and 3g instances hold it, the 1g ones do not;
+    // its third replica waits.
+    let serving: Api<Deployment> = Api::namespaced(client.clone(), "default");
+    let deployment: Deployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "llm"},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "llm"}},
+            "template": {
+                "metadata": {"labels": {"app": "llm"}},
+                "spec": {
+                    "containers": [{"name": "server", "image": "example.com/llm:2",
+                        "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}],
+                    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+                }
+            }
+        }
+    }))
+    .unwrap();
+    serving
+        .create(&PostParams::default(), &deployment)
+        .await
+        .unwrap();
+    eventually("two replicas on the 2g and 3g instances, one waits", || {
+        let (pods, client) = (pods.clone(), client.clone());
+        async move {
+            let (bound, waiting) = placement(&pods, "app=llm").await;
+            let a = allocations(&client, "default").await;
+            let mine: Vec<&String> = bound
+                .iter()
+                .filter_map(|(name, _)| a.get(name))
+                .flatten()
+                .map(|(_, device)| device)
+                .collect();
+            (bound.len() == 2
+                && waiting.len() == 1
+                && mine.len() == 2
+                && mine.iter().any(|d| d.contains("2g-35gb"))
+                && mine.iter().any(|d| d.contains("3g-71gb")))
+            .then_some(())
+            .ok_or_else(|| format!("bound {bound:?}, waiting {waiting:?}, devices {mine:?}"))
+        }
+    })
+    .await;
+
+    // The pools and policies count what is allocated.
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    let policies: Api<GpuSlicePolicy> = Api::all(client.clone());
+    eventually("pool and policy status count the allocations", || {
+        let (pools, policies) = (pools.clone(), policies.clone());
+        async move {
+            let mut got = Vec::new();
+            for pool in ["shared-a100", "h200-mig"] {
+                let p = pools.get(pool).await.map_err(|e| e.to_string())?;
+                got.push(p.status.map(|s| (s.slices.total, s.slices.allocated)));
+            }
+            for policy in ["notebook", "llm-inference"] {
+                let p = policies.get(policy).await.map_err(|e| e.to_string())?;
+                got.push(p.status.map(|s| (0, s.allocated)));
+            }
+            (got == [Some((4, 4)), Some((4, 2)), Some((0, 4)), Some((0, 2))])
+                .then_some(())
+                .ok_or_else(|| format!("{got:?}"))
+        }
+    })
+    .await;
+
+    // Deleting a policy deletes its class.
+    policies
+        .delete("notebook", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the notebook class goes with its policy", || {
+        let classes = classes.clone();
+        async move {
+            match classes.get_opt("notebook.gpuslice.io").await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    drop(processes);
+}
