@@ -159,6 +159,10 @@ enum Command {
         /// How long a leader's lease lasts without renewal (Go duration).
         #[arg(long, default_value = "15s")]
         lease_duration: gpuslice_api::Duration,
+        /// Keep the admission policy's parameters in this ConfigMap (NAMESPACE/NAME): each
+        /// GpuSlicePolicy and the namespaces its namespaceSelector lets use it. The chart sets it.
+        #[arg(long, value_parser = parse_object_ref)]
+        admission_params: Option<gpuslice_operator::controller::AdmissionParams>,
     },
     /// Benchmarks that print a table with a PASS/FAIL column and exit non-zero on FAIL.
     Bench {
@@ -249,6 +253,19 @@ enum Bench {
 enum Output {
     Text,
     Json,
+}
+
+/// `NAMESPACE/NAME`.
+fn parse_object_ref(text: &str) -> Result<gpuslice_operator::controller::AdmissionParams, String> {
+    match text.split_once('/') {
+        Some((namespace, name)) if !namespace.is_empty() && !name.is_empty() => {
+            Ok(gpuslice_operator::controller::AdmissionParams {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+            })
+        }
+        _ => Err(format!("{text:?}: expected NAMESPACE/NAME")),
+    }
 }
 
 fn parse_label(text: &str) -> Result<(String, String), String> {
@@ -451,6 +468,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             metrics_addr,
             lease_namespace,
             lease_duration,
+            admission_params,
         } => {
             let clock = gpuslice_planning::clock::Clock::from_env()?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -496,6 +514,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     metrics,
                     Some(telemetry),
                     leadership,
+                    admission_params,
                 )
                 .await?;
                 anyhow::Ok(())

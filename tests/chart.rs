@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use gpuslice_api::GpuPool;
 use gpuslice_testcluster::{Components, ControlPlane};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::api::{Api, Patch, PatchParams};
 
@@ -147,6 +148,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     let _children = Reaper(vec![
         Command::new(bin)
             .args(["operator", "--lease-namespace", NAMESPACE])
+            .arg(format!("--admission-params={NAMESPACE}/gs-policies"))
             .env("KUBECONFIG", kubeconfig("gs-operator"))
             .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
             .stdout(Stdio::null())
@@ -212,6 +214,8 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+    admission_takes_policies_by_name(&admin).await;
+
     // Nothing else: the agent could not, say, change a pool.
     let agent = cluster
         .service_account_client(NAMESPACE, "gs-agent")
@@ -291,4 +295,162 @@ fn service_monitors_select_the_pods(helm: &Path, chart: &Path) {
             "the {component} pods have a metrics port"
         );
     }
+}
+
+/// A pod in `namespace` with `labels` and, on its one container, `limits`.
+fn pod(name: &str, namespace: &str, labels: serde_json::Value, limits: serde_json::Value) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"containers": [{"name": "main", "image": "example.com/app:1",
+            "resources": {"limits": limits}}]}
+    }))
+    .unwrap()
+}
+
+/// The chart's admission policies, in the API server: the label becomes the policy's extended
+/// resource; a policy that does not exist, or that the namespace may not use, is refused with what
+/// to change; pods that name no policy are stored as sent.
+async fn admission_takes_policies_by_name(admin: &kube::Client) {
+    use kube::api::PostParams;
+    let create = |p: Pod| {
+        let admin = admin.clone();
+        async move {
+            let ns = p.metadata.namespace.clone().unwrap();
+            Api::<Pod>::namespaced(admin, &ns)
+                .create(&PostParams::default(), &p)
+                .await
+        }
+    };
+    let refusal = |r: Result<Pod, kube::Error>| match r {
+        Err(kube::Error::Api(e)) => e.message,
+        other => panic!("expected a refusal: {other:?}"),
+    };
+    gpuslice_testcluster::ensure_namespace(admin, "web")
+        .await
+        .unwrap();
+    let serving = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "serving", "labels": {"team": "serving"}}});
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(admin.clone())
+        .patch(
+            "serving",
+            &PatchParams::apply("test"),
+            &Patch::Apply(&serving),
+        )
+        .await
+        .unwrap();
+    // No controller-manager here: the namespaces' default ServiceAccounts by hand.
+    for ns in ["web", "serving"] {
+        let sa = serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": "default", "namespace": ns}});
+        Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(admin.clone(), ns)
+            .patch("default", &PatchParams::apply("test"), &Patch::Apply(&sa))
+            .await
+            .unwrap();
+    }
+    let label = |policy: &str| serde_json::json!({"gpuslice.io/policy": policy});
+
+    // `llm-inference` admits namespaces labelled team=serving: once the operator has resolved
+    // that, a labelled pod there is stored asking for one slice of the policy.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let stored = loop {
+        match create(pod(
+            "llm-0",
+            "serving",
+            label("llm-inference"),
+            serde_json::json!({}),
+        ))
+        .await
+        {
+            Ok(p) => break p,
+            Err(e) => assert!(Instant::now() < deadline, "never admitted: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let resources = stored.spec.unwrap().containers[0]
+        .resources
+        .clone()
+        .unwrap();
+    for asked in [resources.limits.unwrap(), resources.requests.unwrap()] {
+        assert_eq!(
+            asked.get("gpuslice.io/llm-inference").map(|q| q.0.as_str()),
+            Some("1")
+        );
+    }
+
+    let message = refusal(
+        create(pod(
+            "llm-1",
+            "web",
+            label("llm-inference"),
+            serde_json::json!({}),
+        ))
+        .await,
+    );
+    assert!(
+        message.contains(r#"namespace "web" may not use GpuSlicePolicy "llm-inference""#)
+            && message.contains("namespaceSelector"),
+        "{message}"
+    );
+    let message = refusal(
+        create(pod(
+            "nope-0",
+            "serving",
+            label("nope"),
+            serde_json::json!({}),
+        ))
+        .await,
+    );
+    assert!(
+        message.contains(r#"GpuSlicePolicy "nope" (label gpuslice.io/policy) does not exist"#),
+        "{message}"
+    );
+    let message = refusal(
+        create(pod(
+            "nope-1",
+            "serving",
+            serde_json::json!({}),
+            serde_json::json!({"gpuslice.io/nope": "1"}),
+        ))
+        .await,
+    );
+    assert!(
+        message.contains("gpuslice.io/nope: no such GpuSlicePolicy"),
+        "{message}"
+    );
+    let message = refusal(
+        create(pod(
+            "llm-2",
+            "web",
+            serde_json::json!({}),
+            serde_json::json!({"gpuslice.io/llm-inference": "1"}),
+        ))
+        .await,
+    );
+    assert!(
+        message.contains(r#"namespace "web" may not use gpuslice.io/llm-inference"#),
+        "{message}"
+    );
+
+    // A pod that names no policy is stored exactly as sent.
+    let plain = pod(
+        "plain",
+        "web",
+        serde_json::json!({"app": "web"}),
+        serde_json::json!({"cpu": "1"}),
+    );
+    let stored = create(plain.clone()).await.unwrap();
+    // (The API server itself defaults requests to the limits.)
+    let got = stored.spec.as_ref().unwrap().containers[0]
+        .resources
+        .clone()
+        .unwrap();
+    let sent = plain.spec.as_ref().unwrap().containers[0]
+        .resources
+        .clone()
+        .unwrap();
+    assert_eq!(got.limits, sent.limits);
+    assert_eq!(got.requests, sent.limits);
+    assert_eq!(stored.metadata.labels, plain.metadata.labels);
 }

@@ -4,6 +4,7 @@
 //! with server-side apply under one field manager. A failed write is logged and retried on the
 //! next pass; one bad object never stops the others.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, GpuSlicePolicy, NodeInventory,
 };
 use gpuslice_planning::clock::Clock;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -22,6 +23,7 @@ use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Client, Resource, ResourceExt as _};
 use tokio::sync::Notify;
 
+use crate::admission::allowed_namespaces;
 use crate::desired::{Allocated, NodeReport, Observed, desired};
 use crate::election::Leadership;
 use gpuslice_runtime::apply_body;
@@ -128,6 +130,13 @@ const FOLLOWER_PASS: Duration = Duration::from_secs(1);
 /// A burst of changes settles this long before the pass it triggers.
 const SETTLE: Duration = Duration::from_millis(100);
 
+/// The ConfigMap the chart's ValidatingAdmissionPolicy reads its parameters from.
+#[derive(Clone, Debug)]
+pub struct AdmissionParams {
+    pub namespace: String,
+    pub name: String,
+}
+
 /// Runs the operator until the process ends.
 pub async fn run(
     client: Client,
@@ -135,6 +144,7 @@ pub async fn run(
     metrics: Metrics,
     telemetry: Option<Telemetry>,
     leadership: Leadership,
+    admission: Option<AdmissionParams>,
 ) -> Result<(), OperatorError> {
     let changed = Arc::new(Notify::new());
     let all = watcher::Config::default;
@@ -166,6 +176,24 @@ pub async fn run(
         all(),
         changed.clone(),
     );
+    // Only with admission parameters to write: which namespaces each policy's selector matches.
+    let namespaces = admission.as_ref().map(|_| {
+        cache(
+            Api::<Namespace>::all(client.clone()),
+            all(),
+            changed.clone(),
+        )
+    });
+    if let Some(namespaces) = &namespaces {
+        namespaces
+            .wait_until_ready()
+            .await
+            .map_err(|e| OperatorError::Cache {
+                kind: "Namespace",
+                message: e.to_string(),
+            })?;
+    }
+    let mut params_written: Option<BTreeMap<String, String>> = None;
     for (kind, ready) in [
         ("GpuPool", pools.wait_until_ready().await),
         ("CheckpointPolicy", checkpoints.wait_until_ready().await),
@@ -201,10 +229,33 @@ pub async fn run(
             let want = desired(&observed, now);
             // Only the leader writes; the others keep their caches warm to take over at once.
             let failed = if leadership.is_leader() {
-                writer.apply(&want, &pools, &gpu_nodes).await
+                let mut failed = writer.apply(&want, &pools, &gpu_nodes).await
                     + writer.apply_policies(&want, &policies).await
-                    + writer.apply_classes(&want, &classes).await
+                    + writer.apply_classes(&want, &classes).await;
+                if let (Some(params), Some(namespaces)) = (&admission, &namespaces) {
+                    let labelled: Vec<(String, BTreeMap<String, String>)> = namespaces
+                        .state()
+                        .iter()
+                        .map(|n| (n.name_any(), n.labels().clone()))
+                        .collect();
+                    let allowed = allowed_namespaces(&observed.policies, &labelled);
+                    if params_written.as_ref() != Some(&allowed) {
+                        match writer.apply_admission_params(params, &allowed).await {
+                            Ok(()) => params_written = Some(allowed),
+                            Err(e) => {
+                                tracing::warn!(
+                                    "ConfigMap {}/{}: writing admission parameters: {e}",
+                                    params.namespace,
+                                    params.name
+                                );
+                                failed += 1;
+                            }
+                        }
+                    }
+                }
+                failed
             } else {
+                params_written = None;
                 0
             };
             metrics.reconciles.inc();
@@ -473,6 +524,28 @@ impl Writer {
 }
 
 impl Writer {
+    /// Writes the admission parameters: policy name → the namespaces that may use it.
+    async fn apply_admission_params(
+        &self,
+        params: &AdmissionParams,
+        allowed: &BTreeMap<String, String>,
+    ) -> Result<(), kube::Error> {
+        let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), &params.namespace);
+        let object = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": params.name, "labels": {dra::MANAGED_BY_LABEL: MANAGER}},
+            "data": allowed,
+        });
+        api.patch(
+            &params.name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&object),
+        )
+        .await
+        .map(|_| ())
+    }
+
     /// Writes each policy's DeviceClass where it differs, and deletes the classes (ours, by
     /// label) whose policy is gone.
     async fn apply_classes(

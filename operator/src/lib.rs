@@ -2,6 +2,7 @@
 //! which the node agent applies) and reports per-pool status, as a pipeline — read (watch
 //! caches) → build the desired state (pure, [`desired`]) → server-side apply → status.
 
+pub mod admission;
 pub mod classes;
 pub mod controller;
 pub mod desired;

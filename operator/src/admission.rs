@@ -1,0 +1,76 @@
+//! The parameters of the chart's ValidatingAdmissionPolicy (pure; the controller writes them as
+//! one ConfigMap): for each `GpuSlicePolicy`, the namespaces whose pods may use it — `*` when it
+//! has no `namespaceSelector`, else the names of the namespaces its selector matches now,
+//! comma-separated. The API server checks a pod against them without calling us, so admission
+//! works while the operator is down (with the namespaces as last resolved).
+
+use std::collections::BTreeMap;
+
+use gpuslice_api::GpuSlicePolicy;
+use gpuslice_planning::cluster::selects;
+
+/// Every namespace: the value for a policy without a `namespaceSelector`.
+pub const ANY_NAMESPACE: &str = "*";
+
+/// Policy name → the namespaces that may use it, from namespaces with their labels.
+pub fn allowed_namespaces(
+    policies: &[GpuSlicePolicy],
+    namespaces: &[(String, BTreeMap<String, String>)],
+) -> BTreeMap<String, String> {
+    policies
+        .iter()
+        .filter_map(|p| {
+            let name = p.metadata.name.clone()?;
+            let allowed = match &p.spec.namespace_selector {
+                None => ANY_NAMESPACE.to_string(),
+                Some(selector) => {
+                    let mut names: Vec<&str> = namespaces
+                        .iter()
+                        .filter(|(_, labels)| selects(selector, labels))
+                        .map(|(n, _)| n.as_str())
+                        .collect();
+                    names.sort_unstable();
+                    names.join(",")
+                }
+            };
+            Some((name, allowed))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(yaml: &str) -> GpuSlicePolicy {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn a_selector_resolves_to_the_namespaces_it_matches() {
+        let policies = [
+            policy(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: open}\nspec: {pool: p, memory: 1Gi}",
+            ),
+            policy(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: nlp}\nspec: {pool: p, memory: 1Gi, namespaceSelector: {matchLabels: {team: nlp}}}",
+            ),
+            policy(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: nobody}\nspec: {pool: p, memory: 1Gi, namespaceSelector: {matchLabels: {team: none}}}",
+            ),
+        ];
+        let ns = |name: &str, team: &str| {
+            (
+                name.to_string(),
+                BTreeMap::from([("team".to_string(), team.to_string())]),
+            )
+        };
+        let got = allowed_namespaces(
+            &policies,
+            &[ns("b-nlp", "nlp"), ns("a-nlp", "nlp"), ns("web", "web")],
+        );
+        assert_eq!(got["open"], "*");
+        assert_eq!(got["nlp"], "a-nlp,b-nlp");
+        assert_eq!(got["nobody"], "", "no namespace may use it");
+    }
+}
