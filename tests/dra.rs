@@ -12,7 +12,9 @@ use gpuslice_api::{GpuPool, GpuSlicePolicy};
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
@@ -114,11 +116,18 @@ async fn placement(pods: &Api<Pod>, selector: &str) -> (Vec<(String, String)>, V
     (bound, waiting)
 }
 
-#[tokio::test]
-async fn pods_naming_a_policy_get_their_own_fitting_slice() {
-    let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
-        return;
-    };
+/// A control plane with two kwok nodes — `a100-a` in pool shared-a100 (software slices) and
+/// `h200-a` in pool h200-mig (MIG) — one agent per node on an emulated GPU, the operator, and the
+/// examples' pools and policies, all on a clock started at `clock`.
+struct Cluster {
+    _cluster: ControlPlane,
+    client: Client,
+    _dir: tempfile::TempDir,
+    _processes: Vec<KillOnDrop>,
+}
+
+async fn start(clock: &str, agent_args: &[&str]) -> Option<Cluster> {
+    let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
     let client = cluster.client().await.unwrap();
     gpuslice_testcluster::install_crds(&client, &root().join("crds"))
         .await
@@ -141,32 +150,25 @@ async fn pods_naming_a_policy_get_their_own_fitting_slice() {
         .unwrap();
         processes.push(KillOnDrop(
             Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-                .args([
-                    "agent",
-                    "--kube",
-                    "--apply",
-                    "--interval",
-                    "2s",
-                    "--emulate",
-                ])
+                .args(["agent", "--kube", "--apply", "--interval", "2s"])
+                .args(agent_args)
+                .arg("--emulate")
                 .arg(&node_file)
                 .arg("--state")
                 .arg(dir.path().join(name))
                 .env("KUBECONFIG", cluster.kubeconfig_path())
-                .env("GPUSLICE_CLOCK_START", "2026-12-02T10:00:00Z")
+                .env("GPUSLICE_CLOCK_START", clock)
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
                 .spawn()
                 .unwrap(),
         ));
     }
-    // 11:00 in Berlin and 18:00 in Shanghai on a Wednesday: both pools in their day layouts for
-    // two hours.
     processes.push(KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .arg("operator")
             .env("KUBECONFIG", cluster.kubeconfig_path())
-            .env("GPUSLICE_CLOCK_START", "2026-12-02T10:00:00Z")
+            .env("GPUSLICE_CLOCK_START", clock)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -183,7 +185,22 @@ async fn pods_naming_a_policy_get_their_own_fitting_slice() {
         ],
     )
     .await;
+    Some(Cluster {
+        _cluster: cluster,
+        client,
+        _dir: dir,
+        _processes: processes,
+    })
+}
 
+#[tokio::test]
+async fn pods_naming_a_policy_get_their_own_fitting_slice() {
+    // 11:00 in Berlin and 18:00 in Shanghai on a Wednesday: both pools in their day layouts for
+    // two hours.
+    let Some(running) = start("2026-12-02T10:00:00Z", &[]).await else {
+        return;
+    };
+    let client = running.client.clone();
     // The agents publish the day layouts: four 20 GiB software slices; 1g, 1g, 2g and 3g
     // instances, smallest first.
     let slices: Api<ResourceSlice> = Api::all(client.clone());
@@ -283,20 +300,59 @@ async fn pods_naming_a_policy_get_their_own_fitting_slice() {
             .all(|(pool, d)| pool == "a100-a" && d.starts_with("gpu0-s"))
     );
 
-    // A placed notebook goes away: its slice goes to the one that waited.
-    let (gone, _) = &bound[0];
-    pods.delete(gone, &DeleteParams::default().grace_period(0))
+    // Two placed notebooks go away: one freed slice goes to the notebook that waited, the other
+    // to a pod that asks through a ResourceClaimTemplate naming the policy's DeviceClass.
+    for (gone, _) in &bound[..2] {
+        pods.delete(gone, &DeleteParams::default().grace_period(0))
+            .await
+            .unwrap();
+    }
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), "default");
+    let template: ResourceClaimTemplate = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "notebook-slice"},
+        "spec": {"spec": {"devices": {"requests": [
+            {"name": "slice", "exactly": {"deviceClassName": "notebook.gpuslice.io"}}
+        ]}}}
+    }))
+    .unwrap();
+    templates
+        .create(&PostParams::default(), &template)
         .await
         .unwrap();
-    eventually("the waiting notebook gets the freed slice", || {
-        let pods = pods.clone();
-        async move {
-            let (bound, waiting) = placement(&pods, "app=dra-test").await;
-            (bound.len() == 4 && waiting.is_empty())
+    let mut by_template = pod("notebook-claim", "notebook");
+    let spec = by_template.spec.as_mut().unwrap();
+    spec.containers[0].resources = None;
+    spec.resource_claims = Some(vec![
+        serde_json::from_value(serde_json::json!(
+            {"name": "gpu", "resourceClaimTemplateName": "notebook-slice"}
+        ))
+        .unwrap(),
+    ]);
+    spec.containers[0].resources =
+        Some(serde_json::from_value(serde_json::json!({"claims": [{"name": "gpu"}]})).unwrap());
+    pods.create(&PostParams::default(), &by_template)
+        .await
+        .unwrap();
+    eventually(
+        "the waiting notebook and the claim's pod get the freed slices",
+        || {
+            let (pods, client) = (pods.clone(), client.clone());
+            async move {
+                let (bound, waiting) = placement(&pods, "app=dra-test").await;
+                let a = allocations(&client, "default").await;
+                let devices: BTreeSet<&(String, String)> = a.values().flatten().collect();
+                (bound.len() == 4
+                    && waiting.is_empty()
+                    && a.len() == 4
+                    && devices.len() == 4
+                    && a.contains_key("notebook-claim"))
                 .then_some(())
-                .ok_or_else(|| format!("bound {bound:?}, waiting {waiting:?}"))
-        }
-    })
+                .ok_or_else(|| format!("bound {bound:?}, waiting {waiting:?}, allocated {a:?}"))
+            }
+        },
+    )
     .await;
 
     // The inference Deployment (30 GiB): the 2g and 3g instances hold it, the 1g ones do not;
@@ -383,5 +439,65 @@ async fn pods_naming_a_policy_get_their_own_fitting_slice() {
         }
     })
     .await;
-    drop(processes);
+}
+
+#[tokio::test]
+async fn slices_a_window_change_will_recut_take_no_new_pods() {
+    // 19:55 in Shanghai: at 20:00 shared-a100 goes from four slices to two, so its devices are
+    // tainted (lookahead 10 minutes); h200-mig (12:55 in Berlin) keeps its layout.
+    let Some(running) = start("2026-12-02T11:55:00Z", &["--recut-lookahead", "10m"]).await else {
+        return;
+    };
+    let client = running.client.clone();
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    eventually(
+        "the A100's devices carry the re-cut taint, the H200's do not",
+        || {
+            let slices = slices.clone();
+            async move {
+                let mut tainted: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+                for s in slices
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?
+                {
+                    let entry = tainted
+                        .entry(s.spec.node_name.clone().unwrap_or_default())
+                        .or_default();
+                    for d in s.spec.devices.iter().flatten() {
+                        entry.0 += 1;
+                        let recut = d.taints.iter().flatten().any(|t| {
+                            t.key == "gpuslice.io/recut"
+                                && t.effect == "NoSchedule"
+                                && t.value.as_deref() == Some("20261202T120000Z")
+                        });
+                        entry.1 += usize::from(recut);
+                    }
+                }
+                (tainted.get("a100-a") == Some(&(4, 4)) && tainted.get("h200-a") == Some(&(4, 0)))
+                    .then_some(())
+                    .ok_or_else(|| format!("(devices, tainted) per node: {tainted:?}"))
+            }
+        },
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.create(&PostParams::default(), &pod("late-notebook", "notebook"))
+        .await
+        .unwrap();
+    pods.create(&PostParams::default(), &pod("inference", "llm-inference"))
+        .await
+        .unwrap();
+    let (bound, waiting) = eventually("the notebook waits, the inference pod runs", || {
+        let pods = pods.clone();
+        async move {
+            let (bound, waiting) = placement(&pods, "app=dra-test").await;
+            (bound.len() == 1 && waiting.len() == 1 && !waiting[0].ends_with(": "))
+                .then_some((bound.clone(), waiting.clone()))
+                .ok_or_else(|| format!("bound {bound:?}, waiting {waiting:?}"))
+        }
+    })
+    .await;
+    assert_eq!(bound, [("inference".to_string(), "h200-a".to_string())]);
+    assert!(waiting[0].starts_with("late-notebook: "), "{waiting:?}");
 }

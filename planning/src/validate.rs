@@ -158,12 +158,6 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
         if !spec.preemptible {
             warn("spec.preemptible", "nothing preempts workloads yet");
         }
-        if spec.namespace_selector.is_some() {
-            warn(
-                "spec.namespaceSelector",
-                "the policy is not restricted to namespaces",
-            );
-        }
         if spec.count > 1 {
             warn("spec.count", "a workload gets one slice");
         }
