@@ -26,6 +26,8 @@ enum LogOutput {
     Json,
 }
 
+// Parsed once at start; boxing the agent's options would only move them.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Check a GitOps folder or repository: every error as file:line: Kind/name: field: reason.
@@ -114,6 +116,13 @@ enum Command {
         /// a window change re-cuts it, so that no new pod lands on a slice about to go.
         #[arg(long, default_value = "10m", requires = "kube")]
         recut_lookahead: gpuslice_api::Duration,
+        /// With --kube: serve the DRA kubelet plugin (driver gpuslice.io) for the kubelet whose
+        /// root directory this is (registration in <dir>/plugins_registry), e.g. /var/lib/kubelet.
+        #[arg(long, requires = "kube")]
+        kubelet_dir: Option<PathBuf>,
+        /// Where the container runtime reads CDI specs; the plugin writes one per prepared claim.
+        #[arg(long, default_value = "/var/run/cdi", requires = "kubelet_dir")]
+        cdi_dir: PathBuf,
         /// The instant to plan for (RFC 3339), with --once; now by default.
         #[arg(long, requires = "once")]
         at: Option<chrono::DateTime<chrono::FixedOffset>>,
@@ -374,6 +383,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             once,
             interval,
             recut_lookahead,
+            kubelet_dir,
+            cdi_dir,
             at,
             output,
         } => {
@@ -410,6 +421,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let settings = gpuslice_node::cluster::Settings {
                     interval: interval.into(),
                     recut_lookahead: recut_lookahead.into(),
+                    kubelet: kubelet_dir.map(|dir| {
+                        let shim = gpuslice::run::shim_library()
+                            .inspect_err(|e| tracing::warn!("containers get no shim: {e}"))
+                            .ok();
+                        gpuslice_node::kubelet::Paths::new(&dir, &cdi_dir, shim)
+                    }),
                 };
                 agent_in_cluster(node, library, state, clock, settings, metrics_addr)?;
                 return Ok(ExitCode::SUCCESS);

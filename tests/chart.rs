@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use gpuslice_api::GpuPool;
 use gpuslice_testcluster::{Components, ControlPlane};
+use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::api::{Api, Patch, PatchParams};
@@ -215,6 +216,33 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     admission_takes_policies_by_name(&admin).await;
+
+    // The kubelet plugin inside the agent reads the claims it prepares, and nothing lets the
+    // agent delete pods.
+    let may = |verb: &str, resource: &str| {
+        let admin = admin.clone();
+        let review: SubjectAccessReview = serde_json::from_value(serde_json::json!({
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": format!("system:serviceaccount:{NAMESPACE}:gs-agent"),
+                "groups": ["system:serviceaccounts"],
+                "resourceAttributes": {"verb": verb, "group": if resource == "pods" { "" } else { "resource.k8s.io" },
+                    "resource": resource, "namespace": "default"}
+            }
+        }))
+        .unwrap();
+        async move {
+            Api::<SubjectAccessReview>::all(admin)
+                .create(&Default::default(), &review)
+                .await
+                .unwrap()
+                .status
+                .is_some_and(|s| s.allowed)
+        }
+    };
+    assert!(may("get", "resourceclaims").await);
+    assert!(!may("delete", "pods").await);
 
     // Nothing else: the agent could not, say, change a pool.
     let agent = cluster

@@ -9,6 +9,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use gpuslice_api::{GpuPool, GpuSlicePolicy};
+use gpuslice_node::kubelet::proto;
+use gpuslice_node::kubelet::proto::dra::d_r_a_plugin_client::DRAPluginClient as DraPluginClient;
+use gpuslice_node::kubelet::proto::registration::registration_client::RegistrationClient;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
@@ -122,7 +125,8 @@ async fn placement(pods: &Api<Pod>, selector: &str) -> (Vec<(String, String)>, V
 struct Cluster {
     _cluster: ControlPlane,
     client: Client,
-    _dir: tempfile::TempDir,
+    /// `<dir>/<node>/` holds each agent's state, kubelet plugin sockets and CDI specs.
+    dir: tempfile::TempDir,
     _processes: Vec<KillOnDrop>,
 }
 
@@ -155,7 +159,11 @@ async fn start(clock: &str, agent_args: &[&str]) -> Option<Cluster> {
                 .arg("--emulate")
                 .arg(&node_file)
                 .arg("--state")
-                .arg(dir.path().join(name))
+                .arg(dir.path().join(name).join("state"))
+                .arg("--kubelet-dir")
+                .arg(dir.path().join(name).join("kubelet"))
+                .arg("--cdi-dir")
+                .arg(dir.path().join(name).join("cdi"))
                 .env("KUBECONFIG", cluster.kubeconfig_path())
                 .env("GPUSLICE_CLOCK_START", clock)
                 .stdout(Stdio::null())
@@ -188,7 +196,7 @@ async fn start(clock: &str, agent_args: &[&str]) -> Option<Cluster> {
     Some(Cluster {
         _cluster: cluster,
         client,
-        _dir: dir,
+        dir,
         _processes: processes,
     })
 }
@@ -500,4 +508,253 @@ async fn slices_a_window_change_will_recut_take_no_new_pods() {
     .await;
     assert_eq!(bound, [("inference".to_string(), "h200-a".to_string())]);
     assert!(waiting[0].starts_with("late-notebook: "), "{waiting:?}");
+}
+
+/// A gRPC channel to a Unix socket, as the kubelet opens one to a plugin.
+async fn unix_channel(path: std::path::PathBuf) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::try_from("http://[::]:0")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+        .unwrap()
+}
+
+fn claim(c: &ResourceClaim) -> proto::Claim {
+    proto::Claim {
+        namespace: c.metadata.namespace.clone().unwrap_or_default(),
+        uid: c.metadata.uid.clone().unwrap_or_default(),
+        name: c.metadata.name.clone().unwrap_or_default(),
+    }
+}
+
+#[tokio::test]
+async fn the_kubelet_plugin_prepares_allocated_slices() {
+    let Some(running) = start("2026-12-02T10:00:00Z", &[]).await else {
+        return;
+    };
+    let client = running.client.clone();
+    let node_dir = |node: &str| running.dir.path().join(node);
+
+    // Registration, as the kubelet's plugin watcher does it.
+    let registry = node_dir("a100-a").join("kubelet/plugins_registry/gpuslice.io-reg.sock");
+    eventually("the plugin's registration socket appears", || {
+        let registry = registry.clone();
+        async move { registry.exists().then_some(()).ok_or_else(String::new) }
+    })
+    .await;
+    let mut registration = RegistrationClient::new(unix_channel(registry).await);
+    let info = registration
+        .get_info(proto::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            info.r#type.as_str(),
+            info.name.as_str(),
+            info.supported_versions.as_slice()
+        ),
+        (
+            "DRAPlugin",
+            "gpuslice.io",
+            ["v1.DRAPlugin".to_string()].as_slice()
+        )
+    );
+    registration
+        .notify_registration_status(proto::RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        })
+        .await
+        .unwrap();
+    let mut plugin = DraPluginClient::new(unix_channel(info.endpoint.into()).await);
+
+    // Two notebooks placed by the scheduler on the A100 node's software slices.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    for i in 0..2 {
+        pods.create(
+            &PostParams::default(),
+            &pod(&format!("notebook-{i}"), "notebook"),
+        )
+        .await
+        .unwrap();
+    }
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let allocated: Vec<ResourceClaim> = eventually("both notebooks' claims are allocated", || {
+        let claims = claims.clone();
+        async move {
+            let all: Vec<ResourceClaim> = claims
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .into_iter()
+                .filter(|c| {
+                    c.status
+                        .as_ref()
+                        .and_then(|s| s.allocation.as_ref())
+                        .is_some()
+                })
+                .collect();
+            (all.len() == 2)
+                .then_some(all.clone())
+                .ok_or_else(|| format!("{} allocated", all.len()))
+        }
+    })
+    .await;
+
+    let missing = proto::Claim {
+        namespace: "default".into(),
+        uid: "0000".into(),
+        name: "missing".into(),
+    };
+    let request = proto::NodePrepareResourcesRequest {
+        claims: allocated
+            .iter()
+            .map(claim)
+            .chain([missing.clone()])
+            .collect(),
+    };
+    let answer = plugin
+        .node_prepare_resources(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        answer.claims["0000"]
+            .error
+            .contains("ResourceClaim default/missing"),
+        "{answer:?}"
+    );
+    let cdi = node_dir("a100-a").join("cdi");
+    let state = node_dir("a100-a").join("state");
+    let mut given = BTreeSet::new();
+    for c in &allocated {
+        let uid = c.metadata.uid.clone().unwrap();
+        let prepared = &answer.claims[&uid];
+        assert_eq!(prepared.error, "", "{answer:?}");
+        let [device] = &prepared.devices[..] else {
+            panic!("{prepared:?}")
+        };
+        assert_eq!(device.pool_name, "a100-a");
+        assert_eq!(
+            device.cdi_device_ids,
+            [format!("gpuslice.io/slice={uid}-{}", device.device_name)]
+        );
+        given.insert(device.device_name.clone());
+
+        // The CDI spec gives the container the slice: its GPU, the node contract's slice
+        // directory and config, the agent's socket, and the shim through /etc/ld.so.preload.
+        let spec: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(cdi.join(format!("gpuslice.io-{uid}.json"))).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(spec["kind"], "gpuslice.io/slice");
+        let edits = &spec["devices"][0]["containerEdits"];
+        assert_eq!(
+            spec["devices"][0]["name"],
+            format!("{uid}-{}", device.device_name)
+        );
+        let slice = &device.device_name;
+        let config: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(state.join("slices").join(slice).join("config")).unwrap(),
+        )
+        .unwrap();
+        let env: Vec<&str> = edits["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e.as_str())
+            .collect();
+        assert!(
+            env.contains(
+                &format!(
+                    "CUDA_VISIBLE_DEVICES={}",
+                    config["deviceUuid"].as_str().unwrap()
+                )
+                .as_str()
+            ),
+            "{env:?}"
+        );
+        assert!(
+            env.contains(
+                &format!("GPUSLICE_SLICE_CONFIG=/run/gpuslice/slices/{slice}/config").as_str()
+            ),
+            "{env:?}"
+        );
+        let mounts = edits["mounts"].as_array().unwrap();
+        let mount = |to: &str| {
+            mounts
+                .iter()
+                .find(|m| m["containerPath"] == to)
+                .unwrap_or_else(|| panic!("no mount at {to}: {mounts:?}"))
+        };
+        assert_eq!(
+            mount("/run/gpuslice/agent.sock")["hostPath"],
+            state.join("agent.sock").to_str().unwrap()
+        );
+        let preload = mount("/etc/ld.so.preload");
+        assert!(
+            preload["options"]
+                .as_array()
+                .unwrap()
+                .contains(&"ro".into())
+        );
+        assert_eq!(
+            std::fs::read_to_string(preload["hostPath"].as_str().unwrap()).unwrap(),
+            "/usr/lib/gpuslice/libgpuslice.so\n"
+        );
+        let shim = mount("/usr/lib/gpuslice/libgpuslice.so");
+        assert!(Path::new(shim["hostPath"].as_str().unwrap()).exists());
+    }
+    assert_eq!(given.len(), 2, "two claims, two slices: {given:?}");
+
+    // Asked again (the kubelet retries, or restarted), the plugin answers the same.
+    let again = plugin
+        .node_prepare_resources(proto::NodePrepareResourcesRequest {
+            claims: allocated.iter().map(claim).collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    for c in &allocated {
+        let uid = c.metadata.uid.as_ref().unwrap();
+        assert_eq!(again.claims[uid], answer.claims[uid]);
+    }
+
+    // The H200 node's plugin refuses a claim allocated on the A100 node.
+    let other = node_dir("h200-a").join("kubelet/plugins/gpuslice.io/dra.sock");
+    let mut other = DraPluginClient::new(unix_channel(other).await);
+    let refused = other
+        .node_prepare_resources(proto::NodePrepareResourcesRequest {
+            claims: vec![claim(&allocated[0])],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let uid = allocated[0].metadata.uid.clone().unwrap();
+    assert!(
+        refused.claims[&uid].error.contains("not on node h200-a"),
+        "{refused:?}"
+    );
+
+    // Unprepared, twice: its CDI spec is gone, and the second time is no error.
+    for _ in 0..2 {
+        let done = plugin
+            .node_unprepare_resources(proto::NodeUnprepareResourcesRequest {
+                claims: vec![claim(&allocated[0])],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(done.claims[&uid].error, "");
+        assert!(!cdi.join(format!("gpuslice.io-{uid}.json")).exists());
+    }
 }

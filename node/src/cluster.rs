@@ -307,12 +307,14 @@ async fn read_config(client: &Client) -> Config {
 }
 
 /// How the agent runs in a cluster.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Settings {
     /// Pass at least this often (processes come and go).
     pub interval: Duration,
     /// Taint a GPU's devices this long before a window change re-cuts it.
     pub recut_lookahead: Duration,
+    /// Serve the DRA kubelet plugin with these paths.
+    pub kubelet: Option<crate::kubelet::Paths>,
 }
 
 /// Writes the node's devices as ResourceSlices, remembering what it last wrote so that an
@@ -431,6 +433,15 @@ pub async fn run(
         published: None,
     };
     agent.serve_socket()?;
+    if let Some(paths) = settings.kubelet.clone() {
+        let plugin =
+            crate::kubelet::Plugin::new(client.clone(), &node, agent.state().clone(), paths);
+        tokio::spawn(async move {
+            if let Err(e) = plugin.serve().await {
+                tracing::error!("{e}");
+            }
+        });
+    }
     loop {
         let started = std::time::Instant::now();
         let current = api.get(&node).await.map_err(kube_err)?;

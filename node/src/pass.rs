@@ -123,6 +123,11 @@ impl Agent {
         &self.node
     }
 
+    /// The agent's state directory (the node contract).
+    pub fn state(&self) -> &StateDir {
+        &self.state
+    }
+
     /// Serves claims and compute shares on `<state>/agent.sock` from now on.
     pub fn serve_socket(&self) -> Result<(), PassError> {
         Ok(self.socket.serve(&self.state)?)

@@ -1,0 +1,502 @@
+//! The DRA kubelet plugin of driver `gpuslice.io`, inside the agent (cluster mode). It registers
+//! through `<kubelet dir>/plugins_registry` and serves the kubelet's `dra/v1` calls on
+//! `<kubelet dir>/plugins/gpuslice.io/dra.sock`:
+//! - `NodePrepareResources`: fetches each claim, checks it is allocated devices of this driver in
+//!   this node's pool that are slices in force here, records it (so a restarted agent answers the
+//!   same), and writes a CDI spec per claim into the CDI directory. Its devices give the container
+//!   the slice's GPU or MIG device (`CUDA_VISIBLE_DEVICES`, `NVIDIA_VISIBLE_DEVICES`, the device
+//!   nodes the host has) and the slice directory of the node contract; a software slice also gets
+//!   the shim through a read-only `/etc/ld.so.preload` (clearing `LD_PRELOAD` does not escape
+//!   the cap) and the agent's socket for compute shares.
+//! - `NodeUnprepareResources`: removes the claim's CDI spec and record. Both are idempotent.
+
+pub mod proto;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use gpuslice_api::dra;
+use gpuslice_api::k8s_openapi::api::resource::v1::ResourceClaim;
+use gpuslice_contract::{SliceConfig, SliceKind, StateDir};
+use kube::Api;
+use serde::{Deserialize, Serialize};
+
+use proto::dra::d_r_a_plugin_server::{DRAPlugin, DRAPluginServer};
+use proto::registration::registration_server::{Registration, RegistrationServer};
+
+/// The plugin type the kubelet's plugin manager knows DRA drivers by.
+const PLUGIN_TYPE: &str = "DRAPlugin";
+/// The service version we implement (`k8s.io/kubelet/pkg/apis/dra/v1.DRAPluginService`).
+const SERVICE_VERSION: &str = "v1.DRAPlugin";
+/// The CDI kind of our devices: ids are `gpuslice.io/slice=<claim uid>-<device>`.
+pub const CDI_KIND: &str = "gpuslice.io/slice";
+/// Where a container finds the node contract (the same layout as on the host).
+pub const CONTAINER_STATE: &str = "/run/gpuslice";
+/// Where a container finds the shim.
+pub const CONTAINER_SHIM: &str = "/usr/lib/gpuslice/libgpuslice.so";
+
+/// Why the plugin could not start or a claim could not be prepared.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("ResourceClaim {namespace}/{name}: {source}")]
+    Fetch {
+        namespace: String,
+        name: String,
+        source: kube::Error,
+    },
+    #[error("ResourceClaim {namespace}/{name}: {reason}")]
+    Claim {
+        namespace: String,
+        name: String,
+        reason: String,
+    },
+    #[error("serving the kubelet plugin: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> PluginError + '_ {
+    move |source| PluginError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Where the plugin meets the kubelet and the container runtime.
+#[derive(Clone, Debug)]
+pub struct Paths {
+    /// The kubelet's plugin registry (`<kubelet dir>/plugins_registry`).
+    pub registry: PathBuf,
+    /// Our own sockets (`<kubelet dir>/plugins/gpuslice.io`).
+    pub plugin: PathBuf,
+    /// The runtime's CDI spec directory (`/var/run/cdi`).
+    pub cdi: PathBuf,
+    /// The shim library on the host, given to containers of software slices.
+    pub shim: Option<PathBuf>,
+}
+
+impl Paths {
+    pub fn new(kubelet_dir: &Path, cdi: &Path, shim: Option<PathBuf>) -> Paths {
+        Paths {
+            registry: kubelet_dir.join("plugins_registry"),
+            plugin: kubelet_dir.join("plugins").join(dra::DRIVER),
+            cdi: cdi.to_path_buf(),
+            shim,
+        }
+    }
+
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry.join(format!("{}-reg.sock", dra::DRIVER))
+    }
+
+    pub fn dra_socket(&self) -> PathBuf {
+        self.plugin.join("dra.sock")
+    }
+
+    /// The CDI spec of one claim.
+    pub fn cdi_spec(&self, claim_uid: &str) -> PathBuf {
+        self.cdi.join(format!("{}-{claim_uid}.json", dra::DRIVER))
+    }
+}
+
+/// A prepared claim, as recorded in `<state>/dra/<uid>.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Prepared {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub devices: Vec<PreparedDevice>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedDevice {
+    pub request: String,
+    pub device: String,
+    pub slice: String,
+    pub cdi_id: String,
+}
+
+fn records(state: &StateDir) -> PathBuf {
+    state.root().join("dra")
+}
+
+fn record_path(state: &StateDir, uid: &str) -> PathBuf {
+    records(state).join(format!("{uid}.json"))
+}
+
+/// Every claim prepared on this node (what a restarted agent still holds).
+pub fn prepared(state: &StateDir) -> Vec<Prepared> {
+    let Ok(entries) = std::fs::read_dir(records(state)) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+        .collect()
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder (never half a file).
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), PluginError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(io(dir))?;
+    std::fs::write(tmp.path(), bytes).map_err(io(path))?;
+    // Read by the runtime and by containers' processes, whatever user they run as.
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644))
+        .map_err(io(path))?;
+    tmp.persist(path).map_err(|e| io(path)(e.error))?;
+    Ok(())
+}
+
+/// The CDI spec (version 0.6.0) giving a container its slices.
+pub fn cdi_spec(
+    state: &StateDir,
+    paths: &Paths,
+    devices: &[(String, SliceConfig)],
+) -> serde_json::Value {
+    let container_state = StateDir::new(CONTAINER_STATE);
+    let preload = records(state).join("ld.so.preload");
+    let devices: Vec<serde_json::Value> = devices
+        .iter()
+        .map(|(name, slice)| {
+            let mut env = vec![
+                format!("CUDA_VISIBLE_DEVICES={}", slice.device_uuid),
+                format!("NVIDIA_VISIBLE_DEVICES={}", slice.device_uuid),
+            ];
+            let bind = |host: &Path, container: &Path, mode: &str| {
+                serde_json::json!({"hostPath": host, "containerPath": container,
+                    "options": ["rbind", mode]})
+            };
+            let mut mounts = vec![bind(
+                &state.slice(&slice.id),
+                &container_state.slice(&slice.id),
+                "rw",
+            )];
+            if slice.kind == SliceKind::Software {
+                env.push(format!(
+                    "{}={}",
+                    gpuslice_contract::env::SLICE_CONFIG,
+                    container_state.slice_config(&slice.id).display()
+                ));
+                mounts.push(bind(&state.socket(), &container_state.socket(), "rw"));
+                if let Some(shim) = &paths.shim {
+                    mounts.push(bind(shim, Path::new(CONTAINER_SHIM), "ro"));
+                    mounts.push(bind(&preload, Path::new("/etc/ld.so.preload"), "ro"));
+                }
+            }
+            let device_nodes: Vec<serde_json::Value> = [
+                format!("/dev/nvidia{}", slice.gpu),
+                "/dev/nvidiactl".to_string(),
+                "/dev/nvidia-uvm".to_string(),
+            ]
+            .into_iter()
+            .filter(|p| Path::new(p).exists())
+            .map(|p| serde_json::json!({"path": p}))
+            .collect();
+            serde_json::json!({
+                "name": name,
+                "containerEdits": {"env": env, "mounts": mounts, "deviceNodes": device_nodes},
+            })
+        })
+        .collect();
+    serde_json::json!({"cdiVersion": "0.6.0", "kind": CDI_KIND, "devices": devices})
+}
+
+/// The plugin's state: the API client, this node, the agent's state directory.
+pub struct Plugin {
+    client: kube::Client,
+    node: String,
+    state: StateDir,
+    paths: Paths,
+    /// One claim change at a time: the kubelet may call concurrently.
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl Plugin {
+    pub fn new(client: kube::Client, node: &str, state: StateDir, paths: Paths) -> Plugin {
+        Plugin {
+            client,
+            node: node.to_string(),
+            state,
+            paths,
+            lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Prepares one claim (or answers what was prepared for it before).
+    pub async fn prepare(&self, claim: &proto::Claim) -> Result<Prepared, PluginError> {
+        let _one = self.lock.lock().await;
+        let record = record_path(&self.state, &claim.uid);
+        if let Ok(bytes) = std::fs::read(&record)
+            && let Ok(done) = serde_json::from_slice::<Prepared>(&bytes)
+        {
+            return Ok(done);
+        }
+        let refuse = |reason: String| PluginError::Claim {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            reason,
+        };
+        let object = Api::<ResourceClaim>::namespaced(self.client.clone(), &claim.namespace)
+            .get(&claim.name)
+            .await
+            .map_err(|source| PluginError::Fetch {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                source,
+            })?;
+        if object.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+            return Err(refuse(format!(
+                "the kubelet asked for uid {} but the claim now has uid {}",
+                claim.uid,
+                object.metadata.uid.unwrap_or_default()
+            )));
+        }
+        let results = object
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default();
+        let slices = crate::slices::published(&self.state);
+        let mut devices = Vec::new();
+        for result in results.iter().filter(|r| r.driver == dra::DRIVER) {
+            if result.pool != self.node {
+                return Err(refuse(format!(
+                    "device {} is in pool {}, not on node {}",
+                    result.device, result.pool, self.node
+                )));
+            }
+            let slice = slices
+                .iter()
+                .find(|s| dra::device_name(&s.id) == result.device)
+                .ok_or_else(|| {
+                    refuse(format!(
+                        "device {} is not a slice in force on node {} (re-sliced since it was allocated?)",
+                        result.device, self.node
+                    ))
+                })?;
+            devices.push((
+                format!("{}-{}", claim.uid, result.device),
+                result.request.clone(),
+                slice.clone(),
+            ));
+        }
+        if devices.is_empty() {
+            return Err(refuse(format!("it is allocated no {} device", dra::DRIVER)));
+        }
+        let preload = records(&self.state).join("ld.so.preload");
+        if self.paths.shim.is_some() && !preload.exists() {
+            write_atomically(&preload, format!("{CONTAINER_SHIM}\n").as_bytes())?;
+        }
+        let named: Vec<(String, SliceConfig)> = devices
+            .iter()
+            .map(|(name, _, slice)| (name.clone(), slice.clone()))
+            .collect();
+        let spec = cdi_spec(&self.state, &self.paths, &named);
+        write_atomically(
+            &self.paths.cdi_spec(&claim.uid),
+            &serde_json::to_vec_pretty(&spec).unwrap_or_default(),
+        )?;
+        let done = Prepared {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            uid: claim.uid.clone(),
+            devices: devices
+                .into_iter()
+                .map(|(name, request, slice)| PreparedDevice {
+                    request,
+                    device: dra::device_name(&slice.id),
+                    slice: slice.id,
+                    cdi_id: format!("{CDI_KIND}={name}"),
+                })
+                .collect(),
+        };
+        // Recorded last: a crash before this prepares again, from scratch.
+        write_atomically(
+            &record,
+            &serde_json::to_vec_pretty(&done).unwrap_or_default(),
+        )?;
+        tracing::info!(
+            "prepared ResourceClaim {}/{}: {:?}",
+            done.namespace,
+            done.name,
+            done.devices.iter().map(|d| &d.slice).collect::<Vec<_>>()
+        );
+        Ok(done)
+    }
+
+    /// Unprepares one claim; one that is not prepared is done already.
+    pub async fn unprepare(&self, claim: &proto::Claim) -> Result<(), PluginError> {
+        let _one = self.lock.lock().await;
+        for path in [
+            self.paths.cdi_spec(&claim.uid),
+            record_path(&self.state, &claim.uid),
+        ] {
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&path)(e)),
+                _ => {}
+            }
+        }
+        tracing::info!(
+            "unprepared ResourceClaim {}/{}",
+            claim.namespace,
+            claim.name
+        );
+        Ok(())
+    }
+
+    /// Serves the registration and DRA sockets until the process ends.
+    pub async fn serve(mut self) -> Result<(), PluginError> {
+        // Containers mount the shim from the host: a copy in the state directory (a host path
+        // when the agent runs in a pod), not the agent image's.
+        if let Some(shim) = self.paths.shim.take() {
+            let on_host = records(&self.state).join("libgpuslice.so");
+            let bytes = std::fs::read(&shim).map_err(io(&shim))?;
+            if std::fs::read(&on_host).ok().as_deref() != Some(bytes.as_slice()) {
+                write_atomically(&on_host, &bytes)?;
+            }
+            self.paths.shim = Some(on_host);
+        }
+        let registration_socket = self.paths.registration_socket();
+        let dra_socket = self.paths.dra_socket();
+        let bind = |path: &Path| -> Result<tokio::net::UnixListener, PluginError> {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            std::fs::create_dir_all(dir).map_err(io(dir))?;
+            match std::fs::remove_file(path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(path)(e)),
+                _ => {}
+            }
+            tokio::net::UnixListener::bind(path).map_err(io(path))
+        };
+        // The DRA socket first: the kubelet calls it as soon as it sees the registration.
+        let dra_listener = bind(&dra_socket)?;
+        let registration_listener = bind(&registration_socket)?;
+        let registrar = Registrar {
+            endpoint: dra_socket.display().to_string(),
+        };
+        let plugin = std::sync::Arc::new(self);
+        let dra = tonic::transport::Server::builder()
+            .add_service(DRAPluginServer::from_arc(plugin))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(
+                dra_listener,
+            ));
+        let registration = tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(registrar))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(
+                registration_listener,
+            ));
+        tracing::info!(
+            "kubelet plugin {}: registration {}, DRA {}",
+            dra::DRIVER,
+            registration_socket.display(),
+            dra_socket.display()
+        );
+        tokio::try_join!(dra, registration)?;
+        Ok(())
+    }
+}
+
+struct Registrar {
+    endpoint: String,
+}
+
+#[tonic::async_trait]
+impl Registration for Registrar {
+    async fn get_info(
+        &self,
+        _: tonic::Request<proto::InfoRequest>,
+    ) -> Result<tonic::Response<proto::PluginInfo>, tonic::Status> {
+        Ok(tonic::Response::new(proto::PluginInfo {
+            r#type: PLUGIN_TYPE.to_string(),
+            name: dra::DRIVER.to_string(),
+            endpoint: self.endpoint.clone(),
+            supported_versions: vec![SERVICE_VERSION.to_string()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: tonic::Request<proto::RegistrationStatus>,
+    ) -> Result<tonic::Response<proto::RegistrationStatusResponse>, tonic::Status> {
+        let status = request.into_inner();
+        if status.plugin_registered {
+            tracing::info!("the kubelet registered plugin {}", dra::DRIVER);
+        } else {
+            tracing::warn!(
+                "the kubelet refused plugin {}: {}",
+                dra::DRIVER,
+                status.error
+            );
+        }
+        Ok(tonic::Response::new(proto::RegistrationStatusResponse {}))
+    }
+}
+
+#[tonic::async_trait]
+impl DRAPlugin for Plugin {
+    async fn node_prepare_resources(
+        &self,
+        request: tonic::Request<proto::NodePrepareResourcesRequest>,
+    ) -> Result<tonic::Response<proto::NodePrepareResourcesResponse>, tonic::Status> {
+        let mut claims = HashMap::new();
+        for claim in request.into_inner().claims {
+            let answer = match self.prepare(&claim).await {
+                Ok(done) => proto::NodePrepareResourceResponse {
+                    devices: done
+                        .devices
+                        .into_iter()
+                        .map(|d| proto::Device {
+                            request_names: vec![d.request],
+                            pool_name: self.node.clone(),
+                            device_name: d.device,
+                            cdi_device_ids: vec![d.cdi_id],
+                            share_id: None,
+                        })
+                        .collect(),
+                    error: String::new(),
+                },
+                Err(e) => {
+                    tracing::warn!("{e}");
+                    proto::NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error: e.to_string(),
+                    }
+                }
+            };
+            claims.insert(claim.uid.clone(), answer);
+        }
+        Ok(tonic::Response::new(proto::NodePrepareResourcesResponse {
+            claims,
+        }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: tonic::Request<proto::NodeUnprepareResourcesRequest>,
+    ) -> Result<tonic::Response<proto::NodeUnprepareResourcesResponse>, tonic::Status> {
+        let mut claims = HashMap::new();
+        for claim in request.into_inner().claims {
+            let error = self
+                .unprepare(&claim)
+                .await
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            claims.insert(
+                claim.uid.clone(),
+                proto::NodeUnprepareResourceResponse { error },
+            );
+        }
+        Ok(tonic::Response::new(
+            proto::NodeUnprepareResourcesResponse { claims },
+        ))
+    }
+}
