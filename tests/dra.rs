@@ -758,3 +758,113 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
         assert!(!cdi.join(format!("gpuslice.io-{uid}.json")).exists());
     }
 }
+
+#[tokio::test]
+async fn a_prepared_claim_holds_back_a_window_change_until_it_is_unprepared() {
+    // 19:59:20 in Shanghai: at 20:00 shared-a100 goes from four 20 GiB slices to two of 40 GiB.
+    // (No re-cut taint ahead of it here, so that a pod lands on a slice about to change.)
+    let Some(running) = start("2026-12-02T11:59:20Z", &["--recut-lookahead", "1s"]).await else {
+        return;
+    };
+    let client = running.client.clone();
+    let a100 = running.dir.path().join("a100-a");
+    let socket = a100.join("kubelet/plugins/gpuslice.io/dra.sock");
+    eventually("the plugin's socket appears", || {
+        let socket = socket.clone();
+        async move { socket.exists().then_some(()).ok_or_else(String::new) }
+    })
+    .await;
+    let mut plugin = DraPluginClient::new(unix_channel(socket).await);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.create(&PostParams::default(), &pod("notebook-0", "notebook"))
+        .await
+        .unwrap();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let allocated = eventually("the notebook's claim is allocated", || {
+        let claims = claims.clone();
+        async move {
+            claims
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .into_iter()
+                .find(|c| {
+                    c.status
+                        .as_ref()
+                        .and_then(|s| s.allocation.as_ref())
+                        .is_some()
+                })
+                .ok_or_else(|| "not yet".to_string())
+        }
+    })
+    .await;
+    let prepared = plugin
+        .node_prepare_resources(proto::NodePrepareResourcesRequest {
+            claims: vec![claim(&allocated)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let uid = allocated.metadata.uid.clone().unwrap();
+    assert_eq!(prepared.claims[&uid].error, "");
+    let slice = prepared.claims[&uid].devices[0].device_name.clone();
+
+    // At 20:00 the node must re-cut the GPU, but the pod's slice is in use: the agent waits and
+    // says why, and the pool says it is blocked.
+    let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    eventually("the window change waits for the prepared claim", || {
+        let (gpu_nodes, pools, slice) = (gpu_nodes.clone(), pools.clone(), slice.clone());
+        async move {
+            let node = gpu_nodes.get("a100-a").await.map_err(|e| e.to_string())?;
+            let blocked = node
+                .status
+                .iter()
+                .flat_map(|s| &s.conditions)
+                .find(|c| c.type_ == "Blocked")
+                .map(|c| (c.status.clone(), c.message.clone()));
+            let pool = pools.get("shared-a100").await.map_err(|e| e.to_string())?;
+            let progressing = pool
+                .status
+                .iter()
+                .flat_map(|s| &s.conditions)
+                .find(|c| c.type_ == "Progressing")
+                .map(|c| c.reason.clone());
+            (blocked.as_ref().is_some_and(|(s, m)| {
+                s == "True" && m.contains(&format!("a pod's ResourceClaim on {slice}"))
+            }) && progressing.as_deref() == Some("Blocked"))
+            .then_some(())
+            .ok_or_else(|| format!("{blocked:?} {progressing:?}"))
+        }
+    })
+    .await;
+
+    // The kubelet unprepares the claim (the pod ended): the node takes the night layout and
+    // publishes its two 40 GiB slices.
+    plugin
+        .node_unprepare_resources(proto::NodeUnprepareResourcesRequest {
+            claims: vec![claim(&allocated)],
+        })
+        .await
+        .unwrap();
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    eventually("the A100 is re-cut and republished", || {
+        let slices = slices.clone();
+        async move {
+            let memory: Vec<String> = slices
+                .list(&ListParams::default().fields("spec.nodeName=a100-a"))
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .filter_map(|d| Some(d.capacity.as_ref()?.get("memory")?.value.0.clone()))
+                .collect();
+            (memory == ["40Gi", "40Gi"])
+                .then_some(())
+                .ok_or_else(|| format!("{memory:?}"))
+        }
+    })
+    .await;
+}

@@ -58,6 +58,12 @@ pub struct Claim {
     /// The policy it asked with: its compute limit and guarantee govern the slice.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub policy: Option<String>,
+    /// A ResourceClaim the kubelet had prepared (`namespace/name`): held by its pods (their
+    /// UIDs), not by a connection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resource_claim: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
 }
 
 #[derive(Default)]
@@ -68,6 +74,8 @@ struct Board {
     /// Policy name → need.
     policies: BTreeMap<String, Need>,
     claims: HashMap<u64, Claim>,
+    /// Slices held by prepared ResourceClaims.
+    pinned: Vec<Claim>,
     queue: VecDeque<(u64, Need, Option<String>)>,
     refused: HashMap<u64, String>,
     next: u64,
@@ -78,7 +86,12 @@ impl Board {
     fn assign(&mut self) {
         let mut waiting = VecDeque::new();
         while let Some((conn, need, policy)) = self.queue.pop_front() {
-            let taken: Vec<&str> = self.claims.values().map(|c| c.slice.as_str()).collect();
+            let taken: Vec<&str> = self
+                .claims
+                .values()
+                .chain(&self.pinned)
+                .map(|c| c.slice.as_str())
+                .collect();
             let best = self
                 .slices
                 .iter()
@@ -94,6 +107,8 @@ impl Board {
                             client: 0,
                             workload: None,
                             policy,
+                            resource_claim: None,
+                            pods: Vec::new(),
                         },
                     );
                 }
@@ -138,18 +153,26 @@ impl Claims {
         slices: Vec<SliceConfig>,
         pools: BTreeMap<u32, String>,
         policies: BTreeMap<String, Need>,
+        pinned: Vec<Claim>,
     ) {
         let mut board = self.lock();
         board.slices = slices;
         board.pools = pools;
         board.policies = policies;
+        board.pinned = pinned;
         board.assign();
         self.changed.notify_all();
     }
 
-    /// Every claim held now.
+    /// Every claim held now, prepared ResourceClaims included.
     pub fn held(&self) -> Vec<Claim> {
-        let mut claims: Vec<Claim> = self.lock().claims.values().cloned().collect();
+        let board = self.lock();
+        let mut claims: Vec<Claim> = board
+            .claims
+            .values()
+            .chain(&board.pinned)
+            .cloned()
+            .collect();
         claims.sort_by(|a, b| a.slice.cmp(&b.slice));
         claims
     }

@@ -111,7 +111,11 @@ fn status(pass: &Pass, generation: Option<i64>, previous: Option<&GpuNodeStatus>
                         .find(|w| w.pid == b.pid)
                         .map(|w| format!(": {}", w.reason))
                         .unwrap_or_default();
-                    format!("pid {} on {}{why}", b.pid, b.slice)
+                    if b.pid == 0 {
+                        format!("a pod's ResourceClaim on {}", b.slice)
+                    } else {
+                        format!("pid {} on {}{why}", b.pid, b.slice)
+                    }
                 })
                 .collect();
             format!("GPU {}: {} ({})", o.index, what.join(", "), pids.join("; "))

@@ -16,7 +16,7 @@ use gpuslice_contract::{SliceConfig, SliceKind};
 
 use crate::arbiter::{Arbiter, ClientId, Order, Share, Usage};
 use crate::claims::{Claim, Need};
-use crate::process::ancestry;
+use crate::process::{ancestry, pod_of};
 
 /// With nothing due, the arbiters' timer still looks this often (ns).
 const TIMER_IDLE_NS: u64 = 1_000_000_000;
@@ -183,7 +183,7 @@ impl Compute {
         peer: u32,
         claims: &[Claim],
     ) -> std::io::Result<()> {
-        if let Err(reason) = authorize(slice, &ancestry(peer), claims) {
+        if let Err(reason) = authorize(slice, &ancestry(peer), pod_of(peer).as_deref(), claims) {
             send(&stream, &Reply::Refused { reason });
             return Ok(());
         }
@@ -262,9 +262,16 @@ impl Compute {
 }
 
 /// Whether a process (given with its ancestors) may draw on `slice`'s compute budget.
-fn authorize(slice: &str, ancestry: &[u32], claims: &[Claim]) -> Result<(), String> {
+fn authorize(
+    slice: &str,
+    ancestry: &[u32],
+    pod: Option<&str>,
+    claims: &[Claim],
+) -> Result<(), String> {
     let owns = |c: &Claim| {
-        ancestry.contains(&c.client) || c.workload.is_some_and(|w| ancestry.contains(&w))
+        (c.resource_claim.is_none() && ancestry.contains(&c.client))
+            || c.workload.is_some_and(|w| ancestry.contains(&w))
+            || pod.is_some_and(|p| c.pods.iter().any(|u| u == p))
     };
     if let Some(other) = claims.iter().find(|c| c.slice != slice && owns(c)) {
         return Err(format!(
@@ -324,6 +331,8 @@ mod tests {
             client,
             workload,
             policy: None,
+            resource_claim: None,
+            pods: Vec::new(),
         }
     }
 
@@ -334,17 +343,41 @@ mod tests {
             claim("gpu0-s1", 200, Some(201)),
         ];
         // The workload of s0 and its children: s0 only.
-        assert_eq!(authorize("gpu0-s0", &[150, 101, 100], &claims), Ok(()));
-        let stolen = authorize("gpu0-s1", &[150, 101, 100], &claims).unwrap_err();
+        assert_eq!(
+            authorize("gpu0-s0", &[150, 101, 100], None, &claims),
+            Ok(())
+        );
+        let stolen = authorize("gpu0-s1", &[150, 101, 100], None, &claims).unwrap_err();
         assert!(stolen.contains("claim on slice gpu0-s0"), "{stolen}");
         // A stranger cannot spend a claimed slice's budget.
-        let stranger = authorize("gpu0-s0", &[999, 998], &claims).unwrap_err();
+        let stranger = authorize("gpu0-s0", &[999, 998], None, &claims).unwrap_err();
         assert!(
             stranger.contains("claimed by another workload"),
             "{stranger}"
         );
         // An unclaimed slice (a container given the slice's config directly) is open.
-        assert_eq!(authorize("gpu0-s2", &[999, 998], &claims), Ok(()));
+        assert_eq!(authorize("gpu0-s2", &[999, 998], None, &claims), Ok(()));
+    }
+
+    #[test]
+    fn a_prepared_resource_claim_belongs_to_its_pods_processes() {
+        let mut by_pod = claim("gpu0-s3", 0, None);
+        by_pod.resource_claim = Some("default/notebook-0-gpu".into());
+        by_pod.pods = vec!["pod-a".into()];
+        let claims = [claim("gpu0-s0", 100, Some(101)), by_pod];
+        assert_eq!(
+            authorize("gpu0-s3", &[4000, 3999], Some("pod-a"), &claims),
+            Ok(())
+        );
+        let other_pod = authorize("gpu0-s3", &[5000], Some("pod-b"), &claims).unwrap_err();
+        assert!(
+            other_pod.contains("claimed by another workload"),
+            "{other_pod}"
+        );
+        let host = authorize("gpu0-s3", &[6000], None, &claims).unwrap_err();
+        assert!(host.contains("claimed by another workload"), "{host}");
+        // The pod's processes cannot spend another claim's slice either.
+        assert!(authorize("gpu0-s0", &[4000], Some("pod-a"), &claims).is_err());
     }
 
     #[test]

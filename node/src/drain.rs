@@ -105,6 +105,14 @@ pub fn decide(
             reason,
             until,
         };
+        // A pod's prepared ResourceClaim, not a process: it ends when the kubelet unprepares it.
+        if process.pid == 0 {
+            waiting.push(wait(
+                "held by a pod's ResourceClaim: waiting for the pod to end".into(),
+                None,
+            ));
+            continue;
+        }
         let Some(policy) = policy else {
             waiting.push(wait(
                 "no checkpoint policy: waiting for it to exit".into(),

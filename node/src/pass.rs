@@ -182,7 +182,7 @@ impl Agent {
             .collect();
         self.socket
             .claims
-            .update(slices.clone(), pools, needs.clone());
+            .update(slices.clone(), pools, needs.clone(), self.pinned());
         pass.claims = self.socket.claims.held();
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
         self.socket.compute.set(&pass.shares);
@@ -203,15 +203,40 @@ impl Agent {
         Ok(pass)
     }
 
-    /// The claims held now, as processes that make their slices busy.
+    /// The claims held now, as processes that make their slices busy; a prepared
+    /// ResourceClaim's pods are not processes the agent signals (pid 0: drains wait for the
+    /// kubelet to unprepare it).
     fn held(&self) -> Vec<Held> {
         self.socket
             .claims
             .held()
             .into_iter()
+            .chain(self.pinned())
             .map(|c| Held {
-                pid: c.workload.unwrap_or(c.client),
+                pid: if c.resource_claim.is_some() {
+                    0
+                } else {
+                    c.workload.unwrap_or(c.client)
+                },
                 slice: c.slice,
+            })
+            .collect()
+    }
+
+    /// The slices the kubelet had prepared for ResourceClaims (recorded in the state
+    /// directory, so they hold across agent restarts).
+    fn pinned(&self) -> Vec<Claim> {
+        crate::kubelet::prepared(&self.state)
+            .into_iter()
+            .flat_map(|p| {
+                p.devices.into_iter().map(move |d| Claim {
+                    slice: d.slice,
+                    client: 0,
+                    workload: None,
+                    policy: p.policy.clone(),
+                    resource_claim: Some(format!("{}/{}", p.namespace, p.name)),
+                    pods: p.pods.clone(),
+                })
             })
             .collect()
     }

@@ -27,8 +27,46 @@ pub fn ancestry(pid: u32) -> Vec<u32> {
     chain
 }
 
+/// The UID of the pod whose container `pid` runs in, from its cgroup path: kubelet names pod
+/// cgroups `pod<uid>` (cgroupfs) or `kubepods-<qos>-pod<uid with _ for ->.slice` (systemd).
+pub fn pod_of(pid: u32) -> Option<String> {
+    pod_in_cgroups(&std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?)
+}
+
+/// The pod UID in the text of a `/proc/<pid>/cgroup` file.
+pub fn pod_in_cgroups(text: &str) -> Option<String> {
+    text.lines()
+        .filter_map(|line| line.rsplit(':').next())
+        .flat_map(|path| path.split('/'))
+        .find_map(|part| {
+            let after = &part[part.rfind("pod")? + 3..];
+            let uid = after
+                .strip_suffix(".slice")
+                .unwrap_or(after)
+                .replace('_', "-");
+            (uid.len() == 36 && uid.chars().all(|c| c.is_ascii_hexdigit() || c == '-'))
+                .then_some(uid)
+        })
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_pods_uid_is_read_from_its_cgroup_path() {
+        let uid = "1b4c7f9e-3d2a-4e8b-9c1d-5f6a7b8c9d0e";
+        let cgroupfs = format!("12:memory:/kubepods/burstable/pod{uid}/0123abcd\n0::/\n");
+        assert_eq!(super::pod_in_cgroups(&cgroupfs).as_deref(), Some(uid));
+        let systemd = format!(
+            "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-ab.scope\n",
+            uid.replace('-', "_")
+        );
+        assert_eq!(super::pod_in_cgroups(&systemd).as_deref(), Some(uid));
+        assert_eq!(
+            super::pod_in_cgroups("0::/user.slice/session-3.scope\n"),
+            None
+        );
+    }
+
     #[test]
     fn this_process_descends_from_its_parent() {
         let me = std::process::id();

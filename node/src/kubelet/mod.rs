@@ -111,6 +111,12 @@ pub struct Prepared {
     pub name: String,
     pub uid: String,
     pub devices: Vec<PreparedDevice>,
+    /// The UIDs of the pods the claim is reserved for: their processes may use its slices.
+    #[serde(default)]
+    pub pods: Vec<String>,
+    /// The GpuSlicePolicy of the claim's DeviceClass (its opaque parameters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -259,12 +265,26 @@ impl Plugin {
                 object.metadata.uid.unwrap_or_default()
             )));
         }
-        let results = object
-            .status
-            .and_then(|s| s.allocation)
+        let status = object.status.unwrap_or_default();
+        let pods: Vec<String> = status
+            .reserved_for
+            .iter()
+            .flatten()
+            .filter(|r| r.resource == "pods")
+            .map(|r| r.uid.clone())
+            .collect();
+        let allocated = status
+            .allocation
             .and_then(|a| a.devices)
-            .and_then(|d| d.results)
             .unwrap_or_default();
+        let policy = allocated
+            .config
+            .iter()
+            .flatten()
+            .filter_map(|c| c.opaque.as_ref())
+            .filter(|o| o.driver == dra::DRIVER)
+            .find_map(|o| o.parameters.0.get("policy")?.as_str().map(str::to_string));
+        let results = allocated.results.unwrap_or_default();
         let slices = crate::slices::published(&self.state);
         let mut devices = Vec::new();
         for result in results.iter().filter(|r| r.driver == dra::DRIVER) {
@@ -318,6 +338,8 @@ impl Plugin {
                     cdi_id: format!("{CDI_KIND}={name}"),
                 })
                 .collect(),
+            pods,
+            policy,
         };
         // Recorded last: a crash before this prepares again, from scratch.
         write_atomically(
