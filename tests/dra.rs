@@ -711,6 +711,19 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
             std::fs::read_to_string(preload["hostPath"].as_str().unwrap()).unwrap(),
             "/usr/lib/gpuslice/libgpuslice.so\n"
         );
+        // The container's slice config is the claim's: the policy's memory (8Gi) plus the
+        // pool's headroom (1Gi), not the whole 20 GiB slice.
+        let claim_config: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(
+                mount(&format!("/run/gpuslice/slices/{slice}/config"))["hostPath"]
+                    .as_str()
+                    .unwrap(),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(claim_config["memoryBytes"], 9u64 << 30);
+        assert_eq!(claim_config["id"], config["id"]);
         let shim = mount("/usr/lib/gpuslice/libgpuslice.so");
         assert!(Path::new(shim["hostPath"].as_str().unwrap()).exists());
     }

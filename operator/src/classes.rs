@@ -24,8 +24,9 @@ fn literal(s: &str) -> String {
     serde_json::Value::String(s.to_string()).to_string()
 }
 
-/// The CEL expression selecting the devices a policy may get.
-pub fn selector(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> String {
+/// The memory a policy's workload may use: its `memory` plus its pool's `memoryHeadroom` (the
+/// CUDA context and allocator slack count against the cap too).
+fn memory_limit(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> u64 {
     let spec = &policy.spec;
     let headroom = pools
         .iter()
@@ -33,9 +34,15 @@ pub fn selector(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> String {
         .and_then(|p| p.spec.memory_headroom.as_ref())
         .and_then(|h| bytes_of(&h.0).ok())
         .unwrap_or(0);
-    let need = bytes_of(&spec.memory.0)
+    bytes_of(&spec.memory.0)
         .unwrap_or(u64::MAX)
-        .saturating_add(headroom);
+        .saturating_add(headroom)
+}
+
+/// The CEL expression selecting the devices a policy may get.
+pub fn selector(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> String {
+    let spec = &policy.spec;
+    let need = memory_limit(policy, pools);
     let attr = |name: &str| format!("device.attributes[{}].{name}", literal(dra::DRIVER));
     let cap = |name: &str| format!("device.capacity[{}].{name}", literal(dra::DRIVER));
     let mut terms = vec![
@@ -59,8 +66,9 @@ pub fn selector(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> String {
     terms.join(" && ")
 }
 
-/// What the driver is told about a policy, in the class's opaque config.
-pub fn parameters(name: &str, policy: &GpuSlicePolicy) -> serde_json::Value {
+/// What the driver is told about a policy, in the class's opaque config: `memoryLimitBytes` is
+/// the cap the kubelet plugin gives the workload's slice.
+pub fn parameters(name: &str, policy: &GpuSlicePolicy, pools: &[GpuPool]) -> serde_json::Value {
     let spec = &policy.spec;
     let mut out = serde_json::json!({
         "apiVersion": gpuslice_api::API_VERSION,
@@ -68,6 +76,7 @@ pub fn parameters(name: &str, policy: &GpuSlicePolicy) -> serde_json::Value {
         "policy": name,
         "pool": spec.pool,
         "memory": spec.memory.0,
+        "memoryLimitBytes": memory_limit(policy, pools),
     });
     if let Some(c) = &spec.compute {
         out["compute"] =
@@ -120,7 +129,7 @@ pub fn device_classes(
                     config: Some(vec![DeviceClassConfiguration {
                         opaque: Some(OpaqueDeviceConfiguration {
                             driver: dra::DRIVER.to_string(),
-                            parameters: RawExtension(parameters(&name, policy)),
+                            parameters: RawExtension(parameters(&name, policy, pools)),
                         }),
                     }]),
                 },
@@ -186,7 +195,7 @@ spec: {pool: infer, memory: 18Gi, compute: {limit: 25, guarantee: 10}, checkpoin
         assert_eq!(
             opaque.parameters.0,
             serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "SliceParameters",
-                "policy": "llm-7b", "pool": "infer", "memory": "18Gi",
+                "policy": "llm-7b", "pool": "infer", "memory": "18Gi", "memoryLimitBytes": 20401094656u64,
                 "compute": {"limit": 25, "guarantee": 10}, "checkpointPolicy": "standard"})
         );
         assert_eq!(

@@ -136,6 +136,11 @@ fn record_path(state: &StateDir, uid: &str) -> PathBuf {
     records(state).join(format!("{uid}.json"))
 }
 
+/// The slice config one claim's containers see: the slice's, with the policy's memory cap.
+fn claim_config_path(state: &StateDir, uid: &str, slice: &str) -> PathBuf {
+    records(state).join(uid).join(format!("{slice}.config"))
+}
+
 /// Every claim prepared on this node (what a restarted agent still holds).
 pub fn prepared(state: &StateDir) -> Vec<Prepared> {
     let Ok(entries) = std::fs::read_dir(records(state)) else {
@@ -147,31 +152,36 @@ pub fn prepared(state: &StateDir) -> Vec<Prepared> {
         .collect()
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same folder (never half a file).
+/// Writes `bytes` to `path` through a temporary file in the same folder (never half a file),
+/// readable by everyone (the runtime, and containers' processes whatever their user).
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), PluginError> {
+    write_with_mode(path, bytes, 0o644)
+}
+
+fn write_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), PluginError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let tmp = tempfile::NamedTempFile::new_in(dir).map_err(io(dir))?;
     std::fs::write(tmp.path(), bytes).map_err(io(path))?;
-    // Read by the runtime and by containers' processes, whatever user they run as.
     use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644))
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(mode))
         .map_err(io(path))?;
     tmp.persist(path).map_err(|e| io(path)(e.error))?;
     Ok(())
 }
 
 /// The CDI spec (version 0.6.0) giving a container its slices.
+/// `devices`: each CDI device's name, its slice, and the claim's config of that slice.
 pub fn cdi_spec(
     state: &StateDir,
     paths: &Paths,
-    devices: &[(String, SliceConfig)],
+    devices: &[(String, SliceConfig, PathBuf)],
 ) -> serde_json::Value {
     let container_state = StateDir::new(CONTAINER_STATE);
     let preload = records(state).join("ld.so.preload");
     let devices: Vec<serde_json::Value> = devices
         .iter()
-        .map(|(name, slice)| {
+        .map(|(name, slice, claim_config)| {
             let mut env = vec![
                 format!("CUDA_VISIBLE_DEVICES={}", slice.device_uuid),
                 format!("NVIDIA_VISIBLE_DEVICES={}", slice.device_uuid),
@@ -180,11 +190,16 @@ pub fn cdi_spec(
                 serde_json::json!({"hostPath": host, "containerPath": container,
                     "options": ["rbind", mode]})
             };
-            let mut mounts = vec![bind(
-                &state.slice(&slice.id),
-                &container_state.slice(&slice.id),
-                "rw",
-            )];
+            // The slice directory (ledger, checkpoint marker), then the claim's config over the
+            // slice's: later mounts cover earlier ones.
+            let mut mounts = vec![
+                bind(
+                    &state.slice(&slice.id),
+                    &container_state.slice(&slice.id),
+                    "rw",
+                ),
+                bind(claim_config, &container_state.slice_config(&slice.id), "ro"),
+            ];
             if slice.kind == SliceKind::Software {
                 env.push(format!(
                     "{}={}",
@@ -277,13 +292,20 @@ impl Plugin {
             .allocation
             .and_then(|a| a.devices)
             .unwrap_or_default();
-        let policy = allocated
+        let parameters: Vec<&serde_json::Value> = allocated
             .config
             .iter()
             .flatten()
             .filter_map(|c| c.opaque.as_ref())
             .filter(|o| o.driver == dra::DRIVER)
-            .find_map(|o| o.parameters.0.get("policy")?.as_str().map(str::to_string));
+            .map(|o| &o.parameters.0)
+            .collect();
+        let policy = parameters
+            .iter()
+            .find_map(|p| p.get("policy")?.as_str().map(str::to_string));
+        let memory_limit = parameters
+            .iter()
+            .find_map(|p| p.get("memoryLimitBytes")?.as_u64());
         let results = allocated.results.unwrap_or_default();
         let slices = crate::slices::published(&self.state);
         let mut devices = Vec::new();
@@ -316,10 +338,21 @@ impl Plugin {
         if self.paths.shim.is_some() && !preload.exists() {
             write_atomically(&preload, format!("{CONTAINER_SHIM}\n").as_bytes())?;
         }
-        let named: Vec<(String, SliceConfig)> = devices
-            .iter()
-            .map(|(name, _, slice)| (name.clone(), slice.clone()))
-            .collect();
+        let mut named: Vec<(String, SliceConfig, PathBuf)> = Vec::new();
+        for (name, _, slice) in &devices {
+            let config = SliceConfig {
+                memory_bytes: memory_limit
+                    .map_or(slice.memory_bytes, |m| m.min(slice.memory_bytes)),
+                ..slice.clone()
+            };
+            let path = claim_config_path(&self.state, &claim.uid, &slice.id);
+            write_with_mode(
+                &path,
+                &serde_json::to_vec_pretty(&config).unwrap_or_default(),
+                0o444,
+            )?;
+            named.push((name.clone(), slice.clone(), path));
+        }
         let spec = cdi_spec(&self.state, &self.paths, &named);
         write_atomically(
             &self.paths.cdi_spec(&claim.uid),
@@ -366,6 +399,11 @@ impl Plugin {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&path)(e)),
                 _ => {}
             }
+        }
+        let configs = records(&self.state).join(&claim.uid);
+        match std::fs::remove_dir_all(&configs) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&configs)(e)),
+            _ => {}
         }
         tracing::info!(
             "unprepared ResourceClaim {}/{}",
