@@ -510,6 +510,108 @@ async fn slices_a_window_change_will_recut_take_no_new_pods() {
     assert!(waiting[0].starts_with("late-notebook: "), "{waiting:?}");
 }
 
+/// What a container runtime does with a CDI device, to a local process: its environment, and its
+/// mounts in a private mount namespace (over a fresh `/run`, and a copy of `/etc` so that
+/// `/etc/ld.so.preload` exists only there). The emulated CUDA driver stands in for the one the
+/// NVIDIA runtime would bring (`lib`, `machine`). `None` where mount namespaces are not allowed.
+fn run_in_container(
+    device: &serde_json::Value,
+    lib: &Path,
+    machine: &Path,
+    scratch: &Path,
+    command: &[&str],
+) -> Option<std::process::Output> {
+    let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
+    let etc = scratch.join("etc");
+    let copied = Command::new("cp")
+        .arg("-r")
+        .arg("/etc")
+        .arg(&etc)
+        .status()
+        .ok()?;
+    if !copied.success() {
+        return None;
+    }
+    let mut script = format!(
+        "set -e; mount -t tmpfs none /run; mount --bind {etc} /etc; ",
+        etc = quote(etc.to_str().unwrap())
+    );
+    for m in device["containerEdits"]["mounts"].as_array().unwrap() {
+        let (host, target) = (
+            m["hostPath"].as_str().unwrap(),
+            m["containerPath"].as_str().unwrap(),
+        );
+        let make = if Path::new(host).is_dir() {
+            format!("mkdir -p {}", quote(target))
+        } else {
+            format!(
+                "mkdir -p \"$(dirname {t})\"; [ -e {t} ] || touch {t}",
+                t = quote(target)
+            )
+        };
+        let read_only = m["options"].as_array().unwrap().iter().any(|o| o == "ro");
+        script += &format!("{make}; mount --bind {} {}; ", quote(host), quote(target));
+        if read_only {
+            script += &format!("mount -o remount,bind,ro {}; ", quote(target));
+        }
+    }
+    script += "exec env";
+    for e in device["containerEdits"]["env"].as_array().unwrap() {
+        script += &format!(" {}", quote(e.as_str().unwrap()));
+    }
+    script += &format!(
+        " LD_LIBRARY_PATH={} GPUSLICE_EMULATOR_STATE={}",
+        quote(lib.to_str().unwrap()),
+        quote(machine.to_str().unwrap())
+    );
+    for arg in command {
+        script += &format!(" {}", quote(arg));
+    }
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .env_remove("LD_PRELOAD")
+        .output()
+        .ok()?;
+    if String::from_utf8_lossy(&out.stderr).contains("unshare failed") {
+        return None;
+    }
+    Some(out)
+}
+
+/// The shim's probe program (`shim/tests/programs/probe.c`), built against the emulated CUDA
+/// driver and NVML copied into `dir/lib`.
+fn probe(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let built = Path::new(env!("CARGO_BIN_EXE_gpuslice"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let lib = dir.join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    for (name, from) in [
+        ("libcuda.so", "libcuda.so"),
+        ("libcuda.so.1", "libcuda.so"),
+        ("libnvidia-ml.so", "libnvidia_ml.so"),
+        ("libnvidia-ml.so.1", "libnvidia_ml.so"),
+    ] {
+        std::fs::copy(built.join(from), lib.join(name)).unwrap();
+    }
+    let program = dir.join("probe");
+    let cc = Command::new("cc")
+        .args(["-O1", "-o"])
+        .arg(&program)
+        .arg(root().join("shim/tests/programs/probe.c"))
+        .arg(format!("-L{}", lib.display()))
+        .args(["-lcuda", "-lnvidia-ml", "-ldl"])
+        .output()
+        .unwrap();
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    (program, lib)
+}
+
 /// A gRPC channel to a Unix socket, as the kubelet opens one to a plugin.
 async fn unix_channel(path: std::path::PathBuf) -> tonic::transport::Channel {
     tonic::transport::Endpoint::try_from("http://[::]:0")
@@ -709,7 +811,7 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
         );
         assert_eq!(
             std::fs::read_to_string(preload["hostPath"].as_str().unwrap()).unwrap(),
-            "/usr/lib/gpuslice/libgpuslice.so\n"
+            "/run/gpuslice/lib/libgpuslice.so\n"
         );
         // The container's slice config is the claim's: the policy's memory (8Gi) plus the
         // pool's headroom (1Gi), not the whole 20 GiB slice.
@@ -724,10 +826,49 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
         .unwrap();
         assert_eq!(claim_config["memoryBytes"], 9u64 << 30);
         assert_eq!(claim_config["id"], config["id"]);
-        let shim = mount("/usr/lib/gpuslice/libgpuslice.so");
+        let shim = mount("/run/gpuslice/lib/libgpuslice.so");
         assert!(Path::new(shim["hostPath"].as_str().unwrap()).exists());
     }
     assert_eq!(given.len(), 2, "two claims, two slices: {given:?}");
+
+    // What the container sees, through the CDI spec alone (no LD_PRELOAD, no GPUSLICE_* set by
+    // us): a GPU capped at the policy's 9 GiB; allocations past it fail.
+    let uid = allocated[0].metadata.uid.clone().unwrap();
+    let spec: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(cdi.join(format!("gpuslice.io-{uid}.json"))).unwrap(),
+    )
+    .unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let (program, lib) = probe(scratch.path());
+    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("a100-a");
+    let program = program.to_str().unwrap();
+    match run_in_container(
+        &spec["devices"][0],
+        &lib,
+        &machine,
+        scratch.path(),
+        &[program, "link", "cap"],
+    ) {
+        None => eprintln!("no mount namespaces here: the container check is skipped"),
+        Some(out) => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let value = |key: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(&format!("{key}=")))
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or_else(|| {
+                        panic!(
+                            "no {key} in {text}\n{}",
+                            String::from_utf8_lossy(&out.stderr)
+                        )
+                    })
+            };
+            assert_eq!(value("info_total"), 9 << 30, "{text}");
+            // 1 GiB allocations until the cap: eight, as the CUDA context takes its share.
+            assert_eq!(value("chunks"), 8, "{text}");
+            assert_ne!(value("alloc_over"), 0, "{text}");
+        }
+    }
 
     // Asked again (the kubelet retries, or restarted), the plugin answers the same.
     let again = plugin
@@ -853,6 +994,33 @@ async fn a_prepared_claim_holds_back_a_window_change_until_it_is_unprepared() {
     })
     .await;
 
+    // Meanwhile no new pod lands on the GPU: its devices carry the re-cut taint.
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    eventually("the waiting GPU's devices are tainted", || {
+        let slices = slices.clone();
+        async move {
+            let taints: Vec<Option<String>> = slices
+                .list(&ListParams::default().fields("spec.nodeName=a100-a"))
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .map(|d| {
+                    d.taints
+                        .iter()
+                        .flatten()
+                        .find(|t| t.key == "gpuslice.io/recut")
+                        .and_then(|t| t.value.clone())
+                })
+                .collect();
+            (taints.len() == 4 && taints.iter().all(|t| t.as_deref() == Some("pending")))
+                .then_some(())
+                .ok_or_else(|| format!("{taints:?}"))
+        }
+    })
+    .await;
+
     // The kubelet unprepares the claim (the pod ended): the node takes the night layout and
     // publishes its two 40 GiB slices.
     plugin
@@ -861,7 +1029,6 @@ async fn a_prepared_claim_holds_back_a_window_change_until_it_is_unprepared() {
         })
         .await
         .unwrap();
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
     eventually("the A100 is re-cut and republished", || {
         let slices = slices.clone();
         async move {

@@ -484,7 +484,17 @@ pub async fn run(
             }
         }
         let now = clock.now();
+        // A GPU whose new layout waits for busy slices is about to be re-cut as well.
+        let waiting: Vec<u32> = pass
+            .outcomes
+            .iter()
+            .filter(|o| !o.blocked_by.is_empty())
+            .map(|o| o.index)
+            .collect();
         let devices = dra::devices(&pass.inventory, &current.spec.gpus, &|a| {
+            if waiting.contains(&a.index) {
+                return Some(dra::pending_recut_taint());
+            }
             dra::recut_taint(a.recut_at.as_ref().and_then(chrono_time), lookahead, now)
         });
         publisher.publish(devices).await;

@@ -145,6 +145,16 @@ pub fn recut_taint(
     })
 }
 
+/// The re-cut taint of a GPU whose new layout is waiting for busy slices to be freed.
+pub fn pending_recut_taint() -> DeviceTaint {
+    DeviceTaint {
+        key: dra::RECUT_TAINT.to_string(),
+        value: Some("pending".to_string()),
+        effect: "NoSchedule".to_string(),
+        time_added: None,
+    }
+}
+
 /// The ResourceSlices that publish `devices` as generation `generation` of the node's pool.
 /// No devices, no slices (the pool disappears).
 pub fn resource_slices(

@@ -33,7 +33,7 @@ pub const CDI_KIND: &str = "gpuslice.io/slice";
 /// Where a container finds the node contract (the same layout as on the host).
 pub const CONTAINER_STATE: &str = "/run/gpuslice";
 /// Where a container finds the shim.
-pub const CONTAINER_SHIM: &str = "/usr/lib/gpuslice/libgpuslice.so";
+pub const CONTAINER_SHIM: &str = "/run/gpuslice/lib/libgpuslice.so";
 
 /// Why the plugin could not start or a claim could not be prepared.
 #[derive(Debug, thiserror::Error)]
