@@ -593,7 +593,15 @@ fn probe(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
         ("libnvidia-ml.so", "libnvidia_ml.so"),
         ("libnvidia-ml.so.1", "libnvidia_ml.so"),
     ] {
-        std::fs::copy(built.join(from), lib.join(name)).unwrap();
+        // Cargo leaves the cdylib in `deps/` and, after a plain build, beside the binaries too:
+        // the newer is the one just built.
+        let newest = [built.join(from), built.join("deps").join(from)]
+            .into_iter()
+            .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+            .max()
+            .map(|(_, p)| p)
+            .unwrap_or_else(|| panic!("{from} is not built: cargo build --workspace"));
+        std::fs::copy(newest, lib.join(name)).unwrap();
     }
     let program = dir.join("probe");
     let cc = Command::new("cc")
