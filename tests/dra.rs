@@ -993,11 +993,19 @@ async fn a_prepared_claim_holds_back_a_window_change_until_it_is_unprepared() {
                 .flat_map(|s| &s.conditions)
                 .find(|c| c.type_ == "Progressing")
                 .map(|c| c.reason.clone());
+            // The node's status says who holds the slice.
+            let holders: Vec<(String, Vec<String>)> = node
+                .status
+                .iter()
+                .flat_map(|s| &s.claims)
+                .map(|c| (c.slice.clone(), c.pods.clone()))
+                .collect();
             (blocked.as_ref().is_some_and(|(s, m)| {
                 s == "True" && m.contains(&format!("a pod's ResourceClaim on {slice}"))
-            }) && progressing.as_deref() == Some("Blocked"))
+            }) && progressing.as_deref() == Some("Blocked")
+                && holders == [(slice.clone(), vec!["default/notebook-0".to_string()])])
             .then_some(())
-            .ok_or_else(|| format!("{blocked:?} {progressing:?}"))
+            .ok_or_else(|| format!("{blocked:?} {progressing:?} {holders:?}"))
         }
     })
     .await;

@@ -26,7 +26,7 @@ pub use checkpoint::{
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{
     GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess, MigInstance,
-    MigState, NodeInventory, Placement, SoftwareSliceState,
+    MigState, NodeInventory, Placement, SliceClaim, SoftwareSliceState,
 };
 pub use policy::{ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus};
 pub use pool::{

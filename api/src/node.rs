@@ -89,6 +89,31 @@ pub struct GpuNodeStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+    /// The slices held now: by pods (a ResourceClaim the kubelet had the agent prepare) or by
+    /// `gpuslice run` on the node. A held slice is busy: a window change waits for it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1024))]
+    pub claims: Vec<SliceClaim>,
+}
+
+/// Who holds a slice.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SliceClaim {
+    /// The slice id (`gpu0-s1`, `gpu1-mig4-1g.18gb`, `gpu2`).
+    pub slice: String,
+    /// The ResourceClaim (`namespace/name`), for a pod's slice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_claim: Option<String>,
+    /// The pods the claim is reserved for (`namespace/name`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
+    /// The process holding it, for `gpuslice run`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    /// The GpuSlicePolicy it was asked with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
 }
 
 /// A node and its GPUs.

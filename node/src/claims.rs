@@ -64,6 +64,9 @@ pub struct Claim {
     pub resource_claim: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<String>,
+    /// The same pods as `namespace/name`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pod_names: Vec<String>,
 }
 
 #[derive(Default)]
@@ -109,6 +112,7 @@ impl Board {
                             policy,
                             resource_claim: None,
                             pods: Vec::new(),
+                            pod_names: Vec::new(),
                         },
                     );
                 }

@@ -159,7 +159,23 @@ fn status(pass: &Pass, generation: Option<i64>, previous: Option<&GpuNodeStatus>
         &mut conditions,
         previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]),
     );
+    let mut claims: Vec<gpuslice_api::SliceClaim> = pass
+        .claims
+        .iter()
+        .map(|c| gpuslice_api::SliceClaim {
+            slice: c.slice.clone(),
+            resource_claim: c.resource_claim.clone(),
+            pods: c.pod_names.clone(),
+            pid: c
+                .resource_claim
+                .is_none()
+                .then(|| c.workload.unwrap_or(c.client)),
+            policy: c.policy.clone(),
+        })
+        .collect();
+    claims.dedup();
     GpuNodeStatus {
+        claims,
         inventory: Some(pass.inventory.clone()),
         applied_generation: if converged {
             generation

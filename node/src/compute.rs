@@ -333,6 +333,7 @@ mod tests {
             policy: None,
             resource_claim: None,
             pods: Vec::new(),
+            pod_names: Vec::new(),
         }
     }
 

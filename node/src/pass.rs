@@ -236,6 +236,7 @@ impl Agent {
                     policy: p.policy.clone(),
                     resource_claim: Some(format!("{}/{}", p.namespace, p.name)),
                     pods: p.pods.clone(),
+                    pod_names: p.pod_names.clone(),
                 })
             })
             .collect()

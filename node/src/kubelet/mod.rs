@@ -114,6 +114,9 @@ pub struct Prepared {
     /// The UIDs of the pods the claim is reserved for: their processes may use its slices.
     #[serde(default)]
     pub pods: Vec<String>,
+    /// The same pods as `namespace/name`, for status.
+    #[serde(default)]
+    pub pod_names: Vec<String>,
     /// The GpuSlicePolicy of the claim's DeviceClass (its opaque parameters).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<String>,
@@ -281,12 +284,16 @@ impl Plugin {
             )));
         }
         let status = object.status.unwrap_or_default();
-        let pods: Vec<String> = status
+        let reserved: Vec<_> = status
             .reserved_for
             .iter()
             .flatten()
             .filter(|r| r.resource == "pods")
-            .map(|r| r.uid.clone())
+            .collect();
+        let pods: Vec<String> = reserved.iter().map(|r| r.uid.clone()).collect();
+        let pod_names: Vec<String> = reserved
+            .iter()
+            .map(|r| format!("{}/{}", claim.namespace, r.name))
             .collect();
         let allocated = status
             .allocation
@@ -372,6 +379,7 @@ impl Plugin {
                 })
                 .collect(),
             pods,
+            pod_names,
             policy,
         };
         // Recorded last: a crash before this prepares again, from scratch.
