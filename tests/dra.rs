@@ -123,11 +123,41 @@ async fn placement(pods: &Api<Pod>, selector: &str) -> (Vec<(String, String)>, V
 /// `h200-a` in pool h200-mig (MIG) — one agent per node on an emulated GPU, the operator, and the
 /// examples' pools and policies, all on a clock started at `clock`.
 struct Cluster {
-    _cluster: ControlPlane,
+    cluster: ControlPlane,
     client: Client,
     /// `<dir>/<node>/` holds each agent's state, kubelet plugin sockets and CDI specs.
     dir: tempfile::TempDir,
-    _processes: Vec<KillOnDrop>,
+    /// The agents of a100-a and h200-a, then the operator.
+    processes: Vec<KillOnDrop>,
+}
+
+/// The agent of node `name` (its node file, state, kubelet and CDI folders under `dir/<name>`).
+fn spawn_agent(
+    cluster: &ControlPlane,
+    dir: &Path,
+    name: &str,
+    clock: &str,
+    agent_args: &[&str],
+) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .args(["agent", "--kube", "--apply", "--interval", "2s"])
+            .args(agent_args)
+            .arg("--emulate")
+            .arg(dir.join(format!("{name}.yaml")))
+            .arg("--state")
+            .arg(dir.join(name).join("state"))
+            .arg("--kubelet-dir")
+            .arg(dir.join(name).join("kubelet"))
+            .arg("--cdi-dir")
+            .arg(dir.join(name).join("cdi"))
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("GPUSLICE_CLOCK_START", clock)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    )
 }
 
 async fn start(clock: &str, agent_args: &[&str]) -> Option<Cluster> {
@@ -152,25 +182,7 @@ async fn start(clock: &str, agent_args: &[&str]) -> Option<Cluster> {
             format!("name: {name}\ngpus:\n- {{index: 0, model: {model}}}\n"),
         )
         .unwrap();
-        processes.push(KillOnDrop(
-            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-                .args(["agent", "--kube", "--apply", "--interval", "2s"])
-                .args(agent_args)
-                .arg("--emulate")
-                .arg(&node_file)
-                .arg("--state")
-                .arg(dir.path().join(name).join("state"))
-                .arg("--kubelet-dir")
-                .arg(dir.path().join(name).join("kubelet"))
-                .arg("--cdi-dir")
-                .arg(dir.path().join(name).join("cdi"))
-                .env("KUBECONFIG", cluster.kubeconfig_path())
-                .env("GPUSLICE_CLOCK_START", clock)
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap(),
-        ));
+        processes.push(spawn_agent(&cluster, dir.path(), name, clock, agent_args));
     }
     processes.push(KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
@@ -194,10 +206,10 @@ async fn start(clock: &str, agent_args: &[&str]) -> Option<Cluster> {
     )
     .await;
     Some(Cluster {
-        _cluster: cluster,
+        cluster,
         client,
         dir,
-        _processes: processes,
+        processes,
     })
 }
 
@@ -620,20 +632,27 @@ fn probe(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     (program, lib)
 }
 
-/// A gRPC channel to a Unix socket, as the kubelet opens one to a plugin.
+/// A gRPC channel to a Unix socket, as the kubelet opens one to a plugin (retried while the
+/// plugin is starting).
 async fn unix_channel(path: std::path::PathBuf) -> tonic::transport::Channel {
-    tonic::transport::Endpoint::try_from("http://[::]:0")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
-        .await
-        .unwrap()
+    eventually("the plugin accepts connections", || {
+        let path = path.clone();
+        async move {
+            tonic::transport::Endpoint::try_from("http://[::]:0")
+                .unwrap()
+                .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                    let path = path.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                            tokio::net::UnixStream::connect(path).await?,
+                        ))
+                    }
+                }))
+                .await
+                .map_err(|e| e.to_string())
+        }
+    })
+    .await
 }
 
 fn claim(c: &ResourceClaim) -> proto::Claim {
@@ -646,11 +665,12 @@ fn claim(c: &ResourceClaim) -> proto::Claim {
 
 #[tokio::test]
 async fn the_kubelet_plugin_prepares_allocated_slices() {
-    let Some(running) = start("2026-12-02T10:00:00Z", &[]).await else {
+    let Some(mut running) = start("2026-12-02T10:00:00Z", &[]).await else {
         return;
     };
     let client = running.client.clone();
-    let node_dir = |node: &str| running.dir.path().join(node);
+    let base = running.dir.path().to_path_buf();
+    let node_dir = |node: &str| base.join(node);
 
     // Registration, as the kubelet's plugin watcher does it.
     let registry = node_dir("a100-a").join("kubelet/plugins_registry/gpuslice.io-reg.sock");
@@ -889,6 +909,58 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
     for c in &allocated {
         let uid = c.metadata.uid.as_ref().unwrap();
         assert_eq!(again.claims[uid], answer.claims[uid]);
+    }
+
+    // The agent killed between prepare and unprepare: restarted, it still holds the slices and
+    // answers the kubelet the same.
+    let _ = running.processes[0].0.kill();
+    let _ = running.processes[0].0.wait();
+    // What the old agent reported goes, so that what is seen next is the new one's.
+    let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
+    gpu_nodes
+        .patch_status(
+            "a100-a",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"status": {"claims": null}})),
+        )
+        .await
+        .unwrap();
+    running.processes[0] = spawn_agent(
+        &running.cluster,
+        running.dir.path(),
+        "a100-a",
+        "2026-12-02T10:00:00Z",
+        &[],
+    );
+    eventually("the restarted agent reports both prepared claims", || {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let node = gpu_nodes.get("a100-a").await.map_err(|e| e.to_string())?;
+            let held = node
+                .status
+                .iter()
+                .flat_map(|s| &s.claims)
+                .filter(|c| c.resource_claim.is_some() && c.policy.as_deref() == Some("notebook"))
+                .count();
+            (held == 2)
+                .then_some(())
+                .ok_or_else(|| format!("{held} held"))
+        }
+    })
+    .await;
+    let mut plugin = DraPluginClient::new(
+        unix_channel(node_dir("a100-a").join("kubelet/plugins/gpuslice.io/dra.sock")).await,
+    );
+    let after_restart = plugin
+        .node_prepare_resources(proto::NodePrepareResourcesRequest {
+            claims: allocated.iter().map(claim).collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    for c in &allocated {
+        let uid = c.metadata.uid.as_ref().unwrap();
+        assert_eq!(after_restart.claims[uid], answer.claims[uid]);
     }
 
     // The H200 node's plugin refuses a claim allocated on the A100 node.
