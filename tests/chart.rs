@@ -380,8 +380,36 @@ async fn admission_takes_policies_by_name(admin: &kube::Client) {
     let label = |policy: &str| serde_json::json!({"gpuslice.io/policy": policy});
 
     // `llm-inference` admits namespaces labelled team=serving: once the operator has resolved
-    // that, a labelled pod there is stored asking for one slice of the policy.
+    // that, a labelled pod there is stored asking for one slice of the policy. (The API server
+    // loads new admission policies a moment after they are created, each on its own: a pod
+    // stored before the mutating one is in force is deleted and sent again.)
+    let asks = |p: &Pod| {
+        p.spec.as_ref().is_some_and(|s| {
+            s.containers[0]
+                .resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .is_some_and(|l| l.contains_key("gpuslice.io/llm-inference"))
+        })
+    };
+    // The validating policy in force first: an unknown policy is refused.
     let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match create(pod("probe", "web", label("nope"), serde_json::json!({}))).await {
+            Err(_) => break,
+            Ok(_) => {
+                Api::<Pod>::namespaced(admin.clone(), "web")
+                    .delete("probe", &kube::api::DeleteParams::default().grace_period(0))
+                    .await
+                    .unwrap();
+                assert!(
+                    Instant::now() < deadline,
+                    "the validating policy never took effect"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     let stored = loop {
         match create(pod(
             "llm-0",
@@ -391,7 +419,14 @@ async fn admission_takes_policies_by_name(admin: &kube::Client) {
         ))
         .await
         {
-            Ok(p) => break p,
+            Ok(p) if asks(&p) => break p,
+            Ok(_) => {
+                Api::<Pod>::namespaced(admin.clone(), "serving")
+                    .delete("llm-0", &kube::api::DeleteParams::default().grace_period(0))
+                    .await
+                    .unwrap();
+                assert!(Instant::now() < deadline, "the label never became a limit");
+            }
             Err(e) => assert!(Instant::now() < deadline, "never admitted: {e}"),
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
