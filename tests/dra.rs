@@ -61,6 +61,22 @@ fn pod(name: &str, policy: &str) -> Pod {
     .unwrap()
 }
 
+/// Waits until `bound` test pods are bound and `waiting` wait with the scheduler's reason.
+async fn settled(
+    pods: &Api<Pod>,
+    bound: usize,
+    waiting: usize,
+    what: &str,
+) -> (Vec<(String, String)>, Vec<String>) {
+    eventually(what, || async move {
+        let (b, w) = placement(pods, "app=dra-test").await;
+        (b.len() == bound && w.len() == waiting && w.iter().all(|w| !w.ends_with(": ")))
+            .then_some((b.clone(), w.clone()))
+            .ok_or_else(|| format!("bound {b:?}, waiting {w:?}"))
+    })
+    .await
+}
+
 /// Each bound pod's node and the devices its claims were allocated, from the ResourceClaims.
 async fn allocations(client: &Client, namespace: &str) -> BTreeMap<String, Vec<(String, String)>> {
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
@@ -287,16 +303,7 @@ async fn pods_naming_a_policy_get_their_own_fitting_slice() {
         .await
         .unwrap();
     }
-    let (bound, waiting) = eventually("four notebooks are placed, one waits", || {
-        let pods = pods.clone();
-        async move {
-            let (bound, waiting) = placement(&pods, "app=dra-test").await;
-            (bound.len() == 4 && waiting.len() == 1 && !waiting[0].ends_with(": "))
-                .then_some((bound.clone(), waiting.clone()))
-                .ok_or_else(|| format!("bound {bound:?}, waiting {waiting:?}"))
-        }
-    })
-    .await;
+    let (bound, waiting) = settled(&pods, 4, 1, "four notebooks are placed, one waits").await;
     assert!(bound.iter().all(|(_, node)| node == "a100-a"), "{bound:?}");
     assert!(
         waiting[0].contains("cannot allocate all claims"),
@@ -508,16 +515,7 @@ async fn slices_a_window_change_will_recut_take_no_new_pods() {
     pods.create(&PostParams::default(), &pod("inference", "llm-inference"))
         .await
         .unwrap();
-    let (bound, waiting) = eventually("the notebook waits, the inference pod runs", || {
-        let pods = pods.clone();
-        async move {
-            let (bound, waiting) = placement(&pods, "app=dra-test").await;
-            (bound.len() == 1 && waiting.len() == 1 && !waiting[0].ends_with(": "))
-                .then_some((bound.clone(), waiting.clone()))
-                .ok_or_else(|| format!("bound {bound:?}, waiting {waiting:?}"))
-        }
-    })
-    .await;
+    let (bound, waiting) = settled(&pods, 1, 1, "the notebook waits, the inference pod runs").await;
     assert_eq!(bound, [("inference".to_string(), "h200-a".to_string())]);
     assert!(waiting[0].starts_with("late-notebook: "), "{waiting:?}");
 }
