@@ -588,48 +588,6 @@ fn run_in_container(
     Some(out)
 }
 
-/// The shim's probe program (`shim/tests/programs/probe.c`), built against the emulated CUDA
-/// driver and NVML copied into `dir/lib`.
-fn probe(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
-    let built = Path::new(env!("CARGO_BIN_EXE_gpuslice"))
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let lib = dir.join("lib");
-    std::fs::create_dir_all(&lib).unwrap();
-    for (name, from) in [
-        ("libcuda.so", "libcuda.so"),
-        ("libcuda.so.1", "libcuda.so"),
-        ("libnvidia-ml.so", "libnvidia_ml.so"),
-        ("libnvidia-ml.so.1", "libnvidia_ml.so"),
-    ] {
-        // Cargo leaves the cdylib in `deps/` and, after a plain build, beside the binaries too:
-        // the newer is the one just built.
-        let newest = [built.join(from), built.join("deps").join(from)]
-            .into_iter()
-            .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-            .max()
-            .map(|(_, p)| p)
-            .unwrap_or_else(|| panic!("{from} is not built: cargo build --workspace"));
-        std::fs::copy(newest, lib.join(name)).unwrap();
-    }
-    let program = dir.join("probe");
-    let cc = Command::new("cc")
-        .args(["-O1", "-o"])
-        .arg(&program)
-        .arg(root().join("shim/tests/programs/probe.c"))
-        .arg(format!("-L{}", lib.display()))
-        .args(["-lcuda", "-lnvidia-ml", "-ldl"])
-        .output()
-        .unwrap();
-    assert!(
-        cc.status.success(),
-        "{}",
-        String::from_utf8_lossy(&cc.stderr)
-    );
-    (program, lib)
-}
-
 /// A gRPC channel to a Unix socket, as the kubelet opens one to a plugin (retried while the
 /// plugin is starting).
 async fn unix_channel(path: std::path::PathBuf) -> tonic::transport::Channel {
@@ -865,7 +823,8 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
     )
     .unwrap();
     let scratch = tempfile::tempdir().unwrap();
-    let (program, lib) = probe(scratch.path());
+    let (program, lib) =
+        gpuslice_testcluster::build_probe(Path::new(env!("CARGO_BIN_EXE_gpuslice")), scratch.path());
     let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("a100-a");
     let program = program.to_str().unwrap();
     match run_in_container(

@@ -10,6 +10,7 @@
 //!   the cap) and the agent's socket for compute shares.
 //! - `NodeUnprepareResources`: removes the claim's CDI spec and record. Both are idempotent.
 
+mod authority;
 pub mod proto;
 
 use std::collections::HashMap;
@@ -456,11 +457,14 @@ impl Plugin {
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(
                 dra_listener,
             ));
+        // The kubelet's registration client sends the socket path as `:authority`.
+        let registration_connections = tokio_stream::StreamExt::map(
+            tokio_stream::wrappers::UnixListenerStream::new(registration_listener),
+            |connection| connection.map(authority::LocalAuthority::new),
+        );
         let registration = tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(registrar))
-            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(
-                registration_listener,
-            ));
+            .serve_with_incoming(registration_connections);
         tracing::info!(
             "kubelet plugin {}: registration {}, DRA {}",
             dra::DRIVER,
@@ -515,7 +519,17 @@ impl DRAPlugin for Plugin {
         request: tonic::Request<proto::NodePrepareResourcesRequest>,
     ) -> Result<tonic::Response<proto::NodePrepareResourcesResponse>, tonic::Status> {
         let mut claims = HashMap::new();
-        for claim in request.into_inner().claims {
+        let request = request.into_inner();
+        tracing::info!(
+            "NodePrepareResources: {}",
+            request
+                .claims
+                .iter()
+                .map(|c| format!("{}/{} ({})", c.namespace, c.name, c.uid))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for claim in request.claims {
             let answer = match self.prepare(&claim).await {
                 Ok(done) => proto::NodePrepareResourceResponse {
                     devices: done

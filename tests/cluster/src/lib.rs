@@ -11,6 +11,10 @@
 //! One control plane per test: etcd and the API server are ready in a few seconds, and a test
 //! that owns its control plane can restart it, break it and read its logs without disturbing others.
 
+mod kubelet;
+
+pub use kubelet::{Container, Kubelet};
+
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
@@ -773,4 +777,45 @@ impl Drop for KillOnDrop {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// The shim's probe program (`shim/tests/programs/probe.c`), built into `dir` against the
+/// emulated CUDA driver and NVML copied into `dir/lib`, taken from beside `binary` (a test's
+/// `CARGO_BIN_EXE_gpuslice`). Returns the program and the library folder.
+pub fn build_probe(binary: &Path, dir: &Path) -> (PathBuf, PathBuf) {
+    let built = binary.parent().expect("a binary has a folder").to_path_buf();
+    let lib = dir.join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    for (name, from) in [
+        ("libcuda.so", "libcuda.so"),
+        ("libcuda.so.1", "libcuda.so"),
+        ("libnvidia-ml.so", "libnvidia_ml.so"),
+        ("libnvidia-ml.so.1", "libnvidia_ml.so"),
+    ] {
+        // Cargo leaves the cdylib in `deps/` and, after a plain build, beside the binaries too:
+        // the newer is the one just built.
+        let newest = [built.join(from), built.join("deps").join(from)]
+            .into_iter()
+            .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+            .max()
+            .map(|(_, p)| p)
+            .unwrap_or_else(|| panic!("{from} is not built: cargo build --workspace"));
+        std::fs::copy(newest, lib.join(name)).unwrap();
+    }
+    let program = dir.join("probe");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shim/tests/programs/probe.c");
+    let cc = Command::new("cc")
+        .args(["-O1", "-o"])
+        .arg(&program)
+        .arg(source)
+        .arg(format!("-L{}", lib.display()))
+        .args(["-lcuda", "-lnvidia-ml", "-ldl"])
+        .output()
+        .unwrap();
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    (program, lib)
 }

@@ -1,0 +1,275 @@
+//! A real kubelet for one node of a test control plane, on our test container runtime
+//! (`testruntime`: the kubelet's fake CRI server, plus CDI resolution and validation, and each
+//! container's command run as a local process with the CDI edits applied).
+//!
+//! The kubelet needs root. It changes a few host settings and paths, which [`Kubelet`] puts back
+//! when it is dropped: three sysctls, `/var/lib/kubelet/device-plugins/kubelet.sock` and
+//! `/var/log/containers`. It runs in a private mount namespace, so its own mounts (its root
+//! directory onto itself) end with it.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::Api;
+
+use crate::{ControlPlane, Error, Process, free_port, io, write};
+
+/// Sysctls the kubelet sets at start (its "kernel defaults").
+const SYSCTLS: [&str; 3] = [
+    "/proc/sys/vm/overcommit_memory",
+    "/proc/sys/kernel/panic",
+    "/proc/sys/kernel/panic_on_oops",
+];
+
+/// Host paths the kubelet creates whatever its root directory; removed if they were not there.
+const HOST_PATHS: [&str; 3] = [
+    "/var/lib/kubelet/device-plugins/kubelet.sock",
+    "/var/lib/kubelet/device-plugins",
+    "/var/log/containers",
+];
+
+/// What a container created by the test runtime was given and did.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Container {
+    pub id: String,
+    pub namespace: String,
+    pub pod: String,
+    #[serde(rename = "podUID")]
+    pub pod_uid: String,
+    pub container: String,
+    /// The CDI device ids the kubelet passed to `CreateContainer`.
+    #[serde(default)]
+    pub cdi_devices: Vec<String>,
+    /// The CDI spec files they resolved to (each valid against the CDI schema).
+    #[serde(default)]
+    pub cdi_specs: Vec<String>,
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// The process environment: the pod's, then the CDI edits'.
+    #[serde(default)]
+    pub env: Vec<String>,
+    #[serde(default)]
+    pub started: bool,
+    pub exit_code: Option<i32>,
+}
+
+pub struct Kubelet {
+    node: String,
+    dir: PathBuf,
+    bin: PathBuf,
+    args: Vec<String>,
+    runtime: Process,
+    kubelet: Option<Process>,
+    sysctls: Vec<(&'static str, String)>,
+    created: Vec<&'static str>,
+    /// `/var/lib/kubelet`, when the kubelet made it.
+    var_lib_kubelet: bool,
+}
+
+impl ControlPlane {
+    /// Starts a kubelet registering node `node` with `labels`, on the test runtime. `Ok(None)`
+    /// (said loudly on stderr) when not root and `CI` is not set: the kubelet needs root.
+    pub async fn start_kubelet(
+        &self,
+        node: &str,
+        labels: &[(&str, &str)],
+    ) -> Result<Option<Kubelet>, Error> {
+        // SAFETY: geteuid has no preconditions and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            let why = "the kubelet needs root";
+            if std::env::var_os("CI").is_none() {
+                eprintln!("\n!!! SKIPPED: {why}\n");
+                return Ok(None);
+            }
+            return Err(Error::Missing(why.into()));
+        }
+        let dir = self.dir.path().join(format!("kubelet-{node}"));
+        for sub in ["root/plugins_registry", "root/plugins", "cdi", "records", "scratch", "pod-logs", "volume-plugins"] {
+            std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("creating {sub}")))?;
+        }
+        let socket = dir.join("cri.sock");
+        let runtime = Process::spawn(
+            "testruntime",
+            &self.bin.join("testruntime"),
+            &[
+                format!("--endpoint=unix://{}", socket.display()),
+                format!("--records={}", dir.join("records").display()),
+                format!("--cdi-dir={}", dir.join("cdi").display()),
+                format!("--scratch={}", dir.join("scratch").display()),
+            ],
+            &dir,
+        )?;
+        let (port, healthz) = (free_port()?, free_port()?);
+        let config = serde_json::json!({
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            // These machines are cgroup v1 without systemd managing the tree.
+            "failCgroupV1": false,
+            "cgroupDriver": "cgroupfs",
+            "cgroupsPerQOS": false,
+            "enforceNodeAllocatable": [],
+            "failSwapOn": false,
+            "containerRuntimeEndpoint": format!("unix://{}", socket.display()),
+            "imageServiceEndpoint": format!("unix://{}", socket.display()),
+            "authentication": {"anonymous": {"enabled": true}, "webhook": {"enabled": false}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "staticPodPath": "",
+            "podLogsDir": dir.join("pod-logs"),
+            "volumePluginDir": dir.join("volume-plugins"),
+            "address": "127.0.0.1",
+            "port": port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": healthz,
+            // Quick retries of what failed (a plugin not registered yet).
+            "syncFrequency": "5s",
+            "fileCheckFrequency": "5s",
+            "nodeStatusUpdateFrequency": "2s",
+        });
+        let config_path = dir.join("kubelet.yaml");
+        write(
+            &config_path,
+            &serde_yaml::to_string(&config).map_err(|e| Error::Kubeconfig(e.to_string()))?,
+        )?;
+        let node_labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let args = vec![
+            "--mount".to_string(),
+            "--propagation".to_string(),
+            "private".to_string(),
+            self.bin.join("kubelet").display().to_string(),
+            format!("--config={}", config_path.display()),
+            format!("--kubeconfig={}", self.kubeconfig_path().display()),
+            format!("--root-dir={}", dir.join("root").display()),
+            format!("--cert-dir={}", dir.join("pki").display()),
+            format!("--hostname-override={node}"),
+            format!("--node-labels={}", node_labels.join(",")),
+            "--v=2".to_string(),
+        ];
+        let sysctls = SYSCTLS
+            .iter()
+            .filter_map(|p| Some((*p, std::fs::read_to_string(p).ok()?)))
+            .collect();
+        let created = HOST_PATHS
+            .iter()
+            .copied()
+            .filter(|p| !Path::new(p).exists())
+            .collect();
+        let mut kubelet = Kubelet {
+            node: node.to_string(),
+            bin: PathBuf::from("unshare"),
+            args,
+            runtime,
+            kubelet: None,
+            sysctls,
+            created,
+            var_lib_kubelet: !Path::new("/var/lib/kubelet").exists(),
+            dir,
+        };
+        kubelet.start(self).await?;
+        Ok(Some(kubelet))
+    }
+}
+
+impl Kubelet {
+    /// The kubelet's `--root-dir` (its `plugins_registry/` and `plugins/` are the agent's
+    /// `--kubelet-dir`).
+    pub fn root_dir(&self) -> PathBuf {
+        self.dir.join("root")
+    }
+
+    /// Where the runtime looks for CDI specs (the agent's `--cdi-dir`).
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.dir.join("cdi")
+    }
+
+    /// Every container the runtime was asked to create.
+    pub fn containers(&self) -> Vec<Container> {
+        let mut all: Vec<Container> = std::fs::read_dir(self.dir.join("records"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+            .collect();
+        all.sort_by(|a: &Container, b| (&a.pod, &a.id).cmp(&(&b.pod, &b.id)));
+        all
+    }
+
+    /// What a container's process printed.
+    pub fn output(&self, container: &Container) -> String {
+        std::fs::read_to_string(self.dir.join("records").join(format!("{}.log", container.id)))
+            .unwrap_or_default()
+    }
+
+    /// Stops the kubelet (not the runtime: the containers go on) and starts it again; returns
+    /// when its node is Ready again.
+    pub async fn restart(&mut self, cluster: &ControlPlane) -> Result<(), Error> {
+        if let Some(mut k) = self.kubelet.take() {
+            k.stop();
+        }
+        self.start(cluster).await
+    }
+
+    async fn start(&mut self, cluster: &ControlPlane) -> Result<(), Error> {
+        let mut process = Process::spawn("kubelet", &self.bin, &self.args, &self.dir)?;
+        let nodes: Api<Node> = Api::all(cluster.client().await?);
+        let started = std::time::SystemTime::now();
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            process.check_alive()?;
+            let ready = nodes.get_opt(&self.node).await?.and_then(|n| {
+                n.status?.conditions?.into_iter().find(|c| {
+                    c.type_ == "Ready"
+                        && c.status == "True"
+                        && c.last_heartbeat_time
+                            .as_ref()
+                            .is_some_and(|t| std::time::SystemTime::from(t.0) >= started)
+                })
+            });
+            if ready.is_some() {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::NotReady {
+                    component: format!("kubelet of {}", self.node),
+                    seconds: 90,
+                    log: process.log_text(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        self.kubelet = Some(process);
+        Ok(())
+    }
+
+    /// The last lines of the kubelet's and the runtime's logs.
+    pub fn logs(&self) -> String {
+        let kubelet = self.kubelet.as_ref().map(|k| k.log_text()).unwrap_or_default();
+        format!(
+            "----- kubelet of {} -----\n{kubelet}\n----- testruntime -----\n{}\n",
+            self.node,
+            self.runtime.log_text()
+        )
+    }
+}
+
+impl Drop for Kubelet {
+    fn drop(&mut self) {
+        if let Some(mut k) = self.kubelet.take() {
+            k.stop();
+        }
+        self.runtime.stop();
+        for (path, value) in &self.sysctls {
+            let _ = std::fs::write(path, value);
+        }
+        for path in &self.created {
+            let _ = std::fs::remove_file(path).or_else(|_| std::fs::remove_dir_all(path));
+        }
+        if self.var_lib_kubelet {
+            let _ = std::fs::remove_dir("/var/lib/kubelet");
+        }
+    }
+}
