@@ -823,8 +823,10 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
     )
     .unwrap();
     let scratch = tempfile::tempdir().unwrap();
-    let (program, lib) =
-        gpuslice_testcluster::build_probe(Path::new(env!("CARGO_BIN_EXE_gpuslice")), scratch.path());
+    let (program, lib) = gpuslice_testcluster::build_probe(
+        Path::new(env!("CARGO_BIN_EXE_gpuslice")),
+        scratch.path(),
+    );
     let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("a100-a");
     let program = program.to_str().unwrap();
     match run_in_container(

@@ -90,33 +90,30 @@ fn pod(name: &str, command: &[&str], lib: &Path, machine: &Path) -> Pod {
     .unwrap()
 }
 
-/// The CDI device id the agent gives for each pod's claim: `gpuslice.io/slice=<claim uid>-<device>`.
-async fn expected_cdi_ids(client: &Client) -> std::collections::BTreeMap<String, String> {
+/// The CDI device id the agent gives for a pod's claim: `gpuslice.io/slice=<claim uid>-<device>`.
+async fn cdi_id(client: &Client, pod: &str) -> String {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let claim_name = pods
+        .get(pod)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.extended_resource_claim_status)
+        .map(|s| s.resource_claim_name)
+        .unwrap_or_else(|| panic!("{pod} has no claim for its extended resource"));
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let mut ids = std::collections::BTreeMap::new();
-    for claim in claims.list(&ListParams::default()).await.unwrap() {
-        let Some(pod) = claim
-            .metadata
-            .owner_references
-            .iter()
-            .flatten()
-            .find(|o| o.kind == "Pod")
-            .map(|o| o.name.clone())
-        else {
-            continue;
-        };
-        let uid = claim.metadata.uid.clone().unwrap();
-        for result in claim
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .unwrap_or_default()
-        {
-            ids.insert(pod.clone(), format!("gpuslice.io/slice={uid}-{}", result.device));
-        }
-    }
-    ids
+    let claim = claims.get(&claim_name).await.unwrap();
+    let uid = claim.metadata.uid.clone().unwrap();
+    let results = claim
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .unwrap_or_default();
+    let [result] = &results[..] else {
+        panic!("{claim_name}: {results:?}")
+    };
+    format!("gpuslice.io/slice={uid}-{}", result.device)
 }
 
 async fn phase(pods: &Api<Pod>, name: &str) -> String {
@@ -189,7 +186,14 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     let agent_log = dir.path().join("agent.log");
     let _agent = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .args(["agent", "--kube", "--apply", "--interval", "2s", "--emulate"])
+            .args([
+                "agent",
+                "--kube",
+                "--apply",
+                "--interval",
+                "2s",
+                "--emulate",
+            ])
             .arg(&node_file)
             .arg("--state")
             .arg(&state)
@@ -224,10 +228,8 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     )
     .await;
 
-    let (program, lib) = gpuslice_testcluster::build_probe(
-        Path::new(env!("CARGO_BIN_EXE_gpuslice")),
-        dir.path(),
-    );
+    let (program, lib) =
+        gpuslice_testcluster::build_probe(Path::new(env!("CARGO_BIN_EXE_gpuslice")), dir.path());
     let machine = gpuslice_contract::StateDir::new(&state).emulated_machine(NODE);
     let probe = program.to_str().unwrap();
     let logs = LogsOnPanic {
@@ -235,51 +237,38 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
         agent_log: agent_log.clone(),
     };
 
-    // Two notebooks that check their GPU and end, one that checks and stays.
+    // Three notebooks that check their GPU, then wait until told to end.
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    for name in ["notebook-0", "notebook-1"] {
+    let names = ["notebook-0", "notebook-1", "notebook-2"];
+    let stop = |name: &str| dir.path().join(format!("stop-{name}"));
+    for name in names {
+        let script = format!(
+            "{probe} link cap && until [ -e {} ]; do sleep 0.2; done",
+            stop(name).display()
+        );
         pods.create(
             &PostParams::default(),
-            &pod(name, &[probe, "link", "cap"], &lib, &machine),
+            &pod(name, &["/bin/sh", "-c", &script], &lib, &machine),
         )
         .await
         .unwrap();
     }
-    let stays = format!("{probe} link cap && exec sleep 600");
-    pods.create(
-        &PostParams::default(),
-        &pod("notebook-held", &["/bin/sh", "-c", &stays], &lib, &machine),
-    )
-    .await
-    .unwrap();
-    eventually("two notebooks succeed and one runs", || {
-        let pods = pods.clone();
-        async move {
-            let phases = [
-                phase(&pods, "notebook-0").await,
-                phase(&pods, "notebook-1").await,
-                phase(&pods, "notebook-held").await,
-            ];
-            if phases == ["Succeeded", "Succeeded", "Running"] {
-                return Ok(());
-            }
-            Err(format!("{phases:?}{}", pod_states(&pods).await))
-        }
-    })
-    .await;
+    wait_for_phases(&pods, &names, ["Running"; 3]).await;
 
     // The kubelet passed each pod exactly the CDI device the agent prepared for its claim; the
     // runtime found it in a spec that is valid CDI; each pod has its own slice.
-    let expected = expected_cdi_ids(&client).await;
     let containers = kubelet.containers();
     assert_eq!(containers.len(), 3, "{containers:#?}");
     let mut devices = BTreeSet::new();
     for c in &containers {
-        assert_eq!(c.cdi_devices, [expected[&c.pod].clone()], "{c:#?}");
+        assert_eq!(c.cdi_devices, [cdi_id(&client, &c.pod).await], "{c:#?}");
         assert_eq!(c.cdi_specs.len(), 1, "{c:#?}");
-        devices.insert(c.cdi_devices[0].rsplit('-').next().unwrap().to_string());
+        devices.insert(c.cdi_devices[0].clone());
         // Nothing preloads the shim by environment: /etc/ld.so.preload from the CDI spec does.
-        assert!(!c.env.iter().any(|e| e.starts_with("LD_PRELOAD=")), "{c:#?}");
+        assert!(
+            !c.env.iter().any(|e| e.starts_with("LD_PRELOAD=")),
+            "{c:#?}"
+        );
         // What the program saw: the policy's 8 GiB plus the pool's 1 GiB headroom, not the
         // slice's 20 GiB; 1 GiB allocations until the cap (eight, the context takes its
         // share); past it, allocation fails.
@@ -298,43 +287,25 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
         assert_ne!(value(&output, "alloc_over"), 0, "{output}");
     }
     assert_eq!(devices.len(), 3, "one slice per pod: {containers:#?}");
-
-    // Ended pods give their slices back: their claims are unprepared, their CDI specs gone; the
-    // node reports only the running pod's claim.
     let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
-    let held_by = |gpu_nodes: Api<gpuslice_api::GpuNode>| async move {
-        let node = gpu_nodes.get(NODE).await.map_err(|e| e.to_string())?;
-        Ok::<_, String>(
-            node.status
-                .iter()
-                .flat_map(|s| &s.claims)
-                .flat_map(|c| c.pods.clone())
-                .collect::<Vec<String>>(),
-        )
-    };
-    eventually("only the running notebook holds a slice", || {
-        let gpu_nodes = gpu_nodes.clone();
-        let cdi = kubelet.cdi_dir();
-        async move {
-            let held = held_by(gpu_nodes).await?;
-            let specs = std::fs::read_dir(&cdi).map_err(|e| e.to_string())?.count();
-            (held == ["default/notebook-held"] && specs == 1)
-                .then_some(())
-                .ok_or_else(|| format!("held by {held:?}, {specs} CDI specs"))
-        }
-    })
-    .await;
+    wait_for_holders(&gpu_nodes, &kubelet, &names).await;
+
+    // A pod that ends gives its slice back; so does a pod deleted.
+    std::fs::write(stop("notebook-0"), "").unwrap();
+    wait_for_phases(&pods, &names, ["Succeeded", "Running", "Running"]).await;
+    wait_for_holders(&gpu_nodes, &kubelet, &["notebook-1", "notebook-2"]).await;
+    pods.delete("notebook-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for_holders(&gpu_nodes, &kubelet, &["notebook-2"]).await;
 
     // The kubelet restarted: the running pod's claim is not prepared again, its container not
     // created again.
-    let held = containers
+    let claim_uid = containers
         .iter()
-        .find(|c| c.pod == "notebook-held")
-        .unwrap()
-        .clone();
-    let claim_uid = held.cdi_devices[0]
-        .trim_start_matches("gpuslice.io/slice=")
-        .get(..36)
+        .find(|c| c.pod == "notebook-2")
+        .map(|c| c.cdi_devices[0].trim_start_matches("gpuslice.io/slice="))
+        .and_then(|id| id.get(..36))
         .unwrap()
         .to_string();
     let asked = || {
@@ -354,29 +325,59 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     // Two of the kubelet's sync periods (5 s), in which a kubelet that lost track would prepare.
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert_eq!(asked(), 1, "the restarted kubelet prepared the claim again");
-    assert_eq!(phase(&pods, "notebook-held").await, "Running");
+    assert_eq!(phase(&pods, "notebook-2").await, "Running");
     assert_eq!(kubelet.containers().len(), 3);
 
-    // Deleted, the pod's process is stopped and its slice released.
-    pods.delete("notebook-held", &DeleteParams::default())
-        .await
-        .unwrap();
-    eventually("the deleted notebook's slice is released", || {
-        let gpu_nodes = gpu_nodes.clone();
+    std::fs::write(stop("notebook-2"), "").unwrap();
+    wait_for_phases(&pods, &names, ["Succeeded", "gone", "Succeeded"]).await;
+    wait_for_holders(&gpu_nodes, &kubelet, &[]).await;
+    drop(logs);
+}
+
+async fn wait_for_phases(pods: &Api<Pod>, names: &[&str], want: [&str; 3]) {
+    eventually(&format!("the notebooks are {want:?}"), || async move {
+        let mut phases = Vec::new();
+        for name in names {
+            phases.push(phase(pods, name).await);
+        }
+        if phases == want {
+            return Ok(());
+        }
+        Err(format!("{phases:?}{}", pod_states(pods).await))
+    })
+    .await;
+}
+
+/// Waits until exactly `holders` hold slices: the node's status lists their claims, one CDI spec
+/// each is left, and every other container's process has ended.
+async fn wait_for_holders(
+    gpu_nodes: &Api<gpuslice_api::GpuNode>,
+    kubelet: &Kubelet,
+    holders: &[&str],
+) {
+    let want: BTreeSet<String> = holders.iter().map(|p| format!("default/{p}")).collect();
+    eventually(&format!("slices held by {want:?}"), || {
+        let want = want.clone();
         let cdi = kubelet.cdi_dir();
         let containers = kubelet.containers();
         async move {
-            let held = held_by(gpu_nodes).await?;
-            let specs = std::fs::read_dir(&cdi).map_err(|e| e.to_string())?.count();
-            let exited = containers
+            let node = gpu_nodes.get(NODE).await.map_err(|e| e.to_string())?;
+            let held: BTreeSet<String> = node
+                .status
                 .iter()
-                .find(|c| c.pod == "notebook-held")
-                .and_then(|c| c.exit_code);
-            (held.is_empty() && specs == 0 && exited.is_some())
+                .flat_map(|s| &s.claims)
+                .flat_map(|c| c.pods.clone())
+                .collect();
+            let specs = std::fs::read_dir(&cdi).map_err(|e| e.to_string())?.count();
+            let running: BTreeSet<String> = containers
+                .iter()
+                .filter(|c| c.started && c.exit_code.is_none())
+                .map(|c| format!("{}/{}", c.namespace, c.pod))
+                .collect();
+            (held == want && specs == want.len() && running == want)
                 .then_some(())
-                .ok_or_else(|| format!("held by {held:?}, {specs} CDI specs, exit {exited:?}"))
+                .ok_or_else(|| format!("held by {held:?}, {specs} CDI specs, running {running:?}"))
         }
     })
     .await;
-    drop(logs);
 }

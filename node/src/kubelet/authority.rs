@@ -351,7 +351,10 @@ mod tests {
         let mut never = vec![0x11, 0x7f];
         never.extend_from_slice(&[(path.len() - 127) as u8]);
         never.extend_from_slice(path.as_bytes());
-        assert_eq!(rewrite_authority(&never).unwrap(), hex("11 09 6c6f63616c686f7374"));
+        assert_eq!(
+            rewrite_authority(&never).unwrap(),
+            hex("11 09 6c6f63616c686f7374")
+        );
         // Truncated: no rewrite.
         assert_eq!(rewrite_authority(&hex("8286 8441 0f77")), None);
     }
@@ -377,7 +380,14 @@ mod tests {
         let headers = frame(HEADERS, PADDED | PRIORITY | 0x1, 1, &headers_payload);
         let continuation = frame(CONTINUATION, END_HEADERS, 1, &block[5..]);
         let data = frame(0x0, 0x1, 1, b"body");
-        let sent = [preface.clone(), settings.clone(), headers, continuation, data.clone()].concat();
+        let sent = [
+            preface.clone(),
+            settings.clone(),
+            headers,
+            continuation,
+            data.clone(),
+        ]
+        .concat();
 
         let (mut client, server) = tokio::io::duplex(64);
         let writer = tokio::spawn(async move {

@@ -86,7 +86,15 @@ impl ControlPlane {
             return Err(Error::Missing(why.into()));
         }
         let dir = self.dir.path().join(format!("kubelet-{node}"));
-        for sub in ["root/plugins_registry", "root/plugins", "cdi", "records", "scratch", "pod-logs", "volume-plugins"] {
+        for sub in [
+            "root/plugins_registry",
+            "root/plugins",
+            "cdi",
+            "records",
+            "scratch",
+            "pod-logs",
+            "volume-plugins",
+        ] {
             std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("creating {sub}")))?;
         }
         let socket = dir.join("cri.sock");
@@ -200,8 +208,12 @@ impl Kubelet {
 
     /// What a container's process printed.
     pub fn output(&self, container: &Container) -> String {
-        std::fs::read_to_string(self.dir.join("records").join(format!("{}.log", container.id)))
-            .unwrap_or_default()
+        std::fs::read_to_string(
+            self.dir
+                .join("records")
+                .join(format!("{}.log", container.id)),
+        )
+        .unwrap_or_default()
     }
 
     /// Stops the kubelet (not the runtime: the containers go on) and starts it again; returns
@@ -247,7 +259,11 @@ impl Kubelet {
 
     /// The last lines of the kubelet's and the runtime's logs.
     pub fn logs(&self) -> String {
-        let kubelet = self.kubelet.as_ref().map(|k| k.log_text()).unwrap_or_default();
+        let kubelet = self
+            .kubelet
+            .as_ref()
+            .map(|k| k.log_text())
+            .unwrap_or_default();
         format!(
             "----- kubelet of {} -----\n{kubelet}\n----- testruntime -----\n{}\n",
             self.node,

@@ -783,7 +783,10 @@ impl Drop for KillOnDrop {
 /// emulated CUDA driver and NVML copied into `dir/lib`, taken from beside `binary` (a test's
 /// `CARGO_BIN_EXE_gpuslice`). Returns the program and the library folder.
 pub fn build_probe(binary: &Path, dir: &Path) -> (PathBuf, PathBuf) {
-    let built = binary.parent().expect("a binary has a folder").to_path_buf();
+    let built = binary
+        .parent()
+        .expect("a binary has a folder")
+        .to_path_buf();
     let lib = dir.join("lib");
     std::fs::create_dir_all(&lib).unwrap();
     for (name, from) in [
