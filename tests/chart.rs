@@ -217,9 +217,11 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     }
     admission_takes_policies_by_name(&admin).await;
 
-    // The kubelet plugin inside the agent reads the claims it prepares, and nothing lets the
-    // agent delete pods.
+    // The kubelet plugin inside the agent reads the claims it prepares; the agent evicts pods
+    // through the Eviction API (a window change re-cutting their slices), and nothing lets it
+    // delete pods.
     let may = |verb: &str, resource: &str| {
+        let (resource, subresource) = resource.split_once('/').unwrap_or((resource, ""));
         let admin = admin.clone();
         let review: SubjectAccessReview = serde_json::from_value(serde_json::json!({
             "apiVersion": "authorization.k8s.io/v1",
@@ -228,7 +230,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
                 "user": format!("system:serviceaccount:{NAMESPACE}:gs-agent"),
                 "groups": ["system:serviceaccounts"],
                 "resourceAttributes": {"verb": verb, "group": if resource == "pods" { "" } else { "resource.k8s.io" },
-                    "resource": resource, "namespace": "default"}
+                    "resource": resource, "subresource": subresource, "namespace": "default"}
             }
         }))
         .unwrap();
@@ -242,6 +244,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         }
     };
     assert!(may("get", "resourceclaims").await);
+    assert!(may("create", "pods/eviction").await);
     assert!(!may("delete", "pods").await);
 
     // Nothing else: the agent could not, say, change a pool.

@@ -15,8 +15,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, Kubelet, eventually};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
@@ -27,16 +28,109 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Prints the kubelet's, the runtime's and the agent's logs when a test fails.
-struct LogsOnPanic<'a> {
-    kubelet: &'a Kubelet,
+/// The control plane, the kubelet of node `gpu-a` on an emulated A100 in pool shared-a100, its
+/// agent and the operator, all on a clock started at `clock`; the examples' pool and notebook
+/// policy; and the shim's probe program built against the emulated CUDA driver.
+struct Setup {
+    _agent: KillOnDrop,
+    _operator: KillOnDrop,
+    kubelet: Kubelet,
+    cluster: ControlPlane,
+    client: Client,
     agent_log: std::path::PathBuf,
+    probe: std::path::PathBuf,
+    lib: std::path::PathBuf,
+    machine: std::path::PathBuf,
+    dir: tempfile::TempDir,
 }
 
-impl Drop for LogsOnPanic<'_> {
+impl Setup {
+    async fn start(clock: &str, agent_args: &[&str]) -> Option<Setup> {
+        let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
+        let kubelet = cluster
+            .start_kubelet(NODE, &[("gpuslice.io/pool", "shared-a100")])
+            .await
+            .unwrap()?;
+        let client = cluster.client().await.unwrap();
+        gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let node_file = dir.path().join("node.yaml");
+        std::fs::write(
+            &node_file,
+            format!("name: {NODE}\ngpus:\n- {{index: 0, model: NVIDIA A100-SXM4-80GB}}\n"),
+        )
+        .unwrap();
+        let state = dir.path().join("state");
+        let agent_log = dir.path().join("agent.log");
+        let agent = KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+                .args(["agent", "--kube", "--apply", "--interval", "2s"])
+                .args(agent_args)
+                .arg("--emulate")
+                .arg(&node_file)
+                .arg("--state")
+                .arg(&state)
+                .arg("--kubelet-dir")
+                .arg(kubelet.root_dir())
+                .arg("--cdi-dir")
+                .arg(kubelet.cdi_dir())
+                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("GPUSLICE_CLOCK_START", clock)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&agent_log).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        let operator = KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+                .arg("operator")
+                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("GPUSLICE_CLOCK_START", clock)
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        );
+        apply_examples(
+            &client,
+            &[
+                "examples/gitops/policies/checkpoint-standard.yaml",
+                "examples/gitops/pools/shared-a100.yaml",
+                "examples/gitops/policies/notebook.yaml",
+            ],
+        )
+        .await;
+        let (probe, lib) = gpuslice_testcluster::build_probe(
+            Path::new(env!("CARGO_BIN_EXE_gpuslice")),
+            dir.path(),
+        );
+        let machine = gpuslice_contract::StateDir::new(&state).emulated_machine(NODE);
+        Some(Setup {
+            _agent: agent,
+            _operator: operator,
+            kubelet,
+            cluster,
+            client,
+            agent_log,
+            probe,
+            lib,
+            machine,
+            dir,
+        })
+    }
+
+    fn agent_log(&self) -> String {
+        std::fs::read_to_string(&self.agent_log).unwrap_or_default()
+    }
+}
+
+/// A failed test shows the kubelet's, the runtime's and the agent's logs.
+impl Drop for Setup {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let agent = std::fs::read_to_string(&self.agent_log).unwrap_or_default();
+            let agent = self.agent_log();
             let tail: Vec<&str> = agent.lines().rev().take(60).collect();
             eprintln!(
                 "{}----- agent -----\n{}",
@@ -67,27 +161,33 @@ async fn apply_examples(client: &Client, files: &[&str]) {
 /// A pod asking for one `notebook` slice by the policy's extended resource, running `command`
 /// with the emulated CUDA driver (what the NVIDIA container runtime would bring) on its path.
 fn pod(name: &str, command: &[&str], lib: &Path, machine: &Path) -> Pod {
+    let mut spec = pod_spec(command, lib, machine);
+    spec["restartPolicy"] = "Never".into();
     serde_json::from_value(serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": {"app": "kubelet-test"}},
-        "spec": {
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": false,
-            "enableServiceLinks": false,
-            "containers": [{
-                "name": "main",
-                "image": "example.com/notebook:1",
-                "command": command,
-                "env": [
-                    {"name": "LD_LIBRARY_PATH", "value": lib},
-                    {"name": "GPUSLICE_EMULATOR_STATE", "value": machine},
-                ],
-                "resources": {"limits": {"gpuslice.io/notebook": "1"}}
-            }]
-        }
+        "spec": spec,
     }))
     .unwrap()
+}
+
+fn pod_spec(command: &[&str], lib: &Path, machine: &Path) -> serde_json::Value {
+    serde_json::json!({
+        "automountServiceAccountToken": false,
+        "enableServiceLinks": false,
+        "terminationGracePeriodSeconds": 5,
+        "containers": [{
+            "name": "main",
+            "image": "example.com/notebook:1",
+            "command": command,
+            "env": [
+                {"name": "LD_LIBRARY_PATH", "value": lib},
+                {"name": "GPUSLICE_EMULATOR_STATE", "value": machine},
+            ],
+            "resources": {"limits": {"gpuslice.io/notebook": "1"}}
+        }]
+    })
 }
 
 /// The CDI device id the agent gives for a pod's claim: `gpuslice.io/slice=<claim uid>-<device>`.
@@ -161,86 +261,18 @@ fn value(output: &str, key: &str) -> u64 {
 
 #[tokio::test]
 async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
-    let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
+    let Some(mut setup) = Setup::start(CLOCK, &[]).await else {
         return;
     };
-    let Some(mut kubelet) = cluster
-        .start_kubelet(NODE, &[("gpuslice.io/pool", "shared-a100")])
-        .await
-        .unwrap()
-    else {
-        return;
-    };
-    let client = cluster.client().await.unwrap();
-    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let node_file = dir.path().join("node.yaml");
-    std::fs::write(
-        &node_file,
-        format!("name: {NODE}\ngpus:\n- {{index: 0, model: NVIDIA A100-SXM4-80GB}}\n"),
-    )
-    .unwrap();
-    let state = dir.path().join("state");
-    let agent_log = dir.path().join("agent.log");
-    let _agent = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .args([
-                "agent",
-                "--kube",
-                "--apply",
-                "--interval",
-                "2s",
-                "--emulate",
-            ])
-            .arg(&node_file)
-            .arg("--state")
-            .arg(&state)
-            .arg("--kubelet-dir")
-            .arg(kubelet.root_dir())
-            .arg("--cdi-dir")
-            .arg(kubelet.cdi_dir())
-            .env("KUBECONFIG", cluster.kubeconfig_path())
-            .env("GPUSLICE_CLOCK_START", CLOCK)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&agent_log).unwrap())
-            .spawn()
-            .unwrap(),
-    );
-    let _operator = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .arg("operator")
-            .env("KUBECONFIG", cluster.kubeconfig_path())
-            .env("GPUSLICE_CLOCK_START", CLOCK)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
-    apply_examples(
-        &client,
-        &[
-            "examples/gitops/policies/checkpoint-standard.yaml",
-            "examples/gitops/pools/shared-a100.yaml",
-            "examples/gitops/policies/notebook.yaml",
-        ],
-    )
-    .await;
-
-    let (program, lib) =
-        gpuslice_testcluster::build_probe(Path::new(env!("CARGO_BIN_EXE_gpuslice")), dir.path());
-    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine(NODE);
-    let probe = program.to_str().unwrap();
-    let logs = LogsOnPanic {
-        kubelet: &kubelet,
-        agent_log: agent_log.clone(),
-    };
+    let client = setup.client.clone();
+    let probe = setup.probe.to_str().unwrap().to_string();
+    let (lib, machine) = (setup.lib.clone(), setup.machine.clone());
 
     // Three notebooks that check their GPU, then wait until told to end.
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let names = ["notebook-0", "notebook-1", "notebook-2"];
-    let stop = |name: &str| dir.path().join(format!("stop-{name}"));
+    let scratch = setup.dir.path().to_path_buf();
+    let stop = |name: &str| scratch.join(format!("stop-{name}"));
     for name in names {
         let script = format!(
             "{probe} link cap && until [ -e {} ]; do sleep 0.2; done",
@@ -257,7 +289,7 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
 
     // The kubelet passed each pod exactly the CDI device the agent prepared for its claim; the
     // runtime found it in a spec that is valid CDI; each pod has its own slice.
-    let containers = kubelet.containers();
+    let containers = setup.kubelet.containers();
     assert_eq!(containers.len(), 3, "{containers:#?}");
     let mut devices = BTreeSet::new();
     for c in &containers {
@@ -273,7 +305,7 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
         // slice's 20 GiB; 1 GiB allocations until the cap (eight, the context takes its
         // share); past it, allocation fails.
         let output = eventually("the container printed its GPU", || {
-            let output = kubelet.output(c);
+            let output = setup.kubelet.output(c);
             async move {
                 output
                     .contains("alloc_over=")
@@ -288,16 +320,16 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     }
     assert_eq!(devices.len(), 3, "one slice per pod: {containers:#?}");
     let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
-    wait_for_holders(&gpu_nodes, &kubelet, &names).await;
+    wait_for_holders(&gpu_nodes, &setup.kubelet, &names).await;
 
     // A pod that ends gives its slice back; so does a pod deleted.
     std::fs::write(stop("notebook-0"), "").unwrap();
     wait_for_phases(&pods, &names, ["Succeeded", "Running", "Running"]).await;
-    wait_for_holders(&gpu_nodes, &kubelet, &["notebook-1", "notebook-2"]).await;
+    wait_for_holders(&gpu_nodes, &setup.kubelet, &["notebook-1", "notebook-2"]).await;
     pods.delete("notebook-1", &DeleteParams::default())
         .await
         .unwrap();
-    wait_for_holders(&gpu_nodes, &kubelet, &["notebook-2"]).await;
+    wait_for_holders(&gpu_nodes, &setup.kubelet, &["notebook-2"]).await;
 
     // The kubelet restarted: the running pod's claim is not prepared again, its container not
     // created again.
@@ -308,6 +340,7 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
         .and_then(|id| id.get(..36))
         .unwrap()
         .to_string();
+    let agent_log = setup.agent_log.clone();
     let asked = || {
         std::fs::read_to_string(&agent_log)
             .unwrap_or_default()
@@ -316,22 +349,16 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
             .count()
     };
     assert_eq!(asked(), 1);
-    drop(logs);
-    kubelet.restart(&cluster).await.unwrap();
-    let logs = LogsOnPanic {
-        kubelet: &kubelet,
-        agent_log: agent_log.clone(),
-    };
+    setup.kubelet.restart(&setup.cluster).await.unwrap();
     // Two of the kubelet's sync periods (5 s), in which a kubelet that lost track would prepare.
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert_eq!(asked(), 1, "the restarted kubelet prepared the claim again");
     assert_eq!(phase(&pods, "notebook-2").await, "Running");
-    assert_eq!(kubelet.containers().len(), 3);
+    assert_eq!(setup.kubelet.containers().len(), 3);
 
     std::fs::write(stop("notebook-2"), "").unwrap();
     wait_for_phases(&pods, &names, ["Succeeded", "gone", "Succeeded"]).await;
-    wait_for_holders(&gpu_nodes, &kubelet, &[]).await;
-    drop(logs);
+    wait_for_holders(&gpu_nodes, &setup.kubelet, &[]).await;
 }
 
 async fn wait_for_phases(pods: &Api<Pod>, names: &[&str], want: [&str; 3]) {
@@ -380,4 +407,158 @@ async fn wait_for_holders(
         }
     })
     .await;
+}
+
+/// The agent's devices: name, memory capacity, re-cut taint value.
+async fn devices(client: &Client) -> Vec<(String, String, Option<String>)> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let mut out = Vec::new();
+    for s in slices.list(&ListParams::default()).await.unwrap() {
+        for d in s.spec.devices.into_iter().flatten() {
+            let memory = d
+                .capacity
+                .as_ref()
+                .and_then(|c| c.get("memory"))
+                .map(|c| c.value.0.clone())
+                .unwrap_or_default();
+            let taint = d
+                .taints
+                .iter()
+                .flatten()
+                .find(|t| t.key == "gpuslice.io/recut")
+                .and_then(|t| t.value.clone());
+            out.push((d.name, memory, taint));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_layout() {
+    // 19:59:10 in Shanghai: at 20:00 shared-a100 goes from four 20 GiB slices to two of 40 GiB.
+    // Its devices are tainted 20 s ahead; its checkpoint policy (standard) sends SIGUSR1 and
+    // requires a checkpoint before the pod may go.
+    let Some(setup) = Setup::start("2026-12-02T11:59:10Z", &["--recut-lookahead", "20s"]).await
+    else {
+        return;
+    };
+    let client = setup.client.clone();
+    let script = format!(
+        "{} link cap; trap 'echo checkpointing; touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"' USR1; while :; do sleep 0.2; done",
+        setup.probe.display()
+    );
+    let deployment: Deployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "trainer"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "trainer"}},
+            "template": {
+                "metadata": {"labels": {"app": "trainer"}},
+                "spec": pod_spec(&["/bin/sh", "-c", &script], &setup.lib, &setup.machine),
+            }
+        }
+    }))
+    .unwrap();
+    Api::<Deployment>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &deployment)
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let running = |pods: Api<Pod>| async move {
+        let mut names = Vec::new();
+        for p in pods
+            .list(&ListParams::default().labels("app=trainer"))
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            let phase = p
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_default();
+            if phase == "Running" && p.metadata.deletion_timestamp.is_none() {
+                names.push(p.metadata.name.unwrap_or_default());
+            }
+        }
+        Ok::<_, String>(names)
+    };
+    let first = eventually("the trainer runs", || {
+        let pods = pods.clone();
+        async move {
+            let names = running(pods.clone()).await?;
+            names.first().cloned().ok_or(pod_states(&pods).await)
+        }
+    })
+    .await;
+
+    // Ahead of the boundary, its slice (like every slice of the GPU) is tainted: no new pod
+    // lands there; the trainer keeps running.
+    eventually("the slices are tainted ahead of 20:00", || {
+        let client = client.clone();
+        async move {
+            let all = devices(&client).await;
+            (all.len() == 4
+                && all
+                    .iter()
+                    .all(|(_, _, t)| t.as_deref() == Some("20261202T120000Z")))
+            .then_some(())
+            .ok_or_else(|| format!("{all:?}"))
+        }
+    })
+    .await;
+    assert_eq!(running(pods.clone()).await.unwrap(), std::slice::from_ref(&first));
+
+    // At 20:00: the trainer is told to checkpoint, checkpoints, is evicted; the GPU is re-cut
+    // into two 40 GiB slices; the Deployment's new pod runs on one of them.
+    let second = eventually("a new trainer runs on the new layout", || {
+        let (pods, client, first) = (pods.clone(), client.clone(), first.clone());
+        async move {
+            let names = running(pods.clone()).await?;
+            let all = devices(&client).await;
+            let new_layout =
+                all.len() == 2 && all.iter().all(|(_, m, t)| m == "40Gi" && t.is_none());
+            match names.as_slice() {
+                [one] if *one != first && new_layout => Ok(one.clone()),
+                _ => Err(format!(
+                    "running {names:?}, devices {all:?}{}",
+                    pod_states(&pods).await
+                )),
+            }
+        }
+    })
+    .await;
+    let containers = setup.kubelet.containers();
+    let old = containers.iter().find(|c| c.pod == first).unwrap();
+    assert!(
+        setup.kubelet.output(old).contains("checkpointing"),
+        "{}",
+        setup.kubelet.output(old)
+    );
+    let log = setup.agent_log();
+    let signalled = log.find("SignalPods").expect("the agent signalled the pod");
+    let evicted = log
+        .find(&format!("evicted pod default/{first}"))
+        .expect("the agent evicted the pod");
+    assert!(signalled < evicted, "signal, then eviction");
+    let new = eventually("the new trainer printed its GPU", || {
+        let output = setup
+            .kubelet
+            .containers()
+            .iter()
+            .find(|c| c.pod == second)
+            .map(|c| setup.kubelet.output(c))
+            .unwrap_or_default();
+        async move {
+            output
+                .contains("alloc_over=")
+                .then_some(output.clone())
+                .ok_or(output)
+        }
+    })
+    .await;
+    // Still the policy's cap, on the bigger slice.
+    assert_eq!(value(&new, "info_total"), 9 << 30, "{new}");
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use gpuslice_api::k8s_openapi::api::core::v1::Node;
+use gpuslice_api::k8s_openapi::api::core::v1::{Node, Pod};
 use gpuslice_api::k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuNodeStatus, GpuPool, GpuSlicePolicy, NodeInventory,
@@ -22,7 +22,7 @@ use gpuslice_runtime::conditions::{condition, keep_transition_times};
 use gpuslice_runtime::telemetry::Telemetry;
 use gpuslice_source::last_good::Config;
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams};
 use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -108,11 +108,11 @@ fn status(pass: &Pass, generation: Option<i64>, previous: Option<&GpuNodeStatus>
                     let why = pass
                         .draining
                         .iter()
-                        .find(|w| w.pid == b.pid)
+                        .find(|w| w.pid == b.pid && w.slice == b.slice)
                         .map(|w| format!(": {}", w.reason))
                         .unwrap_or_default();
                     if b.pid == 0 {
-                        format!("a pod's ResourceClaim on {}", b.slice)
+                        format!("a pod's ResourceClaim on {}{why}", b.slice)
                     } else {
                         format!("pid {} on {}{why}", b.pid, b.slice)
                     }
@@ -452,6 +452,8 @@ pub async fn run(
         owner: None,
         published: None,
     };
+    // Pods evicted and not gone yet, so that each eviction is logged once.
+    let mut evicted = std::collections::BTreeSet::new();
     agent.serve_socket()?;
     if let Some(paths) = settings.kubelet.clone() {
         let plugin =
@@ -467,7 +469,7 @@ pub async fn run(
         let current = api.get(&node).await.map_err(kube_err)?;
         let config = read_config(&client).await;
         let now = clock.now();
-        let pass = agent.pass(now, |inventory| {
+        let mut pass = agent.pass(now, |inventory| {
             let (gpus, problems) = plan_spec(inventory, &current.spec);
             Intent {
                 plan: ClusterPlan {
@@ -485,6 +487,8 @@ pub async fn run(
                 problems,
             }
         })?;
+        let refused = evict(&client, &pass.evictions, &mut evicted).await;
+        pass.drain_errors.extend(refused);
         metrics.record(&pass, started, &mut blocked_since);
         if let Some(t) = &telemetry {
             t.pass_done();
@@ -522,6 +526,34 @@ pub async fn run(
         ));
         let _ = tokio::time::timeout(wake, changes.next()).await;
     }
+}
+
+/// Evicts pods (`namespace/name`) through the Eviction API, so that their disruption budgets
+/// and termination grace apply. A refusal (a budget) is returned and retried on the next pass;
+/// a pod already gone is no error.
+async fn evict(
+    client: &Client,
+    pods: &[String],
+    evicted: &mut std::collections::BTreeSet<String>,
+) -> Vec<String> {
+    evicted.retain(|p| pods.contains(p));
+    let mut refused = Vec::new();
+    for pod in pods {
+        let Some((namespace, name)) = pod.split_once('/') else {
+            continue;
+        };
+        let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        match api.evict(name, &EvictParams::default()).await {
+            Ok(_) => {
+                if evicted.insert(pod.clone()) {
+                    tracing::info!("evicted pod {pod}: its slice is to be re-cut");
+                }
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => refused.push(format!("evicting pod {pod}: {e}")),
+        }
+    }
+    refused
 }
 
 fn chrono_time(

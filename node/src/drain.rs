@@ -4,6 +4,13 @@
 //! checkpoint. Without a policy nothing is signalled: the transition waits for them to exit.
 //! The policy is the workload's (its GpuSlicePolicy's `checkpointPolicy`), else its pool's.
 //!
+//! A pod's slice (a prepared ResourceClaim) drains the same way, except that the signal goes to
+//! every process of the claim's pods (found by the pod UID in their cgroup) and, where a process
+//! would be stopped, the pods are evicted through the Eviction API: the kubelet then stops them
+//! with their own termination grace, their controllers make new ones, and the slice is free once
+//! the kubelet unprepares the claim. A pod's slice without a checkpoint policy is evicted at once:
+//! a window declared in Git is due, and a pod is a thing Kubernetes may reschedule.
+//!
 //! What was signalled when is kept in `<state>/drains.json`, so a restarted agent neither
 //! signals twice nor restarts the grace period.
 
@@ -14,8 +21,6 @@ use chrono::{DateTime, Utc};
 use gpuslice_api::{CheckpointPolicySpec, Signal};
 use gpuslice_contract::StateDir;
 use serde::{Deserialize, Serialize};
-
-use crate::converge::BlockingProcess;
 
 /// Why drain records cannot be kept.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +58,37 @@ impl DrainPolicy {
     }
 }
 
+/// The key of a process's record in `drains.json`.
+fn process_key(pid: u32) -> String {
+    pid.to_string()
+}
+
+/// The key of a pod claim's record (never a number, so never a process's key).
+fn claim_key(claim: &str) -> String {
+    format!("claim:{claim}")
+}
+
+/// What holds a busy slice a transition needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holder {
+    Process(u32),
+    /// A ResourceClaim the kubelet prepared: `namespace/name`, its pods (`namespace/name`) and
+    /// their UIDs.
+    Pod {
+        claim: String,
+        pods: Vec<String>,
+        uids: Vec<String>,
+    },
+}
+
+/// A busy slice in the way, what holds it, and the policy that drains it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Blocked {
+    pub holder: Holder,
+    pub slice: String,
+    pub policy: Option<DrainPolicy>,
+}
+
 /// A process the agent has warned.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -64,20 +100,30 @@ pub struct Record {
     pub stopped_at: Option<DateTime<Utc>>,
 }
 
-/// Something to do to a process now.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// Something to do now.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase", tag = "action")]
 pub enum Action {
     /// Warn it with the policy's signal.
     Signal { pid: u32, signal: Signal },
     /// Stop it (SIGKILL): it checkpointed, or its grace period ran out.
     Stop { pid: u32 },
+    /// Warn every process of these pods (by UID) on `slice`.
+    SignalPods {
+        uids: Vec<String>,
+        slice: String,
+        signal: Signal,
+    },
+    /// Evict these pods (`namespace/name`); asked again each pass until they are gone, as a
+    /// disruption budget may refuse it for a while.
+    Evict { pods: Vec<String> },
 }
 
-/// A process the transition is waiting for, and why.
+/// A process or pod claim the transition is waiting for, and why.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Waiting {
+    /// 0 for a pod's claim.
     pub pid: u32,
     pub slice: String,
     pub reason: String,
@@ -86,100 +132,117 @@ pub struct Waiting {
     pub until: Option<DateTime<Utc>>,
 }
 
-/// Decides what to do to each blocking process. `policy_for` gives the policy of the pool the
-/// process's GPU belongs to; `checkpointed` says whether a slice's checkpoint-done marker exists.
-/// Records of processes no longer blocking are dropped.
+/// Decides what to do to each holder of a blocking slice. `checkpointed` says whether a
+/// slice's checkpoint-done marker exists. Records of holders no longer blocking are dropped.
 pub fn decide(
-    blocking: &[(BlockingProcess, Option<DrainPolicy>)],
-    records: &mut BTreeMap<u32, Record>,
+    blocking: &[Blocked],
+    records: &mut BTreeMap<String, Record>,
     now: DateTime<Utc>,
     checkpointed: impl Fn(&str) -> bool,
 ) -> (Vec<Action>, Vec<Waiting>) {
-    records.retain(|pid, _| blocking.iter().any(|(b, _)| b.pid == *pid));
+    let key = |b: &Blocked| match &b.holder {
+        Holder::Process(pid) => process_key(*pid),
+        Holder::Pod { claim, .. } => claim_key(claim),
+    };
+    records.retain(|k, _| blocking.iter().any(|b| key(b) == *k));
     let mut actions = Vec::new();
     let mut waiting = Vec::new();
-    for (process, policy) in blocking {
-        let wait = |reason: String, until: Option<DateTime<Utc>>| Waiting {
-            pid: process.pid,
-            slice: process.slice.clone(),
-            reason,
-            until,
+    for blocked in blocking {
+        let (pid, whom) = match &blocked.holder {
+            Holder::Process(pid) => (*pid, String::new()),
+            Holder::Pod { pods, .. } => (0, format!(" to pod {}", pods.join(", "))),
         };
-        // A pod's prepared ResourceClaim, not a process: it ends when the kubelet unprepares it.
-        if process.pid == 0 {
-            waiting.push(wait(
-                "held by a pod's ResourceClaim: waiting for the pod to end".into(),
-                None,
-            ));
-            continue;
-        }
-        let Some(policy) = policy else {
-            waiting.push(wait(
-                "no checkpoint policy: waiting for it to exit".into(),
-                None,
-            ));
+        let mut wait = |reason: String, until: Option<DateTime<Utc>>| {
+            waiting.push(Waiting {
+                pid,
+                slice: blocked.slice.clone(),
+                reason,
+                until,
+            })
+        };
+        // What ends the holder's use of the slice: SIGKILL for a process, eviction for pods.
+        let stop = match &blocked.holder {
+            Holder::Process(pid) => Action::Stop { pid: *pid },
+            Holder::Pod { pods, .. } => Action::Evict { pods: pods.clone() },
+        };
+        let is_pod = pid == 0;
+        let stopped = if is_pod { "evicted" } else { "stopped" };
+        let Some(policy) = &blocked.policy else {
+            if is_pod {
+                records.entry(key(blocked)).or_insert(Record {
+                    slice: blocked.slice.clone(),
+                    policy: String::new(),
+                    signaled_at: now,
+                    stopped_at: Some(now),
+                });
+                actions.push(stop);
+                wait(
+                    "no checkpoint policy: evicted, waiting for the pod to end".into(),
+                    None,
+                );
+            } else {
+                wait("no checkpoint policy: waiting for it to exit".into(), None);
+            }
             continue;
         };
-        let Some(record) = records.get_mut(&process.pid) else {
-            actions.push(Action::Signal {
-                pid: process.pid,
-                signal: policy.signal,
+        let sent = |record_policy: &str| {
+            format!(
+                "sent {}{whom} ({record_policy}): waiting for its checkpoint",
+                signal_name(policy.signal)
+            )
+        };
+        let Some(record) = records.get_mut(&key(blocked)) else {
+            actions.push(match &blocked.holder {
+                Holder::Process(pid) => Action::Signal {
+                    pid: *pid,
+                    signal: policy.signal,
+                },
+                Holder::Pod { uids, .. } => Action::SignalPods {
+                    uids: uids.clone(),
+                    slice: blocked.slice.clone(),
+                    signal: policy.signal,
+                },
             });
             records.insert(
-                process.pid,
+                key(blocked),
                 Record {
-                    slice: process.slice.clone(),
+                    slice: blocked.slice.clone(),
                     policy: policy.name.clone(),
                     signaled_at: now,
                     stopped_at: None,
                 },
             );
-            let until = now + policy.grace;
-            waiting.push(wait(
-                format!(
-                    "sent {} ({}): waiting for its checkpoint",
-                    signal_name(policy.signal),
-                    policy.name
-                ),
-                Some(until),
-            ));
+            wait(sent(&policy.name), Some(now + policy.grace));
             continue;
         };
         if record.stopped_at.is_some() {
-            waiting.push(wait("stopped: waiting for it to exit".into(), None));
+            if is_pod {
+                actions.push(stop);
+            }
+            wait(format!("{stopped}: waiting for it to end"), None);
             continue;
         }
         let deadline = record.signaled_at + policy.grace;
-        let done = checkpointed(&process.slice);
+        let done = checkpointed(&blocked.slice);
         if done || (now >= deadline && !policy.required) {
-            actions.push(Action::Stop { pid: process.pid });
+            actions.push(stop);
             record.stopped_at = Some(now);
             let why = if done {
                 "checkpointed"
             } else {
                 "grace period over"
             };
-            waiting.push(wait(
-                format!("{why}: stopped, waiting for it to exit"),
-                None,
-            ));
+            wait(format!("{why}: {stopped}, waiting for it to end"), None);
         } else if now >= deadline {
-            waiting.push(wait(
+            wait(
                 format!(
-                    "{} requires a checkpoint: waiting for it to exit or checkpoint",
+                    "{} requires a checkpoint: waiting for it to end or checkpoint",
                     policy.name
                 ),
                 None,
-            ));
+            );
         } else {
-            waiting.push(wait(
-                format!(
-                    "sent {} ({}): waiting for its checkpoint",
-                    signal_name(policy.signal),
-                    policy.name
-                ),
-                Some(deadline),
-            ));
+            wait(sent(&policy.name), Some(deadline));
         }
     }
     (actions, waiting)
@@ -198,7 +261,8 @@ pub fn signal_name(signal: Signal) -> &'static str {
 /// The drain records of a state directory.
 pub struct Drains {
     path: PathBuf,
-    pub records: BTreeMap<u32, Record>,
+    /// By process id, or `claim:<namespace>/<name>` for a pod's claim.
+    pub records: BTreeMap<String, Record>,
 }
 
 impl Drains {
@@ -249,28 +313,47 @@ pub fn policy_for(
     Some(DrainPolicy::new(name, checkpoints.get(name)?))
 }
 
-/// Carries out an action. A marker left from an earlier checkpoint is removed before the
-/// signal, so only a checkpoint made after it counts. Returns what went wrong, for the report.
-pub fn execute(
-    state: &StateDir,
-    action: Action,
-    slice_of: impl Fn(u32) -> String,
-) -> Option<String> {
-    use rustix::process::{Pid, Signal as Sig, kill_process};
-    let (pid, signal) = match action {
-        Action::Signal { pid, signal } => {
-            let _ = std::fs::remove_file(state.checkpoint_done(&slice_of(pid)));
-            let sig = match signal {
-                Signal::Usr1 => Sig::USR1,
-                Signal::Usr2 => Sig::USR2,
-                Signal::Term => Sig::TERM,
-                Signal::Int => Sig::INT,
-                Signal::Hup => Sig::HUP,
-            };
-            (pid, sig)
-        }
-        Action::Stop { pid } => (pid, Sig::KILL),
+/// Carries out an action on processes (an eviction is the cluster loop's to do). A marker left
+/// from an earlier checkpoint is removed before the signal, so only a checkpoint made after it
+/// counts. Returns what went wrong, for the report.
+pub fn execute(state: &StateDir, action: &Action, slice_of: impl Fn(u32) -> String) -> Vec<String> {
+    use rustix::process::Signal as Sig;
+    let sig = |signal: Signal| match signal {
+        Signal::Usr1 => Sig::USR1,
+        Signal::Usr2 => Sig::USR2,
+        Signal::Term => Sig::TERM,
+        Signal::Int => Sig::INT,
+        Signal::Hup => Sig::HUP,
     };
+    match action {
+        Action::Signal { pid, signal } => {
+            let _ = std::fs::remove_file(state.checkpoint_done(&slice_of(*pid)));
+            kill(*pid, sig(*signal)).into_iter().collect()
+        }
+        Action::Stop { pid } => kill(*pid, Sig::KILL).into_iter().collect(),
+        Action::SignalPods {
+            uids,
+            slice,
+            signal,
+        } => {
+            let _ = std::fs::remove_file(state.checkpoint_done(slice));
+            let pids = crate::process::of_pods(uids);
+            if pids.is_empty() {
+                return vec![format!(
+                    "no process of pod {} is visible to the agent (does it run with hostPID?)",
+                    uids.join(", ")
+                )];
+            }
+            pids.into_iter()
+                .filter_map(|pid| kill(pid, sig(*signal)))
+                .collect()
+        }
+        Action::Evict { .. } => Vec::new(),
+    }
+}
+
+fn kill(pid: u32, signal: rustix::process::Signal) -> Option<String> {
+    use rustix::process::{Pid, kill_process};
     // Never signal ourselves, init, or (through 0 or a negative number) a process group.
     if pid <= 1 || pid == std::process::id() {
         return Some(format!("refused to signal pid {pid}"));
@@ -294,14 +377,89 @@ mod tests {
         })
     }
 
-    fn busy(pid: u32, policy: Option<DrainPolicy>) -> Vec<(BlockingProcess, Option<DrainPolicy>)> {
-        vec![(
-            BlockingProcess {
-                pid,
-                slice: "gpu0-mig0-3g.71gb".into(),
-            },
+    fn busy(pid: u32, policy: Option<DrainPolicy>) -> Vec<Blocked> {
+        vec![Blocked {
+            holder: Holder::Process(pid),
+            slice: "gpu0-mig0-3g.71gb".into(),
             policy,
-        )]
+        }]
+    }
+
+    fn pod(policy: Option<DrainPolicy>) -> Vec<Blocked> {
+        vec![Blocked {
+            holder: Holder::Pod {
+                claim: "ml/train-0-gpu-x7k2p".into(),
+                pods: vec!["ml/train-0".into()],
+                uids: vec!["1b4c7f9e-3d2a-4e8b-9c1d-5f6a7b8c9d0e".into()],
+            },
+            slice: "gpu0-s1".into(),
+            policy,
+        }]
+    }
+
+    #[test]
+    fn a_pods_slice_is_signalled_then_evicted_until_the_pod_is_gone() {
+        let mut records = BTreeMap::new();
+        let (a, w) = decide(&pod(policy(false)), &mut records, at(0), |_| false);
+        assert_eq!(
+            a,
+            vec![Action::SignalPods {
+                uids: vec!["1b4c7f9e-3d2a-4e8b-9c1d-5f6a7b8c9d0e".into()],
+                slice: "gpu0-s1".into(),
+                signal: Signal::Usr1
+            }]
+        );
+        assert_eq!((w[0].pid, w[0].until), (0, Some(at(60))));
+        assert!(w[0].reason.contains("to pod ml/train-0"), "{}", w[0].reason);
+        let (a, _) = decide(&pod(policy(false)), &mut records, at(10), |_| false);
+        assert!(a.is_empty(), "signalled once: {a:?}");
+        // The pod wrote its marker: evicted now, and again each pass until it is gone (a
+        // disruption budget may refuse the first ones).
+        let evict = Action::Evict {
+            pods: vec!["ml/train-0".into()],
+        };
+        let (a, w) = decide(&pod(policy(false)), &mut records, at(20), |_| true);
+        assert_eq!(a, vec![evict.clone()]);
+        assert!(
+            w[0].reason.starts_with("checkpointed: evicted"),
+            "{}",
+            w[0].reason
+        );
+        let (a, _) = decide(&pod(policy(false)), &mut records, at(22), |_| true);
+        assert_eq!(a, vec![evict]);
+        decide(&[], &mut records, at(30), |_| false);
+        assert!(records.is_empty(), "the pod is gone, so is its record");
+    }
+
+    #[test]
+    fn a_pods_slice_without_a_policy_is_evicted_and_a_required_checkpoint_holds_it() {
+        let mut records = BTreeMap::new();
+        let (a, _) = decide(&pod(None), &mut records, at(0), |_| false);
+        assert_eq!(
+            a,
+            vec![Action::Evict {
+                pods: vec!["ml/train-0".into()]
+            }]
+        );
+        let mut records = BTreeMap::new();
+        decide(&pod(policy(true)), &mut records, at(0), |_| false);
+        let (a, w) = decide(&pod(policy(true)), &mut records, at(3600), |_| false);
+        assert!(a.is_empty(), "{a:?}");
+        assert!(w[0].reason.contains("requires a checkpoint"));
+    }
+
+    #[test]
+    fn records_of_processes_and_pod_claims_never_collide() {
+        let mut records = BTreeMap::new();
+        let both: Vec<Blocked> = busy(7, policy(false))
+            .into_iter()
+            .chain(pod(policy(false)))
+            .collect();
+        decide(&both, &mut records, at(0), |_| false);
+        assert_eq!(
+            records.keys().cloned().collect::<Vec<_>>(),
+            ["7", "claim:ml/train-0-gpu-x7k2p"]
+        );
     }
 
     fn at(seconds: i64) -> DateTime<Utc> {
@@ -325,7 +483,7 @@ mod tests {
         assert!(a.is_empty(), "signalled once, grace not over: {a:?}");
         let (a, w) = decide(&busy(7, policy(false)), &mut records, at(60), |_| false);
         assert_eq!(a, vec![Action::Stop { pid: 7 }]);
-        assert!(w[0].reason.contains("grace period over"));
+        assert!(w[0].reason.contains("grace period over: stopped"));
         let (a, _) = decide(&busy(7, policy(false)), &mut records, at(90), |_| false);
         assert!(a.is_empty(), "stopped once");
     }
@@ -359,7 +517,7 @@ mod tests {
         assert!(a.is_empty());
         assert!(w[0].reason.contains("no checkpoint policy"));
         decide(&busy(8, policy(false)), &mut records, at(0), |_| false);
-        assert!(records.contains_key(&8));
+        assert!(records.contains_key("8"));
         decide(&[], &mut records, at(1), |_| false);
         assert!(records.is_empty());
     }

@@ -17,7 +17,7 @@ use serde::Serialize;
 use crate::claims::{Claim, needs};
 use crate::compute::{DEFAULT_TIME_SLICE, GpuShares, shares};
 use crate::converge::{ConvergeError, GpuOutcome, Held, converge, read_node};
-use crate::drain::{self, DrainError, Drains, Waiting};
+use crate::drain::{self, Action, Blocked, DrainError, Drains, Holder, Waiting};
 use crate::nvml::NvmlGpus;
 use crate::socket::{self, SocketError};
 
@@ -63,6 +63,9 @@ pub struct Pass {
     /// Signals that could not be sent.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub drain_errors: Vec<String>,
+    /// Pods (`namespace/name`) whose slices a transition needs, to evict now.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub evictions: Vec<String>,
     /// Slices held through the agent's socket.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub claims: Vec<Claim>,
@@ -164,6 +167,7 @@ impl Agent {
             problems: intent.problems,
             draining: Vec::new(),
             drain_errors: Vec::new(),
+            evictions: Vec::new(),
             claims: Vec::new(),
             inventory: after,
             shares: BTreeMap::new(),
@@ -242,12 +246,13 @@ impl Agent {
             .collect()
     }
 
-    /// Warns or stops the processes that block this pass's transitions, each as its
-    /// CheckpointPolicy says: its workload's policy's, else its GPU's pool's.
+    /// Warns or stops what blocks this pass's transitions — processes, and pods through their
+    /// prepared claims — each as its CheckpointPolicy says: its workload's policy's, else its
+    /// GPU's pool's. Evictions are left in the pass for the cluster loop.
     fn drain(&self, pass: &mut Pass, config: &Config, now: DateTime<Utc>) -> Result<(), PassError> {
         let claims = self.socket.claims.held();
         let gpus: Vec<_> = pass.plan.nodes.iter().flat_map(|n| &n.gpus).collect();
-        let blocking: Vec<_> = pass
+        let blocking: Vec<Blocked> = pass
             .outcomes
             .iter()
             .flat_map(|o| {
@@ -257,15 +262,28 @@ impl Agent {
                     .and_then(|g| g.checkpoint_policy.as_deref());
                 o.blocking.iter().map(move |b| (b, pool_policy))
             })
-            .map(|(b, pool_policy)| {
-                let workload_policy = claims
-                    .iter()
-                    .find(|c| c.slice == b.slice)
+            .filter_map(|(b, pool_policy)| {
+                let claim = claims.iter().find(|c| c.slice == b.slice);
+                let workload_policy = claim
                     .and_then(|c| c.policy.as_ref())
                     .and_then(|p| config.policies.get(p))
                     .and_then(|p| p.checkpoint_policy.as_deref());
-                let policy = drain::policy_for(workload_policy, pool_policy, &config.checkpoints);
-                (b.clone(), policy)
+                let holder = if b.pid == 0 {
+                    // A pod's prepared claim; gone from the board means just unprepared.
+                    let c = claim.filter(|c| c.resource_claim.is_some())?;
+                    Holder::Pod {
+                        claim: c.resource_claim.clone().unwrap_or_default(),
+                        pods: c.pod_names.clone(),
+                        uids: c.pods.clone(),
+                    }
+                } else {
+                    Holder::Process(b.pid)
+                };
+                Some(Blocked {
+                    holder,
+                    slice: b.slice.clone(),
+                    policy: drain::policy_for(workload_policy, pool_policy, &config.checkpoints),
+                })
             })
             .collect();
         let mut drains = Drains::load(&self.state)?;
@@ -280,17 +298,21 @@ impl Agent {
         let slice_of = |pid: u32| {
             blocking
                 .iter()
-                .find(|(b, _)| b.pid == pid)
-                .map(|(b, _)| b.slice.clone())
+                .find(|b| b.holder == Holder::Process(pid))
+                .map(|b| b.slice.clone())
                 .unwrap_or_default()
         };
+        pass.drain_errors.clear();
         for action in &actions {
-            tracing::info!(?action, "drain");
+            match action {
+                Action::Evict { pods } => pass.evictions.extend(pods.iter().cloned()),
+                _ => {
+                    tracing::info!(?action, "drain");
+                    pass.drain_errors
+                        .extend(drain::execute(&self.state, action, slice_of));
+                }
+            }
         }
-        pass.drain_errors = actions
-            .into_iter()
-            .filter_map(|a| drain::execute(&self.state, a, slice_of))
-            .collect();
         pass.draining = waiting;
         Ok(())
     }

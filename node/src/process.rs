@@ -49,6 +49,20 @@ pub fn pod_in_cgroups(text: &str) -> Option<String> {
         })
 }
 
+/// Every process of the node that runs in one of these pods (by UID).
+pub fn of_pods(uids: &[String]) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<u32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| pod_of(*pid).is_some_and(|uid| uids.contains(&uid)))
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
