@@ -509,7 +509,10 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
         }
     })
     .await;
-    assert_eq!(running(pods.clone()).await.unwrap(), std::slice::from_ref(&first));
+    assert_eq!(
+        running(pods.clone()).await.unwrap(),
+        std::slice::from_ref(&first)
+    );
 
     // At 20:00: the trainer is told to checkpoint, checkpoints, is evicted; the GPU is re-cut
     // into two 40 GiB slices; the Deployment's new pod runs on one of them.

@@ -55,7 +55,13 @@ pub struct Container {
     pub exit_code: Option<i32>,
 }
 
+/// One kubelet at a time per test process: kubelets share host paths and sysctls, and each puts
+/// back what it found.
+static ONE_AT_A_TIME: std::sync::OnceLock<std::sync::Arc<tokio::sync::Mutex<()>>> =
+    std::sync::OnceLock::new();
+
 pub struct Kubelet {
+    _turn: tokio::sync::OwnedMutexGuard<()>,
     node: String,
     dir: PathBuf,
     bin: PathBuf,
@@ -85,6 +91,11 @@ impl ControlPlane {
             }
             return Err(Error::Missing(why.into()));
         }
+        let turn = ONE_AT_A_TIME
+            .get_or_init(Default::default)
+            .clone()
+            .lock_owned()
+            .await;
         let dir = self.dir.path().join(format!("kubelet-{node}"));
         for sub in [
             "root/plugins_registry",
@@ -165,6 +176,7 @@ impl ControlPlane {
             .filter(|p| !Path::new(p).exists())
             .collect();
         let mut kubelet = Kubelet {
+            _turn: turn,
             node: node.to_string(),
             bin: PathBuf::from("unshare"),
             args,
