@@ -8,11 +8,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpuslice_api::GpuPool;
-use gpuslice_testcluster::{Components, ControlPlane};
+use gpuslice_testcluster::{Components, ControlPlane, eventually};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 
 const NAMESPACE: &str = "gpuslice-system";
 
@@ -131,11 +131,12 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         .await
         .unwrap();
     cluster
-        .service_account_client(NAMESPACE, "gs-agent")
+        .create_node("gpu-0", &[("gpuslice.io/pool", "h200-mig")], &[])
         .await
         .unwrap();
-    cluster
-        .create_node("gpu-0", &[("gpuslice.io/pool", "h200-mig")], &[])
+    // The agent's token is bound to its pod on gpu-0, as the DaemonSet's is.
+    let agent = cluster
+        .pod_service_account_client(NAMESPACE, "gs-agent", "gpu-0")
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -247,11 +248,55 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     assert!(may("create", "pods/eviction").await);
     assert!(!may("delete", "pods").await);
 
-    // Nothing else: the agent could not, say, change a pool.
-    let agent = cluster
+    // Its own node's ResourceSlices only: not another node's, and none with a token not bound
+    // to a pod on a node.
+    let other_node: ResourceSlice = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "gpu-1-gpuslice.io-0"},
+        "spec": {"driver": "gpuslice.io", "nodeName": "gpu-1",
+                 "pool": {"name": "gpu-1", "generation": 1, "resourceSliceCount": 1}, "devices": []}
+    }))
+    .unwrap();
+    let refused = eventually("the ResourceSlice policy is in force", || {
+        let (agent, slice) = (agent.clone(), other_node.clone());
+        async move {
+            match Api::<ResourceSlice>::all(agent)
+                .create(&PostParams::default(), &slice)
+                .await
+            {
+                Err(kube::Error::Api(e))
+                    if e.code == 403 && e.message.contains("ValidatingAdmissionPolicy") =>
+                {
+                    Ok(e.message)
+                }
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    assert!(
+        refused.contains("the gpuslice agent on node gpu-0 may not write ResourceSlice gpu-1-gpuslice.io-0 of node gpu-1"),
+        "{refused}"
+    );
+    let unbound = cluster
         .service_account_client(NAMESPACE, "gs-agent")
         .await
         .unwrap();
+    let mut own = other_node.clone();
+    own.metadata.name = Some("gpu-0-gpuslice.io-9".into());
+    own.spec.node_name = Some("gpu-0".into());
+    let refused = Api::<ResourceSlice>::all(unbound)
+        .create(&PostParams::default(), &own)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("only with a token bound to its pod on a node"),
+        "{refused}"
+    );
+
+    // Nothing else: the agent could not, say, change a pool.
     let as_agent: Api<GpuPool> = Api::all(agent);
     let denied = as_agent
         .patch("h200-mig", &PatchParams::apply("intruder"), &Patch::Apply(serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuPool", "metadata": {"name": "h200-mig"}, "spec": {}})))

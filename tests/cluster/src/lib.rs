@@ -23,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -518,6 +518,52 @@ impl ControlPlane {
         namespace: &str,
         name: &str,
     ) -> Result<Client, Error> {
+        self.token_client(namespace, name, None).await
+    }
+
+    /// Like [`service_account_client`](Self::service_account_client), with a token bound to a pod
+    /// of that ServiceAccount on `node` (created if missing, never run), as a DaemonSet's pod
+    /// has: the API server then names the node in the token's user info.
+    pub async fn pod_service_account_client(
+        &self,
+        namespace: &str,
+        name: &str,
+        node: &str,
+    ) -> Result<Client, Error> {
+        let pods: Api<Pod> = Api::namespaced(self.client().await?, namespace);
+        let pod_name = format!("{name}-{node}");
+        let pod = match pods.get_opt(&pod_name).await? {
+            Some(pod) => pod,
+            None => {
+                let pod: Pod = serde_json::from_value(serde_json::json!({
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": pod_name},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "nodeName": node,
+                        "containers": [{"name": "main", "image": "example.com/agent:1"}]
+                    }
+                }))
+                .map_err(|e| Error::Kubeconfig(e.to_string()))?;
+                pods.create(&PostParams::default(), &pod).await?
+            }
+        };
+        let bound = k8s_openapi::api::authentication::v1::BoundObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: pod.metadata.name.clone(),
+            uid: pod.metadata.uid.clone(),
+        };
+        self.token_client(namespace, name, Some(bound)).await
+    }
+
+    async fn token_client(
+        &self,
+        namespace: &str,
+        name: &str,
+        bound: Option<k8s_openapi::api::authentication::v1::BoundObjectReference>,
+    ) -> Result<Client, Error> {
         let admin = self.client().await?;
         let accounts: Api<ServiceAccount> = Api::namespaced(admin, namespace);
         if accounts.get_opt(name).await?.is_none() {
@@ -534,7 +580,7 @@ impl ControlPlane {
             spec: Some(k8s_openapi::api::authentication::v1::TokenRequestSpec {
                 audiences: Some(vec!["https://kubernetes.default.svc".to_string()]),
                 expiration_seconds: Some(3600),
-                ..Default::default()
+                bound_object_ref: bound,
             }),
             ..Default::default()
         };
