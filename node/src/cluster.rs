@@ -338,8 +338,8 @@ pub struct Settings {
 }
 
 /// Writes the node's devices as ResourceSlices, remembering what it last wrote so that an
-/// unchanged pass costs no request.
-struct Publisher {
+/// unchanged pass costs no request. (Public for the scale benchmark's simulated agents.)
+pub struct Publisher {
     client: Client,
     node: String,
     owner: Option<NodeRef>,
@@ -347,8 +347,17 @@ struct Publisher {
 }
 
 impl Publisher {
+    pub fn new(client: Client, node: &str) -> Publisher {
+        Publisher {
+            client,
+            node: node.to_string(),
+            owner: None,
+            published: None,
+        }
+    }
+
     /// Publishes `devices`; a failure is logged and retried on the next pass.
-    async fn publish(&mut self, devices: Vec<Device>) {
+    pub async fn publish(&mut self, devices: Vec<Device>) {
         if self.published.as_ref() == Some(&devices) {
             return;
         }
@@ -446,12 +455,7 @@ pub async fn run(
     );
     futures::pin_mut!(changes);
     let mut blocked_since: Option<std::time::Instant> = None;
-    let mut publisher = Publisher {
-        client: client.clone(),
-        node: node.clone(),
-        owner: None,
-        published: None,
-    };
+    let mut publisher = Publisher::new(client.clone(), &node);
     // Pods evicted and not gone yet, so that each eviction is logged once.
     let mut evicted = std::collections::BTreeSet::new();
     agent.serve_socket()?;

@@ -78,6 +78,9 @@ pub struct Components {
     pub scheduler: bool,
     /// kwok, managing nodes made with [`ControlPlane::create_node`].
     pub kwok: bool,
+    /// The request rate the scheduler and the controller-manager allow themselves (QPS; burst
+    /// twice that), as large clusters raise it; their defaults (50 and 20) when `None`.
+    pub api_qps: Option<u32>,
 }
 
 impl Components {
@@ -87,6 +90,7 @@ impl Components {
             controller_manager: true,
             scheduler: true,
             kwok: true,
+            api_qps: None,
         }
     }
 }
@@ -358,10 +362,12 @@ impl ControlPlane {
                 "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller".to_string(),
                 "--node-monitor-grace-period=60s".to_string(),
             ]);
+            args.extend(rate_args(components.api_qps));
             cp.spawn("kube-controller-manager", "kube-controller-manager", &args)?;
         }
         if components.scheduler {
-            let args = component_args(&kubeconfig, &p("scheduler-certs"))?;
+            let mut args = component_args(&kubeconfig, &p("scheduler-certs"))?;
+            args.extend(rate_args(components.api_qps));
             cp.spawn("kube-scheduler", "kube-scheduler", &args)?;
         }
         if components.kwok {
@@ -636,6 +642,14 @@ impl ControlPlane {
         Ok(nodes.create(&PostParams::default(), &node).await?)
     }
 
+    /// The process id of a running component (`kube-apiserver`, `etcd`, …).
+    pub fn pid(&self, component: &str) -> Option<u32> {
+        self.processes
+            .iter()
+            .find(|p| p.name == component)
+            .map(|p| p.child.id())
+    }
+
     /// The last lines of every component's log.
     pub fn logs(&self) -> String {
         self.processes
@@ -664,6 +678,16 @@ fn component_args(kubeconfig: &str, cert_dir: &str) -> Result<Vec<String>, Error
         format!("--secure-port={}", free_port()?),
         format!("--cert-dir={cert_dir}"),
     ])
+}
+
+fn rate_args(qps: Option<u32>) -> Vec<String> {
+    qps.map(|q| {
+        vec![
+            format!("--kube-api-qps={q}"),
+            format!("--kube-api-burst={}", 2 * q),
+        ]
+    })
+    .unwrap_or_default()
 }
 
 fn http_get(path: &str) -> http::Request<Vec<u8>> {

@@ -1,0 +1,486 @@
+//! Workloads through DRA at scale, on a private control plane (API server, scheduler,
+//! controller-manager, etcd, kwok): N kwok nodes × 8 A100s in pool shared-a100 (four software
+//! slices each by day, two at night), the real operator, and one simulated agent per node in this
+//! process. A simulated agent does what the real one does in the cluster minus the GPUs: it
+//! reports its GPUs, and on each GpuNode change builds its devices and publishes them with the
+//! agent's own code (`gpuslice_node::dra::devices`, `gpuslice_node::cluster::Publisher`), then
+//! reports the spec as applied.
+//!
+//! Measures: the time for every agent to publish its devices once the pool is applied; the time
+//! for kube-scheduler to place P pods that each ask for a slice by the `notebook` policy's
+//! extended resource (through DRA), and the same P pods asking for a plain extended resource the
+//! nodes advertise (a device plugin's way, the baseline); the API server's peak memory; and a
+//! window change: from the 20:00 boundary to every node re-cut and republished. Prints a table
+//! with PASS/FAIL; exits non-zero on a FAIL.
+//!
+//!     cargo build --release && cargo run --release -p gpuslice-testcluster --bin dra-scale -- \
+//!         --gpuslice target/release/gpuslice [--nodes 1000] [--pods 10000] [--api-qps 500]
+//!
+//! The scheduler and the controller-manager run with `--kube-api-qps` 500 (burst 1000), as large
+//! clusters set them: at their defaults (50 and 20) a DRA pod's three writes (its claim, the
+//! claim's allocation, the binding) against the baseline's one would measure the client-side
+//! rate limit, not the scheduler.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use gpuslice_api::{GpuNode, GpuNodeStatus, NodeInventory};
+use gpuslice_testcluster::{Components, ControlPlane};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+
+const GPUS: u32 = 8;
+const MODEL: &str = "NVIDIA A100-SXM4-80GB";
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn peak_memory_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn operator(gpuslice: &PathBuf, cluster: &ControlPlane, clock: &str) -> std::io::Result<Child> {
+    Command::new(gpuslice)
+        .arg("operator")
+        .env("KUBECONFIG", cluster.kubeconfig_path())
+        .env("GPUSLICE_CLOCK_START", clock)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+}
+
+/// The node's GPUs as its agent reports them.
+fn inventory(node: &str) -> NodeInventory {
+    serde_json::from_value(serde_json::json!({
+        "name": node,
+        "gpus": (0..GPUS).map(|i| serde_json::json!({
+            "index": i, "model": MODEL, "uuid": format!("GPU-{node}-{i}"),
+        })).collect::<Vec<_>>(),
+    }))
+    .expect("an inventory")
+}
+
+/// The inventory with the spec's software layouts in force, as the agent reads it back after
+/// applying them.
+fn applied(node: &GpuNode) -> NodeInventory {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let mut inventory = inventory(&name);
+    for gpu in &mut inventory.gpus {
+        let Some(software) = node
+            .spec
+            .gpus
+            .iter()
+            .find(|a| a.index == gpu.index)
+            .and_then(|a| a.layout.software.as_ref())
+        else {
+            continue;
+        };
+        gpu.slices = (0..software.slices)
+            .map(|s| gpuslice_api::SoftwareSliceState {
+                id: gpuslice_contract::slice::software_slice_id(gpu.index, s),
+                memory: k8s_openapi::apimachinery::pkg::api::resource::Quantity(
+                    software.memory.0.clone(),
+                ),
+                compute: software.compute,
+                processes: Vec::new(),
+            })
+            .collect();
+    }
+    inventory
+}
+
+/// One simulated agent per node: each GpuNode change is published (at most `parallel` at once,
+/// as the API server would otherwise refuse some) and reported applied.
+fn simulated_agents(client: kube::Client, parallel: usize) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let api: Api<GpuNode> = Api::all(client.clone());
+        let publishers: Arc<std::sync::Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<_>>>>> =
+            Arc::default();
+        let limit = Arc::new(tokio::sync::Semaphore::new(parallel));
+        let stream = watcher(api.clone(), watcher::Config::default());
+        futures::pin_mut!(stream);
+        while let Some(event) = stream.next().await {
+            let node = match event {
+                Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) => n,
+                _ => continue,
+            };
+            let applied_generation = node.status.as_ref().and_then(|s| s.applied_generation);
+            if node.spec.gpus.is_empty() || applied_generation == node.metadata.generation {
+                continue;
+            }
+            let name = node.metadata.name.clone().unwrap_or_default();
+            let publisher = publishers
+                .lock()
+                .expect("not poisoned")
+                .entry(name.clone())
+                .or_insert_with(|| {
+                    Arc::new(tokio::sync::Mutex::new(
+                        gpuslice_node::cluster::Publisher::new(client.clone(), &name),
+                    ))
+                })
+                .clone();
+            let (api, limit) = (api.clone(), limit.clone());
+            tokio::spawn(async move {
+                let _turn = limit.acquire().await;
+                let inventory = applied(&node);
+                let devices = gpuslice_node::dra::devices(&inventory, &node.spec.gpus, &|_| None);
+                publisher.lock().await.publish(devices).await;
+                let status = GpuNodeStatus {
+                    inventory: Some(inventory),
+                    applied_generation: node.metadata.generation,
+                    ..Default::default()
+                };
+                let patch = serde_json::json!({
+                    "apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
+                    "metadata": {"name": name}, "status": status,
+                });
+                let _ = api
+                    .patch_status(
+                        &name,
+                        &PatchParams::apply("gpuslice-agent").force(),
+                        &Patch::Apply(&patch),
+                    )
+                    .await;
+            });
+        }
+    })
+}
+
+/// Every device of our driver: its memory capacity, counted.
+async fn devices_by_memory(client: &kube::Client) -> Result<BTreeMap<String, usize>, kube::Error> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let mut count = BTreeMap::new();
+    for s in slices.list(&ListParams::default()).await? {
+        for d in s.spec.devices.into_iter().flatten() {
+            let memory = d
+                .capacity
+                .as_ref()
+                .and_then(|c| c.get("memory"))
+                .map(|c| c.value.0.clone())
+                .unwrap_or_default();
+            *count.entry(memory).or_default() += 1;
+        }
+    }
+    Ok(count)
+}
+
+/// Waits until `want` devices of `memory` are published (and no others); the time it took.
+async fn wait_for_devices(
+    client: &kube::Client,
+    memory: &str,
+    want: usize,
+    since: Instant,
+    limit: Duration,
+) -> Option<Duration> {
+    while since.elapsed() < limit {
+        if let Ok(count) = devices_by_memory(client).await
+            && count.len() == 1
+            && count.get(memory) == Some(&want)
+        {
+            return Some(since.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    None
+}
+
+/// Creates `count` pods labelled `bench=<label>` asking for `resource`, and waits until all are
+/// bound; the time from the first create to the last bind.
+async fn place(
+    client: &kube::Client,
+    label: &str,
+    resource: &str,
+    count: usize,
+    limit: Duration,
+) -> Option<Duration> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let selector = format!("bench={label}");
+    let bound = Arc::new(std::sync::Mutex::new(BTreeSet::new()));
+    let watch = {
+        let (pods, selector, bound) = (pods.clone(), selector.clone(), bound.clone());
+        tokio::spawn(async move {
+            let stream = watcher(pods, watcher::Config::default().labels(&selector));
+            futures::pin_mut!(stream);
+            while let Some(event) = stream.next().await {
+                if let Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) = event
+                    && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
+                {
+                    bound
+                        .lock()
+                        .expect("not poisoned")
+                        .insert(p.metadata.name.unwrap_or_default());
+                }
+            }
+        })
+    };
+    let start = Instant::now();
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let pods = pods.clone();
+            let pod: Pod = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": format!("{label}-{i:05}"), "labels": {"bench": label}},
+                "spec": {
+                    "containers": [{"name": "main", "image": "example.com/notebook:1",
+                        "resources": {"limits": {resource: "1"}}}],
+                    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+                }
+            }))
+            .expect("a pod");
+            async move {
+                while let Err(e) = pods.create(&PostParams::default(), &pod).await {
+                    if matches!(&e, kube::Error::Api(s) if s.code == 409) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<()>>()
+        .await;
+    let mut done = None;
+    while start.elapsed() < limit {
+        if bound.lock().expect("not poisoned").len() >= count {
+            done = Some(start.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    watch.abort();
+    done
+}
+
+/// Deletes the pods labelled `bench=<label>` at once and waits until they are gone.
+async fn remove(client: &kube::Client, label: &str) -> Result<(), kube::Error> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let selector = ListParams::default().labels(&format!("bench={label}"));
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    pods.delete_collection(&now, &selector).await?;
+    while !pods.list_metadata(&selector).await?.items.is_empty() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let gpuslice =
+        PathBuf::from(arg("--gpuslice").unwrap_or_else(|| "target/release/gpuslice".into()));
+    let nodes: usize = arg("--nodes").map_or(Ok(1000), |n| n.parse())?;
+    let pod_count: usize = arg("--pods").map_or(Ok(10_000), |n| n.parse())?;
+    let devices_by_day = nodes * GPUS as usize * 4;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let qps: u32 = arg("--api-qps").map_or(Ok(500), |n| n.parse())?;
+    let cluster = ControlPlane::start(Components {
+        api_qps: Some(qps),
+        ..Components::all()
+    })
+    .await?
+    .ok_or("no control-plane binaries: run tests/controlplane/build.sh")?;
+    let client = cluster.client().await?;
+    gpuslice_testcluster::install_crds(&client, &root.join("crds")).await?;
+
+    // The nodes, with a plain extended resource for the baseline, and their agents' GpuNodes.
+    let setup = Instant::now();
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    let agent = PatchParams::apply("gpuslice-agent").force();
+    futures::stream::iter(0..nodes)
+        .map(|i| {
+            let (cluster, gpu_nodes, agent) = (&cluster, gpu_nodes.clone(), agent.clone());
+            async move {
+                let name = format!("a100-{i:04}");
+                cluster
+                    .create_node(
+                        &name,
+                        &[("gpuslice.io/pool", "shared-a100")],
+                        &[("example.com/slice", "32")],
+                    )
+                    .await
+                    .expect("a node");
+                let object = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": name}, "spec": {}});
+                gpu_nodes
+                    .patch(&name, &agent, &Patch::Apply(&object))
+                    .await
+                    .expect("a GpuNode");
+                let status = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": name}, "status": {"inventory": inventory(&name)}});
+                gpu_nodes
+                    .patch_status(&name, &agent, &Patch::Apply(&status))
+                    .await
+                    .expect("its inventory");
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<()>>()
+        .await;
+    eprintln!(
+        "{nodes} nodes with their GPUs in {:.1} s",
+        setup.elapsed().as_secs_f64()
+    );
+
+    // 17:00 in Shanghai: four 20 GiB slices per GPU.
+    let mut operator_process = operator(&gpuslice, &cluster, "2026-12-02T09:00:00Z")?;
+    let agents = simulated_agents(client.clone(), 64);
+    let discovery = kube::discovery::Discovery::new(client.clone())
+        .run()
+        .await?;
+    let start = Instant::now();
+    for file in [
+        "examples/gitops/policies/checkpoint-standard.yaml",
+        "examples/gitops/pools/shared-a100.yaml",
+        "examples/gitops/policies/notebook.yaml",
+    ] {
+        let doc: serde_json::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(root.join(file))?)?;
+        gpuslice_testcluster::apply_document(&client, &discovery, &doc, false)
+            .await
+            .ok_or("unknown kind")??;
+    }
+    let published = wait_for_devices(
+        &client,
+        "20Gi",
+        devices_by_day,
+        start,
+        Duration::from_secs(300),
+    )
+    .await;
+    eprintln!("published: {published:?}");
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    while classes.get_opt("notebook.gpuslice.io").await?.is_none() {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    let limit = Duration::from_secs(1200);
+    let baseline = place(&client, "plain", "example.com/slice", pod_count, limit).await;
+    eprintln!("baseline: {baseline:?}");
+    remove(&client, "plain").await?;
+    let dra = place(&client, "dra", "gpuslice.io/notebook", pod_count, limit).await;
+    eprintln!("dra: {dra:?}");
+    // No device given twice.
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let mut given = BTreeSet::new();
+    let mut results = 0;
+    for c in claims.list(&ListParams::default()).await? {
+        for r in c
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default()
+        {
+            results += 1;
+            given.insert((r.pool, r.device));
+        }
+    }
+    let apiserver_memory = cluster
+        .pid("kube-apiserver")
+        .map_or(f64::NAN, peak_memory_mib);
+
+    // The window change: the pods gone, a fresh operator 10 s before 20:00 in Shanghai (its first
+    // passes change nothing), then two 40 GiB slices per GPU everywhere.
+    remove(&client, "dra").await?;
+    let _ = operator_process.kill();
+    let _ = operator_process.wait();
+    // Its lease goes with it, so that the new one leads at once (a failover is not measured).
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
+    leases
+        .delete("gpuslice-operator", &DeleteParams::default())
+        .await?;
+    operator_process = operator(&gpuslice, &cluster, "2026-12-02T11:59:50Z")?;
+    let boundary = Instant::now() + Duration::from_secs(10);
+    tokio::time::sleep_until(boundary.into()).await;
+    let recut = wait_for_devices(
+        &client,
+        "40Gi",
+        devices_by_day / 2,
+        boundary,
+        Duration::from_secs(120),
+    )
+    .await;
+    let operator_memory = peak_memory_mib(operator_process.id());
+    let _ = operator_process.kill();
+    agents.abort();
+
+    let secs = |d: Option<Duration>| d.map_or(f64::INFINITY, |d| d.as_secs_f64());
+    let ratio = secs(dra) / secs(baseline);
+    println!(
+        "workloads through DRA: {nodes} nodes × {GPUS} A100 × 4 software slices ({devices_by_day} devices), {pod_count} pods, scheduler at {qps} QPS"
+    );
+    println!("{:<58} {:>10} {:>10}", "", "measured", "target");
+    let rows: [(&str, f64, Option<f64>); 7] = [
+        (
+            "every agent published its devices (s)",
+            secs(published),
+            Some(60.0),
+        ),
+        (
+            "pods placed, plain extended resource (s)",
+            secs(baseline),
+            None,
+        ),
+        ("pods placed through DRA (s)", secs(dra), None),
+        ("DRA / plain", ratio, Some(5.0)),
+        (
+            "API server peak memory (MiB)",
+            apiserver_memory,
+            Some(4096.0),
+        ),
+        (
+            "window change: boundary → all re-cut, republished (s)",
+            secs(recut),
+            Some(10.0),
+        ),
+        (
+            "operator peak memory after the window change (MiB)",
+            operator_memory,
+            Some(150.0),
+        ),
+    ];
+    let mut failed = false;
+    for (what, value, target) in rows {
+        let verdict = match target {
+            Some(t) if value <= t => "PASS",
+            Some(_) => {
+                failed = true;
+                "FAIL"
+            }
+            None => "",
+        };
+        let target = target.map(|t| format!("≤ {t}")).unwrap_or_default();
+        println!("{what:<58} {value:>10.2} {target:>10}  {verdict}");
+    }
+    let unique = given.len() == results && results == pod_count;
+    println!(
+        "{:<58} {:>10} {:>10}  {}",
+        "devices allocated, each to one pod",
+        format!("{}/{}", given.len(), results),
+        pod_count,
+        if unique { "PASS" } else { "FAIL" }
+    );
+    failed |= !unique;
+    if failed {
+        std::process::exit(1);
+    }
+    Ok(())
+}
