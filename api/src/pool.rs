@@ -1,5 +1,7 @@
 //! `GpuPool`: a set of GPUs on matching nodes and how they are cut up, by time of day.
 
+use std::collections::BTreeMap;
+
 use crate::quantity::Size;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::CustomResource;
@@ -117,7 +119,7 @@ fn every_day() -> Vec<Weekday> {
 }
 
 /// Queueing and preemption on the pool.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Scheduling {
     /// Order of the queue: `Fifo`, `Priority`, `Fair` (fair share between namespaces) or
@@ -127,6 +129,14 @@ pub struct Scheduling {
     /// Whether higher-priority work may preempt preemptible work, after its checkpoint signal and grace period.
     #[serde(default)]
     pub preemption: bool,
+    /// Fair-share weight of each namespace (default 1): a namespace of weight 2 gets twice the
+    /// slices of one of weight 1 when both want more than the pool has.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub weights: BTreeMap<String, u32>,
+    /// How fast past usage is forgotten in fair share: usage (slice-seconds) halves every
+    /// `halfLife` (Go duration). Default 1h.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub half_life: Option<Duration>,
 }
 
 /// Queue ordering of a pool.

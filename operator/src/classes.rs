@@ -26,7 +26,7 @@ fn literal(s: &str) -> String {
 
 /// The memory a policy's workload may use: its `memory` plus its pool's `memoryHeadroom` (the
 /// CUDA context and allocator slack count against the cap too).
-fn memory_limit(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> u64 {
+pub(crate) fn memory_limit(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> u64 {
     let spec = &policy.spec;
     let headroom = pools
         .iter()

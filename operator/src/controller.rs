@@ -14,7 +14,7 @@ use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, GpuSlicePolicy, NodeInventory,
 };
 use gpuslice_planning::clock::Clock;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -209,6 +209,32 @@ pub async fn run(
             message: e.to_string(),
         })?;
     }
+    // The admission queue: pods that name a policy, and the caches above.
+    let queue_changed = Arc::new(Notify::new());
+    let pods = cache(
+        Api::<Pod>::all(client.clone()),
+        all().labels(crate::queue::POLICY_LABEL),
+        queue_changed.clone(),
+    );
+    pods.wait_until_ready()
+        .await
+        .map_err(|e| OperatorError::Cache {
+            kind: "Pod",
+            message: e.to_string(),
+        })?;
+    tokio::spawn(crate::queue::run(
+        client.clone(),
+        clock,
+        leadership.clone(),
+        crate::queue::Caches {
+            pods,
+            pools: pools.clone(),
+            policies: policies.clone(),
+            slices: slices.clone(),
+            claims: claims.clone(),
+        },
+        queue_changed,
+    ));
     let writer = Writer {
         recorder: Recorder::new(
             client.clone(),

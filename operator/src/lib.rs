@@ -7,6 +7,7 @@ pub mod classes;
 pub mod controller;
 pub mod desired;
 pub mod election;
+pub mod queue;
 
 /// The field manager of everything the operator writes.
 pub const MANAGER: &str = "gpuslice-operator";

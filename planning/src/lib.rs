@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod fit;
 pub mod mig;
 pub mod placement;
+pub mod queue;
 pub mod transition;
 pub mod validate;
 pub mod windows;

@@ -277,11 +277,18 @@ async fn remove(client: &kube::Client, label: &str) -> Result<(), kube::Error> {
         grace_period_seconds: Some(0),
         ..Default::default()
     };
-    pods.delete_collection(&now, &selector).await?;
-    while !pods.list_metadata(&selector).await?.items.is_empty() {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    // Thousands of pods outlast one request's timeout: ask again until none is left.
+    loop {
+        if let Err(e) = pods.delete_collection(&now, &selector).await {
+            eprintln!("deleting pods {label}: {e} (asking again)");
+        }
+        match pods.list_metadata(&selector.clone().limit(1)).await {
+            Ok(list) if list.items.is_empty() => return Ok(()),
+            Ok(_) => {}
+            Err(e) => eprintln!("listing pods {label}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    Ok(())
 }
 
 #[tokio::main]

@@ -1,0 +1,538 @@
+//! The admission queue in front of kube-scheduler. Pods that name a policy by the label
+//! `gpuslice.io/policy` are created with the scheduling gate `gpuslice.io/queue` (the chart's
+//! MutatingAdmissionPolicy adds it); kube-scheduler leaves them alone until the gate is gone.
+//!
+//! Each pass, per pool: read (gated pods, the pool's free devices, what each namespace holds)
+//! → decide (`gpuslice_planning::queue`: order by the pool's scheduling policy, admit while a free
+//! slice fits, pick the node with our placement engine) → apply: an admitted pod gets its node
+//! affinity narrowed to that node and its gate removed (kube-scheduler then binds it and
+//! allocates the slice); a waiting pod carries the condition `gpuslice.io/Queued` with its place
+//! in the queue and why it waits.
+//!
+//! Not here yet (issue: priority, fair share, preemption): preemption, priorities by window,
+//! usage that survives an operator restart (the decayed usage is kept in memory; queue order
+//! itself depends only on the pods, so a restart loses no place).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuslice_api::{GpuPool, GpuSlicePolicy, dra};
+use gpuslice_planning::clock::Clock;
+use gpuslice_planning::queue::{
+    self, Decision, EnginePlacer, FreeDevice, Need, Reason, Share, Waiting,
+};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::Store;
+use kube::{Client, ResourceExt as _};
+use tokio::sync::Notify;
+
+use crate::election::Leadership;
+
+/// The scheduling gate of pods waiting in the queue.
+pub const GATE: &str = "gpuslice.io/queue";
+/// The pod condition that says where a pod stands in the queue.
+pub const CONDITION: &str = "gpuslice.io/Queued";
+/// The label that names a pod's policy.
+pub const POLICY_LABEL: &str = "gpuslice.io/policy";
+/// Pods further back than this are told only that they wait, so that each admission does not
+/// rewrite every waiting pod's condition.
+const EXACT_PLACES: usize = 100;
+/// A pass at least this often (usage accrues; devices come and go).
+const PASS_EVERY: Duration = Duration::from_secs(2);
+/// Half-life of namespaces' usage when the pool declares none.
+const DEFAULT_HALF_LIFE_SECONDS: f64 = 3600.0;
+
+/// The queue's view of the cluster, shared with the controller's caches.
+pub struct Caches {
+    pub pods: Store<Pod>,
+    pub pools: Store<GpuPool>,
+    pub policies: Store<GpuSlicePolicy>,
+    pub slices: Store<ResourceSlice>,
+    pub claims: Store<ResourceClaim>,
+}
+
+/// The priority a policy's `priority` names: `low`, `normal` or `high` (a PriorityClass name
+/// counts as `normal` until PriorityClasses are read).
+pub fn priority_value(name: &str) -> i64 {
+    match name {
+        "low" => 0,
+        "high" => 1000,
+        _ => 100,
+    }
+}
+
+fn gated(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.scheduling_gates.as_ref())
+        .is_some_and(|g| g.iter().any(|g| g.name == GATE))
+}
+
+/// The free devices of each pool: published, untainted, not allocated.
+fn free_devices(
+    slices: &Store<ResourceSlice>,
+    allocated: &BTreeSet<(String, String)>,
+) -> BTreeMap<String, Vec<FreeDevice>> {
+    let mut software_on_gpu: BTreeMap<(String, i64), u32> = BTreeMap::new();
+    let mut out: BTreeMap<String, Vec<(FreeDevice, i64)>> = BTreeMap::new();
+    for slice in slices.state() {
+        let node = slice.spec.node_name.clone().unwrap_or_default();
+        for device in slice.spec.devices.iter().flatten() {
+            let attribute = |name: &str| device.attributes.as_ref().and_then(|a| a.get(name));
+            let capacity = |name: &str| {
+                device
+                    .capacity
+                    .as_ref()
+                    .and_then(|c| c.get(name))
+                    .and_then(|c| gpuslice_api::bytes_of(&c.value.0).ok())
+                    .unwrap_or(0)
+            };
+            let gpu = attribute(dra::attribute::GPU_INDEX)
+                .and_then(|a| a.int)
+                .unwrap_or(-1);
+            let software = attribute(dra::attribute::KIND)
+                .and_then(|a| a.string.as_deref())
+                .is_some_and(|k| k == "software");
+            if software {
+                *software_on_gpu.entry((node.clone(), gpu)).or_default() += 1;
+            }
+            let Some(pool) = attribute(dra::attribute::POOL).and_then(|a| a.string.clone()) else {
+                continue;
+            };
+            let tainted = device.taints.as_ref().is_some_and(|t| !t.is_empty());
+            if tainted || allocated.contains(&(slice.spec.pool.name.clone(), device.name.clone())) {
+                continue;
+            }
+            out.entry(pool).or_default().push((
+                FreeDevice {
+                    node: node.clone(),
+                    gpu: u32::try_from(gpu).unwrap_or(u32::MAX),
+                    device: device.name.clone(),
+                    memory_bytes: capacity(dra::capacity::MEMORY),
+                    compute: u32::try_from(capacity(dra::capacity::COMPUTE)).unwrap_or(0),
+                    slices_on_gpu: 0,
+                },
+                gpu,
+            ));
+        }
+    }
+    out.into_iter()
+        .map(|(pool, devices)| {
+            let devices = devices
+                .into_iter()
+                .map(|(mut d, gpu)| {
+                    d.slices_on_gpu = software_on_gpu
+                        .get(&(d.node.clone(), gpu))
+                        .copied()
+                        .unwrap_or(0);
+                    d
+                })
+                .collect();
+            (pool, devices)
+        })
+        .collect()
+}
+
+/// Devices by (ResourceSlice pool, device name).
+type DeviceKeys = BTreeSet<(String, String)>;
+/// Slices held per (GpuPool, namespace).
+type Holdings = BTreeMap<(String, String), u32>;
+
+/// Each allocated gpuslice device, and how many each namespace holds per GpuPool.
+fn allocations(
+    slices: &Store<ResourceSlice>,
+    claims: &Store<ResourceClaim>,
+) -> (DeviceKeys, Holdings) {
+    let mut pool_of: BTreeMap<(String, String), String> = BTreeMap::new();
+    for slice in slices.state() {
+        for device in slice.spec.devices.iter().flatten() {
+            if let Some(pool) = device
+                .attributes
+                .as_ref()
+                .and_then(|a| a.get(dra::attribute::POOL))
+                .and_then(|a| a.string.clone())
+            {
+                pool_of.insert((slice.spec.pool.name.clone(), device.name.clone()), pool);
+            }
+        }
+    }
+    let mut taken = BTreeSet::new();
+    let mut holding: BTreeMap<(String, String), u32> = BTreeMap::new();
+    for claim in claims.state() {
+        let results = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref());
+        for r in results
+            .into_iter()
+            .flatten()
+            .filter(|r| r.driver == dra::DRIVER)
+        {
+            let key = (r.pool.clone(), r.device.clone());
+            if let Some(pool) = pool_of.get(&key) {
+                *holding
+                    .entry((pool.clone(), claim.namespace().unwrap_or_default()))
+                    .or_default() += 1;
+            }
+            taken.insert(key);
+        }
+    }
+    (taken, holding)
+}
+
+/// The node an admitted pod was sent to (the node affinity the queue set), while it is not
+/// bound yet.
+fn admitted_to(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    if spec.node_name.is_some() || gated(pod) {
+        return None;
+    }
+    spec.affinity
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_fields.iter().flatten())
+        .find(|f| f.key == "metadata.name" && f.operator == "In")
+        .and_then(|f| f.values.as_ref()?.first().cloned())
+}
+
+/// The queue's state between passes.
+#[derive(Default)]
+pub struct Queue {
+    placer: EnginePlacer,
+    /// Decayed slice-seconds per (pool, namespace).
+    usage: BTreeMap<(String, String), f64>,
+    last: Option<chrono::DateTime<chrono::Utc>>,
+    /// What each waiting pod was last told, so that an unchanged condition is not written again.
+    told: BTreeMap<String, (String, String)>,
+}
+
+/// What one pass writes.
+#[derive(Debug, Default, PartialEq)]
+pub struct Plan {
+    /// Pod (`namespace/name`) → node.
+    pub admit: Vec<(String, String)>,
+    /// Pod → (reason, message) of its `gpuslice.io/Queued` condition.
+    pub tell: Vec<(String, String, String)>,
+}
+
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (1, r) if r != 11 => "st",
+        (2, r) if r != 12 => "nd",
+        (3, r) if r != 13 => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
+impl Queue {
+    /// Decides one pass from the caches (no I/O).
+    pub fn plan(&mut self, caches: &Caches, now: chrono::DateTime<chrono::Utc>) -> Plan {
+        let pools: Vec<Arc<GpuPool>> = caches.pools.state();
+        let policies: Vec<Arc<GpuSlicePolicy>> = caches.policies.state();
+        let pool_list: Vec<GpuPool> = pools.iter().map(|p| (**p).clone()).collect();
+        let (allocated, holding) = allocations(&caches.slices, &caches.claims);
+        let mut free = free_devices(&caches.slices, &allocated);
+        let elapsed = self
+            .last
+            .map_or(0.0, |t| (now - t).num_milliseconds().max(0) as f64 / 1000.0);
+        self.last = Some(now);
+        let pods = caches.pods.state();
+        // Admitted in an earlier pass and not bound yet: their devices are spoken for.
+        for pod in &pods {
+            let (Some(node), Some(policy)) =
+                (admitted_to(pod), pod.labels().get(POLICY_LABEL).cloned())
+            else {
+                continue;
+            };
+            let Some(p) = policies.iter().find(|p| p.name_any() == policy) else {
+                continue;
+            };
+            let need = Need {
+                memory_bytes: crate::classes::memory_limit(p, &pool_list),
+                compute: p.spec.compute.as_ref().map_or(0, |c| c.limit),
+            };
+            if let Some(devices) = free.get_mut(&p.spec.pool)
+                && let Some(i) = devices.iter().position(|d| d.node == node && need.fits(d))
+            {
+                devices.remove(i);
+            }
+        }
+        let mut plan = Plan::default();
+        for pool in &pools {
+            let pool_name = pool.name_any();
+            let scheduling = pool.spec.scheduling.clone().unwrap_or_default();
+            let half_life = scheduling.half_life.map_or(DEFAULT_HALF_LIFE_SECONDS, |d| {
+                std::time::Duration::from(d).as_secs_f64()
+            });
+            let needs: BTreeMap<String, Need> = policies
+                .iter()
+                .filter(|p| p.spec.pool == pool_name)
+                .map(|p| {
+                    (
+                        p.name_any(),
+                        Need {
+                            memory_bytes: crate::classes::memory_limit(p, &pool_list),
+                            compute: p.spec.compute.as_ref().map_or(0, |c| c.limit),
+                        },
+                    )
+                })
+                .collect();
+            let waiting: Vec<Waiting> = pods
+                .iter()
+                .filter(|p| gated(p))
+                .filter_map(|p| {
+                    let policy = p.labels().get(POLICY_LABEL)?.clone();
+                    let spec = policies.iter().find(|x| x.name_any() == policy);
+                    // A pod whose policy is unknown waits in no pool's queue but the first's,
+                    // so that it is told why.
+                    if spec.map_or(pool_name != pools[0].name_any(), |s| {
+                        s.spec.pool != pool_name
+                    }) {
+                        return None;
+                    }
+                    Some(Waiting {
+                        namespace: p.namespace().unwrap_or_default(),
+                        name: p.name_any(),
+                        priority: spec.map_or(0, |s| priority_value(&s.spec.priority)),
+                        policy,
+                        created: p
+                            .creation_timestamp()
+                            .and_then(|t| {
+                                chrono::DateTime::from_timestamp(
+                                    t.0.as_second(),
+                                    t.0.subsec_nanosecond().max(0) as u32,
+                                )
+                            })
+                            .unwrap_or(now),
+                    })
+                })
+                .collect();
+            let namespaces: BTreeSet<String> = waiting
+                .iter()
+                .map(|w| w.namespace.clone())
+                .chain(
+                    holding
+                        .keys()
+                        .filter(|(p, _)| *p == pool_name)
+                        .map(|(_, ns)| ns.clone()),
+                )
+                .chain(scheduling.weights.keys().cloned())
+                .collect();
+            let mut shares = BTreeMap::new();
+            for ns in namespaces {
+                let held = holding
+                    .get(&(pool_name.clone(), ns.clone()))
+                    .copied()
+                    .unwrap_or(0);
+                let usage = self
+                    .usage
+                    .entry((pool_name.clone(), ns.clone()))
+                    .or_insert(0.0);
+                *usage = queue::decay(*usage, held, elapsed, half_life);
+                shares.insert(
+                    ns.clone(),
+                    Share {
+                        weight: f64::from(scheduling.weights.get(&ns).copied().unwrap_or(1)),
+                        holding: held,
+                        usage: *usage,
+                    },
+                );
+            }
+            if waiting.is_empty() {
+                continue;
+            }
+            let order = queue::order(scheduling.policy, &waiting, &shares);
+            let devices = free.remove(&pool_name).unwrap_or_default();
+            let Decision { admit, wait } =
+                queue::decide(&waiting, &order, &needs, &devices, &mut self.placer);
+            plan.admit.extend(admit);
+            let total = wait.len();
+            for (pod, place, reason) in wait {
+                let policy = waiting
+                    .iter()
+                    .find(|w| w.key() == pod)
+                    .map(|w| w.policy.clone())
+                    .unwrap_or_default();
+                let (reason, why) = match reason {
+                    Reason::NoSliceFits => (
+                        "NoSliceFits",
+                        format!("no free slice of pool {pool_name} fits policy {policy}"),
+                    ),
+                    Reason::UnknownPolicy => (
+                        "UnknownPolicy",
+                        format!(
+                            "GpuSlicePolicy {policy} does not exist: create it, or change the pod's label {POLICY_LABEL}"
+                        ),
+                    ),
+                };
+                let message = if place <= EXACT_PLACES {
+                    format!(
+                        "{} of {total} waiting in the queue of pool {pool_name}: {why}",
+                        ordinal(place)
+                    )
+                } else {
+                    format!(
+                        "more than {EXACT_PLACES} ahead in the queue of pool {pool_name}: {why}"
+                    )
+                };
+                plan.tell.push((pod, reason.to_string(), message));
+            }
+        }
+        plan.tell.retain(|(pod, reason, message)| {
+            self.told.get(pod) != Some(&(reason.clone(), message.clone()))
+        });
+        plan
+    }
+}
+
+/// Sends the admitted pod to `node` and lifts its gate.
+async fn admit(client: &Client, pod: &Pod, node: &str) -> Result<(), kube::Error> {
+    let mut node_affinity = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.affinity.as_ref())
+        .and_then(|a| a.node_affinity.clone())
+        .unwrap_or_default();
+    let only_there =
+        serde_json::json!({"key": "metadata.name", "operator": "In", "values": [node]});
+    let mut terms: Vec<serde_json::Value> = node_affinity
+        .required_during_scheduling_ignored_during_execution
+        .take()
+        .map(|r| {
+            r.node_selector_terms
+                .into_iter()
+                .map(|t| serde_json::to_value(t).unwrap_or_default())
+                .collect()
+        })
+        .unwrap_or_default();
+    if terms.is_empty() {
+        terms.push(serde_json::json!({}));
+    }
+    // Every term must now also name the node: a narrowing the API server allows on a gated pod.
+    for term in &mut terms {
+        let fields = term.as_object_mut().map(|t| {
+            t.entry("matchFields")
+                .or_insert_with(|| serde_json::json!([]))
+        });
+        if let Some(serde_json::Value::Array(fields)) = fields {
+            fields.push(only_there.clone());
+        }
+    }
+    let patch = serde_json::json!({
+        "spec": {
+            "schedulingGates": [{"$patch": "delete", "name": GATE}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}},
+        }
+    });
+    let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace().unwrap_or_default());
+    api.patch(
+        &pod.name_any(),
+        &PatchParams::default(),
+        &Patch::Strategic(&patch),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn tell(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    reason: &str,
+    message: &str,
+) -> Result<(), kube::Error> {
+    let patch = serde_json::json!({
+        "status": {"conditions": [{
+            "type": CONDITION, "status": "True", "reason": reason, "message": message,
+            "lastTransitionTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::now()
+            ),
+        }]}
+    });
+    Api::<Pod>::namespaced(client.clone(), namespace)
+        .patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch))
+        .await?;
+    Ok(())
+}
+
+/// Runs the queue until the process ends; only the leader writes.
+pub async fn run(
+    client: Client,
+    clock: Clock,
+    leadership: Leadership,
+    caches: Caches,
+    changed: Arc<Notify>,
+) {
+    let mut queue = Queue::default();
+    loop {
+        if leadership.is_leader() {
+            let plan = queue.plan(&caches, clock.now());
+            let pods = caches.pods.state();
+            let find = |key: &str| {
+                pods.iter()
+                    .find(|p| {
+                        format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()) == key
+                    })
+                    .cloned()
+            };
+            for (key, node) in &plan.admit {
+                let Some(pod) = find(key) else { continue };
+                match admit(&client, &pod, node).await {
+                    Ok(()) => {
+                        tracing::info!("admitted pod {key} onto node {node}");
+                        queue.told.remove(key);
+                    }
+                    Err(e) => tracing::warn!("pod {key}: admitting it: {e}"),
+                }
+            }
+            for (key, reason, message) in plan.tell {
+                let Some((namespace, name)) = key.split_once('/') else {
+                    continue;
+                };
+                match tell(&client, namespace, name, &reason, &message).await {
+                    Ok(()) => {
+                        queue.told.insert(key, (reason, message));
+                    }
+                    Err(e) => tracing::debug!("pod {key}: its queue condition: {e}"),
+                }
+            }
+            let waiting: BTreeSet<String> = pods
+                .iter()
+                .filter(|p| gated(p))
+                .map(|p| format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()))
+                .collect();
+            queue.told.retain(|k, _| waiting.contains(k));
+        }
+        tokio::select! {
+            _ = changed.notified() => tokio::time::sleep(Duration::from_millis(100)).await,
+            _ = tokio::time::sleep(PASS_EVERY) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn places_read_as_ordinals() {
+        let got: Vec<String> = [1, 2, 3, 4, 11, 12, 13, 21, 22, 101]
+            .map(super::ordinal)
+            .into();
+        assert_eq!(
+            got,
+            [
+                "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st"
+            ]
+        );
+    }
+}

@@ -1,0 +1,502 @@
+//! A pool's admission queue (pure): in which order its waiting pods go, which of them a free
+//! slice fits now, and onto which node each goes.
+//!
+//! Order, by the pool's `scheduling.policy`:
+//! - `Fifo`: arrival.
+//! - `Priority`: the policy's priority, then arrival.
+//! - `Fair`: the namespace furthest below its weighted share first — slices it holds (and was
+//!   given earlier in this pass) per unit of weight, then its decayed usage per unit of weight —
+//!   then arrival within the namespace.
+//! - `PriorityFair` (the default): priority first, fair share among equal priorities.
+//!
+//! A pod is admitted when a free device fits it; pods behind one that fits nothing may still be
+//! admitted onto devices that one could not use (it fits none of the free devices, so nothing
+//! is taken from it; a device freed later is offered to it first).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use gpuslice_api::SchedulingPolicy;
+
+use crate::placement::{self, Cluster, Gpu, GpuAsk, Request, WHOLE};
+
+/// A pod waiting at the gate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Waiting {
+    pub namespace: String,
+    pub name: String,
+    /// The GpuSlicePolicy it names.
+    pub policy: String,
+    /// Larger goes first.
+    pub priority: i64,
+    pub created: DateTime<Utc>,
+}
+
+impl Waiting {
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A namespace's standing in a pool.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Share {
+    /// Its weight (default 1).
+    pub weight: f64,
+    /// Slices its pods hold now.
+    pub holding: u32,
+    /// Slice-seconds used, decayed by the pool's half-life.
+    pub usage: f64,
+}
+
+/// A free device (slice) of the pool.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FreeDevice {
+    pub node: String,
+    pub gpu: u32,
+    pub device: String,
+    pub memory_bytes: u64,
+    pub compute: u32,
+    /// Software slices on its GPU (0 for a MIG instance or a whole GPU).
+    pub slices_on_gpu: u32,
+}
+
+/// What a policy's pod needs of a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Need {
+    pub memory_bytes: u64,
+    pub compute: u32,
+}
+
+impl Need {
+    pub fn fits(&self, d: &FreeDevice) -> bool {
+        d.memory_bytes >= self.memory_bytes && d.compute >= self.compute
+    }
+}
+
+/// Why a pod still waits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// No free slice of the pool fits its policy.
+    NoSliceFits,
+    /// Its policy is unknown or names no pool.
+    UnknownPolicy,
+}
+
+/// What the queue decided in one pass.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Decision {
+    /// Pods (`namespace/name`) to admit, each with its node.
+    pub admit: Vec<(String, String)>,
+    /// Pods that wait: their 1-based place in the queue, and why.
+    pub wait: Vec<(String, usize, Reason)>,
+}
+
+/// Orders the waiting pods (indices into `pods`) as `policy` says.
+pub fn order(
+    policy: SchedulingPolicy,
+    pods: &[Waiting],
+    shares: &BTreeMap<String, Share>,
+) -> Vec<usize> {
+    let mut by_arrival: Vec<usize> = (0..pods.len()).collect();
+    by_arrival
+        .sort_by(|&a, &b| (pods[a].created, pods[a].key()).cmp(&(pods[b].created, pods[b].key())));
+    match policy {
+        SchedulingPolicy::Fifo => by_arrival,
+        SchedulingPolicy::Priority => {
+            by_arrival.sort_by_key(|&i| std::cmp::Reverse(pods[i].priority));
+            by_arrival
+        }
+        SchedulingPolicy::Fair => fair(&by_arrival, pods, shares),
+        SchedulingPolicy::PriorityFair => {
+            let mut levels: BTreeMap<std::cmp::Reverse<i64>, Vec<usize>> = BTreeMap::new();
+            for i in by_arrival {
+                levels
+                    .entry(std::cmp::Reverse(pods[i].priority))
+                    .or_default()
+                    .push(i);
+            }
+            levels
+                .values()
+                .flat_map(|level| fair(level, pods, shares))
+                .collect()
+        }
+    }
+}
+
+/// Fair share among `arrivals` (already in arrival order): repeatedly the next pod of the
+/// namespace with the least held slices per weight (counting those it is given in this order),
+/// then the least decayed usage per weight.
+fn fair(arrivals: &[usize], pods: &[Waiting], shares: &BTreeMap<String, Share>) -> Vec<usize> {
+    let mut queues: BTreeMap<&str, std::collections::VecDeque<usize>> = BTreeMap::new();
+    for &i in arrivals {
+        queues.entry(&pods[i].namespace).or_default().push_back(i);
+    }
+    let mut given: BTreeMap<&str, u32> = BTreeMap::new();
+    let mut out = Vec::with_capacity(arrivals.len());
+    while let Some(namespace) = queues
+        .iter()
+        .filter(|(_, q)| !q.is_empty())
+        .map(|(ns, _)| *ns)
+        .min_by(|a, b| {
+            let key = |ns: &str| {
+                let share = shares.get(ns).cloned().unwrap_or_default();
+                let weight = if share.weight > 0.0 {
+                    share.weight
+                } else {
+                    1.0
+                };
+                let held = f64::from(share.holding + given.get(ns).copied().unwrap_or(0));
+                (held / weight, share.usage / weight)
+            };
+            key(a)
+                .partial_cmp(&key(b))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })
+    {
+        let i = queues
+            .get_mut(namespace)
+            .and_then(|q| q.pop_front())
+            .expect("a non-empty queue");
+        *given.entry(namespace).or_default() += 1;
+        out.push(i);
+    }
+    out
+}
+
+/// Picks the node for a pod among the nodes with a free device that fits it.
+pub trait Placer {
+    /// `candidates`: per node, the free devices that fit, all of one policy's need.
+    fn pick(&mut self, candidates: &BTreeMap<String, Vec<FreeDevice>>) -> String;
+}
+
+/// Our placement engine's policy (`placement::policies::Mix`, the one that beats FGD) choosing
+/// among the candidate nodes, each GPU seen as its free share (free fitting slices over the
+/// slices on it); for MIG instances and whole GPUs (no shares), the node with the fewest free
+/// fitting devices, so that whole nodes stay free.
+pub struct EnginePlacer {
+    policy: placement::policies::Mix,
+}
+
+impl Default for EnginePlacer {
+    fn default() -> Self {
+        EnginePlacer {
+            policy: placement::policies::Mix::new(512),
+        }
+    }
+}
+
+impl Placer for EnginePlacer {
+    fn pick(&mut self, candidates: &BTreeMap<String, Vec<FreeDevice>>) -> String {
+        let per_gpu = candidates
+            .values()
+            .flatten()
+            .map(|d| d.slices_on_gpu)
+            .max()
+            .unwrap_or(0);
+        let shared = per_gpu > 0
+            && candidates
+                .values()
+                .flatten()
+                .all(|d| d.slices_on_gpu == per_gpu);
+        if shared {
+            let names: Vec<&String> = candidates.keys().collect();
+            let nodes: Vec<placement::Node> = candidates
+                .iter()
+                .map(|(name, devices)| {
+                    let mut free: BTreeMap<u32, u32> = BTreeMap::new();
+                    for d in devices {
+                        *free.entry(d.gpu).or_default() += 1;
+                    }
+                    placement::Node {
+                        name: name.clone(),
+                        model: String::new(),
+                        cpu_total: u64::MAX / 4,
+                        memory_total: u64::MAX / 4,
+                        cpu_free: u64::MAX / 4,
+                        memory_free: u64::MAX / 4,
+                        gpus: free
+                            .values()
+                            .map(|n| Gpu::Shared {
+                                free: WHOLE * n.min(&per_gpu) / per_gpu,
+                            })
+                            .collect(),
+                    }
+                })
+                .collect();
+            let request = Request {
+                cpu_milli: 0,
+                memory_mib: 0,
+                gpu: GpuAsk::Share(WHOLE / per_gpu),
+                models: Vec::new(),
+            };
+            let cluster = Cluster::new(nodes);
+            if let Ok(choice) = cluster.choose(&request, &mut self.policy) {
+                return names[choice.node].clone();
+            }
+        }
+        candidates
+            .iter()
+            .min_by_key(|(name, devices)| (devices.len(), (*name).clone()))
+            .map(|(name, _)| name.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// One pass of the queue: the pods in `order`, each admitted onto a node with a free device its
+/// policy's need fits (that device is then taken), or left waiting with its place and reason.
+pub fn decide(
+    pods: &[Waiting],
+    order: &[usize],
+    needs: &BTreeMap<String, Need>,
+    free: &[FreeDevice],
+    placer: &mut dyn Placer,
+) -> Decision {
+    let mut free: Vec<FreeDevice> = free.to_vec();
+    let mut decision = Decision::default();
+    let mut place = 0;
+    for &i in order {
+        let pod = &pods[i];
+        let Some(need) = needs.get(&pod.policy) else {
+            place += 1;
+            decision
+                .wait
+                .push((pod.key(), place, Reason::UnknownPolicy));
+            continue;
+        };
+        let mut candidates: BTreeMap<String, Vec<FreeDevice>> = BTreeMap::new();
+        for d in free.iter().filter(|d| need.fits(d)) {
+            candidates
+                .entry(d.node.clone())
+                .or_default()
+                .push(d.clone());
+        }
+        if candidates.is_empty() {
+            place += 1;
+            decision.wait.push((pod.key(), place, Reason::NoSliceFits));
+            continue;
+        }
+        let node = placer.pick(&candidates);
+        // The smallest fitting device of that node is the one the allocator will take.
+        let taken = free
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.node == node && need.fits(d))
+            .min_by_key(|(_, d)| (d.memory_bytes, d.compute, d.device.clone()))
+            .map(|(i, _)| i);
+        if let Some(t) = taken {
+            free.remove(t);
+        }
+        decision.admit.push((pod.key(), node));
+    }
+    decision
+}
+
+/// A namespace's usage after `seconds` more, holding `slices`: the old usage decayed by the
+/// half-life, plus what was used since.
+pub fn decay(usage: f64, slices: u32, seconds: f64, half_life_seconds: f64) -> f64 {
+    let factor = if half_life_seconds > 0.0 {
+        0.5f64.powf(seconds / half_life_seconds)
+    } else {
+        0.0
+    };
+    usage * factor + f64::from(slices) * seconds
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(second: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_800_000_000 + second, 0).unwrap()
+    }
+
+    fn pod(namespace: &str, name: &str, priority: i64, second: i64) -> Waiting {
+        Waiting {
+            namespace: namespace.into(),
+            name: name.into(),
+            policy: "notebook".into(),
+            priority,
+            created: at(second),
+        }
+    }
+
+    fn names(pods: &[Waiting], order: &[usize]) -> Vec<String> {
+        order.iter().map(|&i| pods[i].name.clone()).collect()
+    }
+
+    #[test]
+    fn priority_comes_before_arrival_and_fifo_ignores_it() {
+        let pods = [pod("a", "early-low", 0, 1), pod("a", "late-high", 100, 2)];
+        let shares = BTreeMap::new();
+        assert_eq!(
+            names(&pods, &order(SchedulingPolicy::Priority, &pods, &shares)),
+            ["late-high", "early-low"]
+        );
+        assert_eq!(
+            names(&pods, &order(SchedulingPolicy::Fifo, &pods, &shares)),
+            ["early-low", "late-high"]
+        );
+    }
+
+    #[test]
+    fn fair_share_follows_the_weights() {
+        // Both namespaces hold nothing; "big" weighs 2, "small" 1: of six places, big gets
+        // four and small two, interleaved.
+        let pods: Vec<Waiting> = (0..6)
+            .map(|i| pod("big", &format!("b{i}"), 0, i))
+            .chain((0..6).map(|i| pod("small", &format!("s{i}"), 0, i)))
+            .collect();
+        let shares = BTreeMap::from([
+            (
+                "big".to_string(),
+                Share {
+                    weight: 2.0,
+                    ..Default::default()
+                },
+            ),
+            (
+                "small".to_string(),
+                Share {
+                    weight: 1.0,
+                    ..Default::default()
+                },
+            ),
+        ]);
+        let first_six: Vec<String> = names(&pods, &order(SchedulingPolicy::Fair, &pods, &shares))
+            .into_iter()
+            .take(6)
+            .collect();
+        let big = first_six.iter().filter(|n| n.starts_with('b')).count();
+        assert_eq!(big, 4, "{first_six:?}");
+        // A namespace that holds slices already waits behind one that holds none.
+        let shares = BTreeMap::from([
+            (
+                "big".to_string(),
+                Share {
+                    weight: 2.0,
+                    holding: 10,
+                    usage: 0.0,
+                },
+            ),
+            (
+                "small".to_string(),
+                Share {
+                    weight: 1.0,
+                    ..Default::default()
+                },
+            ),
+        ]);
+        assert!(
+            names(&pods, &order(SchedulingPolicy::Fair, &pods, &shares))[..5]
+                .iter()
+                .all(|n| n.starts_with('s'))
+        );
+    }
+
+    #[test]
+    fn priority_fair_is_fair_within_a_priority_only() {
+        let pods = [
+            pod("busy", "busy-high", 100, 3),
+            pod("idle", "idle-low", 0, 1),
+            pod("busy", "busy-low", 0, 2),
+        ];
+        let shares = BTreeMap::from([(
+            "busy".to_string(),
+            Share {
+                weight: 1.0,
+                holding: 5,
+                usage: 0.0,
+            },
+        )]);
+        assert_eq!(
+            names(
+                &pods,
+                &order(SchedulingPolicy::PriorityFair, &pods, &shares)
+            ),
+            ["busy-high", "idle-low", "busy-low"]
+        );
+    }
+
+    struct First;
+    impl Placer for First {
+        fn pick(&mut self, candidates: &BTreeMap<String, Vec<FreeDevice>>) -> String {
+            candidates.keys().next().unwrap().clone()
+        }
+    }
+
+    fn device(node: &str, gpu: u32, name: &str, gib: u64) -> FreeDevice {
+        FreeDevice {
+            node: node.into(),
+            gpu,
+            device: name.into(),
+            memory_bytes: gib << 30,
+            compute: 25,
+            slices_on_gpu: 4,
+        }
+    }
+
+    #[test]
+    fn pods_are_admitted_while_devices_fit_and_the_rest_wait_in_order() {
+        let mut pods = vec![
+            pod("a", "big", 100, 1),
+            pod("a", "small-1", 0, 2),
+            pod("a", "small-2", 0, 3),
+        ];
+        pods[0].policy = "training".into();
+        let needs = BTreeMap::from([
+            (
+                "notebook".to_string(),
+                Need {
+                    memory_bytes: 9 << 30,
+                    compute: 0,
+                },
+            ),
+            (
+                "training".to_string(),
+                Need {
+                    memory_bytes: 40 << 30,
+                    compute: 0,
+                },
+            ),
+        ]);
+        let free = [device("n1", 0, "gpu0-s0", 20)];
+        let order = order(SchedulingPolicy::Priority, &pods, &BTreeMap::new());
+        let decision = decide(&pods, &order, &needs, &free, &mut First);
+        // The big one fits no free device: it waits first in line; a small one takes the
+        // device (the big one could not use it); the other small one waits behind it.
+        assert_eq!(
+            decision.admit,
+            [("a/small-1".to_string(), "n1".to_string())]
+        );
+        assert_eq!(
+            decision.wait,
+            [
+                ("a/big".to_string(), 1, Reason::NoSliceFits),
+                ("a/small-2".to_string(), 2, Reason::NoSliceFits)
+            ]
+        );
+    }
+
+    #[test]
+    fn the_engine_packs_shares_onto_the_fuller_node() {
+        // n1 has one free slice left of four on its GPU, n2 a whole free GPU: the engine keeps
+        // n2's GPU whole.
+        let mut candidates = BTreeMap::new();
+        candidates.insert("n1".to_string(), vec![device("n1", 0, "gpu0-s3", 20)]);
+        candidates.insert(
+            "n2".to_string(),
+            (0..4)
+                .map(|s| device("n2", 0, &format!("gpu0-s{s}"), 20))
+                .collect(),
+        );
+        assert_eq!(EnginePlacer::default().pick(&candidates), "n1");
+    }
+
+    #[test]
+    fn usage_decays_by_half_each_half_life() {
+        let after = decay(100.0, 0, 3600.0, 3600.0);
+        assert!((after - 50.0).abs() < 1e-9);
+        assert!((decay(0.0, 2, 10.0, 3600.0) - 20.0).abs() < 1e-9);
+    }
+}
