@@ -344,6 +344,8 @@ pub struct Publisher {
     node: String,
     owner: Option<NodeRef>,
     published: Option<Vec<Device>>,
+    /// The ResourceSlices as last written, so that the next change needs no list first.
+    written: Option<Vec<ResourceSlice>>,
 }
 
 impl Publisher {
@@ -353,6 +355,7 @@ impl Publisher {
             node: node.to_string(),
             owner: None,
             published: None,
+            written: None,
         }
     }
 
@@ -383,21 +386,28 @@ impl Publisher {
             }
         };
         let api: Api<ResourceSlice> = Api::all(self.client.clone());
-        let existing = api
-            .list(&ListParams::default().fields(&format!(
-                "spec.nodeName={},spec.driver={}",
-                self.node,
-                gpuslice_api::dra::DRIVER
-            )))
-            .await?
-            .items;
+        // What is there: read once (an agent restarted finds its earlier slices), then known.
+        let existing = match self.written.take() {
+            Some(written) => written,
+            None => {
+                api.list(&ListParams::default().fields(&format!(
+                    "spec.nodeName={},spec.driver={}",
+                    self.node,
+                    gpuslice_api::dra::DRIVER
+                )))
+                .await?
+                .items
+            }
+        };
         let Some(generation) = dra::next_generation(&existing, devices) else {
+            self.written = Some(existing);
             return Ok(());
         };
         let wanted = dra::resource_slices(&owner, MANAGER, devices, generation);
         let params = PatchParams::apply(MANAGER).force();
         for slice in &wanted {
             let name = slice.metadata.name.clone().unwrap_or_default();
+            // On a failure the next attempt lists again (`written` stays empty).
             api.patch(&name, &params, &Patch::Apply(slice)).await?;
         }
         for old in existing {
@@ -413,6 +423,7 @@ impl Publisher {
                 }
             }
         }
+        self.written = Some(wanted);
         tracing::info!(
             "node {}: published {} devices (pool generation {generation})",
             self.node,
