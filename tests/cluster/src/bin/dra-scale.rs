@@ -23,13 +23,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use gpuslice_api::{GpuNode, GpuNodeStatus, NodeInventory};
-use gpuslice_testcluster::{Components, ControlPlane};
+use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
@@ -57,7 +57,11 @@ fn peak_memory_mib(pid: u32) -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
-fn operator(gpuslice: &PathBuf, cluster: &ControlPlane, clock: &str) -> std::io::Result<Child> {
+fn operator(
+    gpuslice: &PathBuf,
+    cluster: &ControlPlane,
+    clock: &str,
+) -> std::io::Result<KillOnDrop> {
     Command::new(gpuslice)
         .arg("operator")
         .env("KUBECONFIG", cluster.kubeconfig_path())
@@ -65,6 +69,7 @@ fn operator(gpuslice: &PathBuf, cluster: &ControlPlane, clock: &str) -> std::io:
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
+        .map(KillOnDrop)
 }
 
 /// The node's GPUs as its agent reports them.
@@ -292,7 +297,7 @@ async fn remove(client: &kube::Client, label: &str) -> Result<(), kube::Error> {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let gpuslice =
         PathBuf::from(arg("--gpuslice").unwrap_or_else(|| "target/release/gpuslice".into()));
     let nodes: usize = arg("--nodes").map_or(Ok(1000), |n| n.parse())?;
@@ -407,8 +412,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The window change: the pods gone, a fresh operator 10 s before 20:00 in Shanghai (its first
     // passes change nothing), then two 40 GiB slices per GPU everywhere.
     remove(&client, "dra").await?;
-    let _ = operator_process.kill();
-    let _ = operator_process.wait();
+    drop(operator_process);
     // Its lease goes with it, so that the new one leads at once (a failover is not measured).
     let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
     leases
@@ -425,8 +429,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Duration::from_secs(120),
     )
     .await;
-    let operator_memory = peak_memory_mib(operator_process.id());
-    let _ = operator_process.kill();
+    let operator_memory = peak_memory_mib(operator_process.0.id());
+    drop(operator_process);
     agents.abort();
 
     let secs = |d: Option<Duration>| d.map_or(f64::INFINITY, |d| d.as_secs_f64());
@@ -486,8 +490,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if unique { "PASS" } else { "FAIL" }
     );
     failed |= !unique;
-    if failed {
-        std::process::exit(1);
-    }
-    Ok(())
+    // Returned, not exited: the control plane's folder and processes go on drop.
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
