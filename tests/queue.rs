@@ -290,6 +290,26 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
             ),
         ]
     );
+    // The policy counts them: `kubectl get gpuslicepolicies` shows 4 allocated, 2 waiting.
+    let policies: Api<gpuslice_api::GpuSlicePolicy> = Api::all(client.clone());
+    eventually(
+        "the notebook policy counts 4 allocated and 2 waiting",
+        || {
+            let policies = policies.clone();
+            async move {
+                let status = policies
+                    .get("notebook")
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .status
+                    .unwrap_or_default();
+                (status.allocated == 4 && status.waiting == 2)
+                    .then_some(())
+                    .ok_or_else(|| format!("{status:?}"))
+            }
+        },
+    )
+    .await;
     // An admitted pod was sent to its node by the queue, not left to the scheduler's choice.
     let admitted = default.get("notebook-0").await.unwrap();
     let terms = admitted

@@ -21,7 +21,9 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Limit","type":"integer","jsonPath":".spec.compute.limit"}"#,
     printcolumn = r#"{"name":"Guarantee","type":"integer","jsonPath":".spec.compute.guarantee"}"#,
     printcolumn = r#"{"name":"Priority","type":"string","jsonPath":".spec.priority"}"#,
-    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Allocated","type":"integer","jsonPath":".status.allocated"}"#,
+    printcolumn = r#"{"name":"Waiting","type":"integer","jsonPath":".status.waiting"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct GpuSlicePolicySpec {
@@ -93,4 +95,8 @@ pub struct GpuSlicePolicyStatus {
     /// Slices allocated now to workloads that use this policy (through its DeviceClass).
     #[serde(default)]
     pub allocated: u32,
+    /// Pods naming this policy that wait in the operator's queue (scheduling gate
+    /// `gpuslice.io/queue`); each says where it stands in its condition `gpuslice.io/Queued`.
+    #[serde(default)]
+    pub waiting: u32,
 }

@@ -88,7 +88,9 @@ pub fn parameters(name: &str, policy: &GpuSlicePolicy, pools: &[GpuPool]) -> ser
     out
 }
 
-/// The DeviceClass of every policy, by class name.
+/// The DeviceClass of every policy whose pool exists, by class name. A policy read before its
+/// pool (separate watches) gets no class yet: one written then would carry no pool headroom, and
+/// a pod allocated meanwhile would keep that smaller cap.
 pub fn device_classes(
     policies: &[GpuSlicePolicy],
     pools: &[GpuPool],
@@ -96,6 +98,11 @@ pub fn device_classes(
 ) -> BTreeMap<String, DeviceClass> {
     policies
         .iter()
+        .filter(|policy| {
+            pools
+                .iter()
+                .any(|p| p.metadata.name.as_deref() == Some(policy.spec.pool.as_str()))
+        })
         .filter_map(|policy| {
             let name = policy.metadata.name.clone()?;
             let class = DeviceClass {

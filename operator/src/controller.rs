@@ -211,13 +211,25 @@ pub async fn run(
             message: e.to_string(),
         })?;
     }
-    // The admission queue: pods that name a policy, and the caches above.
+    // The admission queue: pods that name a policy, and the caches above. A change of such a pod
+    // wakes the queue, and this loop too (the policies count their waiting pods).
     let queue_changed = Arc::new(Notify::new());
+    let pods_changed = Arc::new(Notify::new());
     let pods = cache(
         Api::<Pod>::all(client.clone()),
         all().labels(crate::queue::POLICY_LABEL),
-        queue_changed.clone(),
+        pods_changed.clone(),
     );
+    {
+        let (queue_changed, changed) = (queue_changed.clone(), changed.clone());
+        tokio::spawn(async move {
+            loop {
+                pods_changed.notified().await;
+                queue_changed.notify_one();
+                changed.notify_one();
+            }
+        });
+    }
     pods.wait_until_ready()
         .await
         .map_err(|e| OperatorError::Cache {
@@ -229,7 +241,7 @@ pub async fn run(
         clock,
         leadership.clone(),
         crate::queue::Caches {
-            pods,
+            pods: pods.clone(),
             pools: pools.clone(),
             policies: policies.clone(),
             slices: slices.clone(),
@@ -253,6 +265,7 @@ pub async fn run(
             let mut observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
             observed.policies = policies.state().iter().map(|p| (**p).clone()).collect();
             observed.allocated = allocated(&slices, &claims);
+            observed.waiting = crate::queue::waiting_by_policy(&pods);
             let now = clock.now();
             let want = desired(&observed, now);
             // Only the leader writes; the others keep their caches warm to take over at once.
@@ -381,6 +394,7 @@ fn observe(
         allocated: Vec::new(),
         checkpoint_policies: checkpoints.state().iter().map(|c| c.name_any()).collect(),
         nodes: reports,
+        waiting: BTreeMap::new(),
     }
 }
 

@@ -47,6 +47,8 @@ pub struct Observed {
     /// Names of the CheckpointPolicies that exist.
     pub checkpoint_policies: BTreeSet<String>,
     pub nodes: Vec<NodeReport>,
+    /// Policy name → pods naming it that wait in the queue.
+    pub waiting: BTreeMap<String, u32>,
 }
 
 /// What should be written.
@@ -269,6 +271,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             .iter()
             .filter(|a| a.policy.as_deref() == Some(name.as_str()))
             .count() as u32;
+        let waiting = observed.waiting.get(&name).copied().unwrap_or(0);
         out.policy_status.insert(
             name,
             GpuSlicePolicyStatus {
@@ -280,6 +283,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                     policy.metadata.generation,
                 )],
                 observed_generation: policy.metadata.generation,
+                waiting,
                 allocated,
             },
         );

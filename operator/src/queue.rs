@@ -64,6 +64,17 @@ pub fn priority_value(name: &str) -> i64 {
     }
 }
 
+/// Policy name → pods naming it that wait at the gate.
+pub fn waiting_by_policy(pods: &Store<Pod>) -> BTreeMap<String, u32> {
+    let mut out: BTreeMap<String, u32> = BTreeMap::new();
+    for pod in pods.state().iter().filter(|p| gated(p)) {
+        if let Some(policy) = pod.labels().get(POLICY_LABEL) {
+            *out.entry(policy.clone()).or_default() += 1;
+        }
+    }
+    out
+}
+
 fn gated(pod: &Pod) -> bool {
     pod.spec
         .as_ref()
