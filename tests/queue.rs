@@ -60,11 +60,31 @@ fn pod(name: &str, namespace: &str, policy: &str) -> Pod {
         "metadata": {"name": name, "namespace": namespace,
                      "labels": {"gpuslice.io/policy": policy, "app": "queue-test"}},
         "spec": {
-            "containers": [{"name": "main", "image": "example.com/worker:1"}],
+            "containers": [{"name": "main", "image": "example.com/worker:1",
+                            "resources": {"requests": {"cpu": "1"}}}],
             "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
         }
     }))
     .unwrap()
+}
+
+/// A pod that names no policy, on node a100-a, asking for one CPU.
+fn plain_pod(name: &str, priority_class: Option<&str>) -> Pod {
+    let mut pod = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": {"app": "plain"}},
+        "spec": {
+            "containers": [{"name": "main", "image": "example.com/web:1",
+                            "resources": {"requests": {"cpu": "1"}}}],
+            "nodeSelector": {"kubernetes.io/hostname": "a100-a"},
+            "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+        }
+    });
+    if let Some(class) = priority_class {
+        pod["spec"]["priorityClassName"] = class.into();
+    }
+    serde_json::from_value(pod).unwrap()
 }
 
 /// Each test pod: its node (when bound), whether it is still gated, and its queue condition.
@@ -140,14 +160,22 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         .filter(|d| {
             d["kind"]
                 .as_str()
-                .is_some_and(|k| k.starts_with("MutatingAdmissionPolicy"))
+                .is_some_and(|k| k.starts_with("MutatingAdmissionPolicy") || k == "PriorityClass")
         })
         .collect();
-    assert_eq!(mutating.len(), 4, "two policies and their bindings");
+    assert_eq!(
+        mutating.len(),
+        7,
+        "three policies, their bindings and the queued pods' PriorityClass"
+    );
     apply(&client, &mutating).await;
 
     cluster
-        .create_node("a100-a", &[("gpuslice.io/pool", "shared-a100")], &[])
+        .create_node(
+            "a100-a",
+            &[("gpuslice.io/pool", "shared-a100")],
+            &[("cpu", "5")],
+        )
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -220,9 +248,26 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
     })
     .await;
 
+    // A pod that is not ours (priority 0) takes the node's fifth CPU.
+    let default: Api<Pod> = Api::namespaced(client.clone(), "default");
+    default
+        .create(&PostParams::default(), &plain_pod("bystander", None))
+        .await
+        .unwrap();
+    eventually("the bystander is bound", || {
+        let default = default.clone();
+        async move {
+            let p = default.get("bystander").await.map_err(|e| e.to_string())?;
+            p.spec
+                .and_then(|s| s.node_name)
+                .map(|_| ())
+                .ok_or_else(|| "not bound".to_string())
+        }
+    })
+    .await;
+
     // Six notebooks (priority low) for four slices. The API server loads new admission policies
     // a moment after they are created: a pod stored without the gate is sent again.
-    let default: Api<Pod> = Api::namespaced(client.clone(), "default");
     for i in 0..6 {
         let name = format!("notebook-{i}");
         eventually("a labelled pod is stored gated", || {
@@ -368,4 +413,94 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         }
     })
     .await;
+
+    // kube-scheduler's own preemption takes none of the queue's pods: they carry the chart's
+    // PriorityClass (the highest a non-system class may have) and preempt nobody themselves.
+    let bert = nlp.get("bert-0").await.unwrap().spec.unwrap();
+    assert_eq!(
+        (
+            bert.priority_class_name.as_deref(),
+            bert.priority,
+            bert.preemption_policy.as_deref()
+        ),
+        (Some("gs-queued"), Some(1_000_000_000), Some("Never"))
+    );
+    let classes: Api<k8s_openapi::api::scheduling::v1::PriorityClass> = Api::all(client.clone());
+    let mut urgent: k8s_openapi::api::scheduling::v1::PriorityClass =
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": {"name": "urgent-web"}, "value": 1_000_000
+        }))
+        .unwrap();
+    urgent.preemption_policy = Some("PreemptLowerPriority".into());
+    classes
+        .create(&PostParams::default(), &urgent)
+        .await
+        .unwrap();
+    // The node's five CPUs are taken (four by the queue's pods, one by the bystander). An urgent
+    // pod preempts the bystander, the only pod of lower priority: preemption works here.
+    default
+        .create(
+            &PostParams::default(),
+            &plain_pod("urgent-0", Some("urgent-web")),
+        )
+        .await
+        .unwrap();
+    eventually("the urgent pod preempts the bystander", || {
+        let default = default.clone();
+        async move {
+            let urgent = default.get("urgent-0").await.map_err(|e| e.to_string())?;
+            let bystander = default
+                .get_opt("bystander")
+                .await
+                .map_err(|e| e.to_string())?;
+            let urgent_placed = urgent.spec.and_then(|s| s.node_name).is_some()
+                || urgent.status.and_then(|s| s.nominated_node_name).is_some();
+            (urgent_placed && bystander.is_none_or(|b| b.metadata.deletion_timestamp.is_some()))
+                .then_some(())
+                .ok_or_else(|| "bystander still there".to_string())
+        }
+    })
+    .await;
+    // A second urgent pod finds no victim: kube-scheduler says so, and the queue's pods stay.
+    default
+        .create(
+            &PostParams::default(),
+            &plain_pod("urgent-1", Some("urgent-web")),
+        )
+        .await
+        .unwrap();
+    let why = eventually("the second urgent pod is unschedulable", || {
+        let default = default.clone();
+        async move {
+            let p = default.get("urgent-1").await.map_err(|e| e.to_string())?;
+            p.status
+                .and_then(|s| s.conditions)
+                .into_iter()
+                .flatten()
+                .find(|c| c.type_ == "PodScheduled" && c.reason.as_deref() == Some("Unschedulable"))
+                .and_then(|c| c.message)
+                .ok_or_else(|| "not tried yet".to_string())
+        }
+    })
+    .await;
+    assert!(why.contains("Insufficient cpu"), "{why}");
+    let s = states(&client).await;
+    let bound: Vec<&String> = s
+        .iter()
+        .filter(|p| p.1.as_deref() == Some("a100-a"))
+        .map(|p| &p.0)
+        .collect();
+    assert_eq!(
+        bound,
+        ["bert-0", "notebook-1", "notebook-2", "notebook-3"],
+        "{s:?}"
+    );
+    for name in ["notebook-1", "notebook-2", "notebook-3"] {
+        let p = default.get(name).await.unwrap();
+        assert!(
+            p.metadata.deletion_timestamp.is_none(),
+            "{name} is being deleted"
+        );
+    }
 }
