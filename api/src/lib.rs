@@ -26,7 +26,7 @@ pub use checkpoint::{
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{
     GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess, MigInstance,
-    MigState, NodeInventory, Placement, SliceClaim, SoftwareSliceState,
+    MigState, NodeInventory, Placement, Preemption, SliceClaim, SoftwareSliceState,
 };
 pub use policy::{ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus};
 pub use pool::{
@@ -34,7 +34,7 @@ pub use pool::{
     LocalCache, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,
 };
 pub use quantity::{QuantityError, Size, bytes_of};
-pub use time::{ClockTime, DailyWindow, Weekday};
+pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};
 
 /// The API group of every gpuslice kind.
 pub const GROUP: &str = "gpuslice.io";

@@ -40,6 +40,28 @@ pub struct GpuNodeSpec {
     /// Git commit (or other revision) of the configuration this desired state came from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_revision: Option<String>,
+    /// Pods' slices the operator's queue takes back for waiting pods of higher priority or of a
+    /// namespace below its fair share. The agent drains each as its CheckpointPolicy says (the
+    /// signal, the checkpoint-done marker or the grace period, then the Eviction API). Written
+    /// by the queue under its own field manager.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1024), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["resourceClaim"]))]
+    pub preemptions: Vec<Preemption>,
+}
+
+/// A pod's slice taken back for a waiting pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Preemption {
+    /// The ResourceClaim (`namespace/name`) whose slice is taken.
+    #[schemars(length(max = 507))]
+    pub resource_claim: String,
+    /// The waiting pod the slice is for (`namespace/name`).
+    #[schemars(length(max = 507))]
+    pub for_pod: String,
+    /// Why, in words (said in the Event on the preempted pod).
+    #[schemars(length(max = 1024))]
+    pub reason: String,
 }
 
 /// The desired layout of one GPU.
@@ -114,6 +136,13 @@ pub struct SliceClaim {
     /// The GpuSlicePolicy it was asked with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<String>,
+    /// When the workload last wrote its checkpoint-done marker (what a preemption would lose is
+    /// the work since then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_checkpoint: Option<Time>,
+    /// What the agent is doing to take the slice back (a window change or a preemption), when it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draining: Option<String>,
 }
 
 /// A node and its GPUs.

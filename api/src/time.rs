@@ -114,3 +114,19 @@ mod tests {
         assert_eq!(ClockTime::from("08:60").minutes(), None);
     }
 }
+
+/// A Kubernetes time for a chrono one (`None` out of range).
+pub fn time_of(
+    at: chrono::DateTime<chrono::Utc>,
+) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time> {
+    k8s_openapi::jiff::Timestamp::new(at.timestamp(), at.timestamp_subsec_nanos() as i32)
+        .ok()
+        .map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time)
+}
+
+/// A chrono time for a Kubernetes one.
+pub fn chrono_of(
+    t: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
+) -> Option<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::from_timestamp(t.0.as_second(), t.0.subsec_nanosecond().max(0) as u32)
+}

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use gpuslice_api::k8s_openapi::api::core::v1::{Node, Pod};
+use gpuslice_api::k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use gpuslice_api::k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuNodeStatus, GpuPool, GpuSlicePolicy, NodeInventory,
@@ -23,6 +23,7 @@ use gpuslice_runtime::telemetry::Telemetry;
 use gpuslice_source::last_good::Config;
 use kube::Client;
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -32,7 +33,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::dra::{self, NodeRef};
-use crate::pass::{Agent, Intent, Pass, PassError};
+use crate::pass::{Agent, Eviction, Intent, Pass, PassError};
 
 /// The field manager of what the agent writes.
 pub const MANAGER: &str = "gpuslice-agent";
@@ -171,6 +172,16 @@ fn status(pass: &Pass, generation: Option<i64>, previous: Option<&GpuNodeStatus>
                 .is_none()
                 .then(|| c.workload.unwrap_or(c.client)),
             policy: c.policy.clone(),
+            last_checkpoint: pass
+                .checkpoints
+                .get(&c.slice)
+                .and_then(|t| gpuslice_api::time_of(*t)),
+            draining: c.resource_claim.as_ref().and_then(|_| {
+                pass.draining
+                    .iter()
+                    .find(|w| w.pid == 0 && w.slice == c.slice)
+                    .map(|w| w.reason.clone())
+            }),
         })
         .collect();
     claims.dedup();
@@ -467,8 +478,15 @@ pub async fn run(
     futures::pin_mut!(changes);
     let mut blocked_since: Option<std::time::Instant> = None;
     let mut publisher = Publisher::new(client.clone(), &node);
-    // Pods evicted and not gone yet, so that each eviction is logged once.
+    // Pods evicted and not gone yet, so that each eviction is logged (and told) once.
     let mut evicted = std::collections::BTreeSet::new();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: MANAGER.into(),
+            instance: Some(node.clone()),
+        },
+    );
     agent.serve_socket()?;
     if let Some(paths) = settings.kubelet.clone() {
         let plugin =
@@ -500,9 +518,10 @@ pub async fn run(
                     ..config
                 },
                 problems,
+                preemptions: current.spec.preemptions.clone(),
             }
         })?;
-        let refused = evict(&client, &pass.evictions, &mut evicted).await;
+        let refused = evict(&client, &recorder, &pass.evictions, &mut evicted).await;
         pass.drain_errors.extend(refused);
         metrics.record(&pass, started, &mut blocked_since);
         if let Some(t) = &telemetry {
@@ -530,7 +549,11 @@ pub async fn run(
             if waiting.contains(&a.index) {
                 return Some(dra::pending_recut_taint());
             }
-            dra::recut_taint(a.recut_at.as_ref().and_then(chrono_time), lookahead, now)
+            dra::recut_taint(
+                a.recut_at.as_ref().and_then(gpuslice_api::chrono_of),
+                lookahead,
+                now,
+            )
         });
         publisher.publish(devices).await;
         // Our own status write comes back as a change too; that pass finds nothing to do.
@@ -543,17 +566,19 @@ pub async fn run(
     }
 }
 
-/// Evicts pods (`namespace/name`) through the Eviction API, so that their disruption budgets
-/// and termination grace apply. A refusal (a budget) is returned and retried on the next pass;
-/// a pod already gone is no error.
+/// Evicts pods through the Eviction API, so that their disruption budgets and termination grace
+/// apply. A refusal (a budget) is returned and retried on the next pass; a pod already gone is no
+/// error. Each evicted pod gets an Event saying why and whether it checkpointed.
 async fn evict(
     client: &Client,
-    pods: &[String],
+    recorder: &Recorder,
+    evictions: &[Eviction],
     evicted: &mut std::collections::BTreeSet<String>,
 ) -> Vec<String> {
-    evicted.retain(|p| pods.contains(p));
+    evicted.retain(|p| evictions.iter().any(|e| e.pod == *p));
     let mut refused = Vec::new();
-    for pod in pods {
+    for eviction in evictions {
+        let pod = &eviction.pod;
         let Some((namespace, name)) = pod.split_once('/') else {
             continue;
         };
@@ -561,7 +586,26 @@ async fn evict(
         match api.evict(name, &EvictParams::default()).await {
             Ok(_) => {
                 if evicted.insert(pod.clone()) {
-                    tracing::info!("evicted pod {pod}: its slice is to be re-cut");
+                    tracing::info!("evicted pod {pod}: {}", eviction.note);
+                    let preempted = eviction.note.starts_with("preempted");
+                    let event = Event {
+                        type_: EventType::Warning,
+                        reason: if preempted { "Preempted" } else { "Resliced" }.into(),
+                        note: Some(format!("evicted by gpuslice: {}", eviction.note)),
+                        action: "Evict".into(),
+                        secondary: None,
+                    };
+                    let regarding = ObjectReference {
+                        api_version: Some("v1".into()),
+                        kind: Some("Pod".into()),
+                        namespace: Some(namespace.into()),
+                        name: Some(name.into()),
+                        uid: (!eviction.uid.is_empty()).then(|| eviction.uid.clone()),
+                        ..ObjectReference::default()
+                    };
+                    if let Err(e) = recorder.publish(&event, &regarding).await {
+                        tracing::warn!("pod {pod}: recording the eviction: {e}");
+                    }
                 }
             }
             Err(kube::Error::Api(e)) if e.code == 404 => {}
@@ -569,12 +613,6 @@ async fn evict(
         }
     }
     refused
-}
-
-fn chrono_time(
-    t: &gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
-) -> Option<chrono::DateTime<chrono::Utc>> {
-    chrono::DateTime::from_timestamp(t.0.as_second(), t.0.subsec_nanosecond().max(0) as u32)
 }
 
 /// Until the next re-cut taint is due (never, when none is ahead).
@@ -585,7 +623,7 @@ fn until_taint(
 ) -> Duration {
     let now = clock.now();
     gpus.iter()
-        .filter_map(|a| a.recut_at.as_ref().and_then(chrono_time))
+        .filter_map(|a| a.recut_at.as_ref().and_then(gpuslice_api::chrono_of))
         .map(|at| at - lookahead)
         .filter(|due| *due > now)
         .map(|due| clock.until(due))

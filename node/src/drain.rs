@@ -87,6 +87,17 @@ pub struct Blocked {
     pub holder: Holder,
     pub slice: String,
     pub policy: Option<DrainPolicy>,
+    /// Why the slice is taken: for a window change, `None`; for a preemption, what the queue said.
+    pub preemption: Option<Taken>,
+}
+
+/// A slice the operator's queue takes back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Taken {
+    /// The waiting pod it is for (`namespace/name`).
+    pub for_pod: String,
+    /// Why, in words.
+    pub reason: String,
 }
 
 /// A process the agent has warned.
@@ -98,6 +109,9 @@ pub struct Record {
     pub signaled_at: DateTime<Utc>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped_at: Option<DateTime<Utc>>,
+    /// Why it was stopped (`checkpoint taken`, `no checkpoint: …`), once it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
 }
 
 /// Something to do now.
@@ -115,8 +129,9 @@ pub enum Action {
         signal: Signal,
     },
     /// Evict these pods (`namespace/name`); asked again each pass until they are gone, as a
-    /// disruption budget may refuse it for a while.
-    Evict { pods: Vec<String> },
+    /// disruption budget may refuse it for a while. `note` says why and whether the workload
+    /// checkpointed (the Event on each pod).
+    Evict { pods: Vec<String>, note: String },
 }
 
 /// A process or pod claim the transition is waiting for, and why.
@@ -161,21 +176,35 @@ pub fn decide(
             })
         };
         // What ends the holder's use of the slice: SIGKILL for a process, eviction for pods.
-        let stop = match &blocked.holder {
+        let stop = |outcome: &str| match &blocked.holder {
             Holder::Process(pid) => Action::Stop { pid: *pid },
-            Holder::Pod { pods, .. } => Action::Evict { pods: pods.clone() },
+            Holder::Pod { pods, .. } => Action::Evict {
+                pods: pods.clone(),
+                note: match &blocked.preemption {
+                    Some(taken) => format!(
+                        "preempted for pod {} ({}): {outcome}",
+                        taken.for_pod, taken.reason
+                    ),
+                    None => format!(
+                        "its slice {} is re-cut for a window change: {outcome}",
+                        blocked.slice
+                    ),
+                },
+            },
         };
         let is_pod = pid == 0;
         let stopped = if is_pod { "evicted" } else { "stopped" };
         let Some(policy) = &blocked.policy else {
             if is_pod {
+                let outcome = "no checkpoint policy, no checkpoint taken";
                 records.entry(key(blocked)).or_insert(Record {
                     slice: blocked.slice.clone(),
                     policy: String::new(),
                     signaled_at: now,
                     stopped_at: Some(now),
+                    outcome: Some(outcome.into()),
                 });
-                actions.push(stop);
+                actions.push(stop(outcome));
                 wait(
                     "no checkpoint policy: evicted, waiting for the pod to end".into(),
                     None,
@@ -210,6 +239,7 @@ pub fn decide(
                     policy: policy.name.clone(),
                     signaled_at: now,
                     stopped_at: None,
+                    outcome: None,
                 },
             );
             wait(sent(&policy.name), Some(now + policy.grace));
@@ -217,7 +247,7 @@ pub fn decide(
         };
         if record.stopped_at.is_some() {
             if is_pod {
-                actions.push(stop);
+                actions.push(stop(record.outcome.as_deref().unwrap_or("stopped")));
             }
             wait(format!("{stopped}: waiting for it to end"), None);
             continue;
@@ -225,8 +255,17 @@ pub fn decide(
         let deadline = record.signaled_at + policy.grace;
         let done = checkpointed(&blocked.slice);
         if done || (now >= deadline && !policy.required) {
-            actions.push(stop);
+            let outcome = if done {
+                "checkpoint taken".to_string()
+            } else {
+                format!(
+                    "no checkpoint within the grace period of {}",
+                    humantime_secs(policy.grace)
+                )
+            };
+            actions.push(stop(&outcome));
             record.stopped_at = Some(now);
+            record.outcome = Some(outcome);
             let why = if done {
                 "checkpointed"
             } else {
@@ -246,6 +285,18 @@ pub fn decide(
         }
     }
     (actions, waiting)
+}
+
+/// A grace period as people write it (`90s`, `5m`).
+fn humantime_secs(d: chrono::TimeDelta) -> String {
+    let s = d.num_seconds();
+    if s % 3600 == 0 && s > 0 {
+        format!("{}h", s / 3600)
+    } else if s % 60 == 0 && s > 0 {
+        format!("{}m", s / 60)
+    } else {
+        format!("{s}s")
+    }
 }
 
 pub fn signal_name(signal: Signal) -> &'static str {
@@ -382,6 +433,7 @@ mod tests {
             holder: Holder::Process(pid),
             slice: "gpu0-mig0-3g.71gb".into(),
             policy,
+            preemption: None,
         }]
     }
 
@@ -394,6 +446,7 @@ mod tests {
             },
             slice: "gpu0-s1".into(),
             policy,
+            preemption: None,
         }]
     }
 
@@ -417,6 +470,7 @@ mod tests {
         // disruption budget may refuse the first ones).
         let evict = Action::Evict {
             pods: vec!["ml/train-0".into()],
+            note: "its slice gpu0-s1 is re-cut for a window change: checkpoint taken".into(),
         };
         let (a, w) = decide(&pod(policy(false)), &mut records, at(20), |_| true);
         assert_eq!(a, vec![evict.clone()]);
@@ -438,7 +492,8 @@ mod tests {
         assert_eq!(
             a,
             vec![Action::Evict {
-                pods: vec!["ml/train-0".into()]
+                pods: vec!["ml/train-0".into()],
+                note: "its slice gpu0-s1 is re-cut for a window change: no checkpoint policy, no checkpoint taken".into(),
             }]
         );
         let mut records = BTreeMap::new();
@@ -446,6 +501,32 @@ mod tests {
         let (a, w) = decide(&pod(policy(true)), &mut records, at(3600), |_| false);
         assert!(a.is_empty(), "{a:?}");
         assert!(w[0].reason.contains("requires a checkpoint"));
+    }
+
+    #[test]
+    fn a_preempted_pod_is_told_for_whom_and_whether_it_checkpointed() {
+        let mut preempted = pod(policy(false));
+        preempted[0].preemption = Some(Taken {
+            for_pod: "ml/urgent-0".into(),
+            reason: "priority high over low".into(),
+        });
+        let mut records = BTreeMap::new();
+        decide(&preempted, &mut records, at(0), |_| false);
+        let (a, _) = decide(&preempted, &mut records, at(61), |_| false);
+        let note = "preempted for pod ml/urgent-0 (priority high over low): no checkpoint within the grace period of 1m";
+        assert_eq!(
+            a,
+            vec![Action::Evict {
+                pods: vec!["ml/train-0".into()],
+                note: note.into()
+            }]
+        );
+        // Asked again (a budget refused it): the same words, though the marker came since.
+        let (a, _) = decide(&preempted, &mut records, at(70), |_| true);
+        assert!(
+            matches!(&a[0], Action::Evict { note: n, .. } if n == note),
+            "{a:?}"
+        );
     }
 
     #[test]

@@ -42,6 +42,19 @@ pub struct Intent {
     pub config: Config,
     /// What the source asked for that cannot be done (a GPU the node lacks, another UUID).
     pub problems: Vec<String>,
+    /// Pods' slices to take back for waiting pods (the operator's queue; none standalone).
+    pub preemptions: Vec<gpuslice_api::Preemption>,
+}
+
+/// A pod to evict, and what to tell it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Eviction {
+    /// `namespace/name`.
+    pub pod: String,
+    pub uid: String,
+    /// Why, and whether it checkpointed.
+    pub note: String,
 }
 
 /// The result of one pass.
@@ -63,9 +76,13 @@ pub struct Pass {
     /// Signals that could not be sent.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub drain_errors: Vec<String>,
-    /// Pods (`namespace/name`) whose slices a transition needs, to evict now.
+    /// Pods (`namespace/name`) whose slices a transition or a preemption needs, to evict now,
+    /// each with what to tell it (why, and whether it checkpointed).
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub evictions: Vec<String>,
+    pub evictions: Vec<Eviction>,
+    /// When each held slice's workload last wrote its checkpoint-done marker.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub checkpoints: BTreeMap<String, DateTime<Utc>>,
     /// Slices held through the agent's socket.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub claims: Vec<Claim>,
@@ -168,12 +185,13 @@ impl Agent {
             draining: Vec::new(),
             drain_errors: Vec::new(),
             evictions: Vec::new(),
+            checkpoints: BTreeMap::new(),
             claims: Vec::new(),
             inventory: after,
             shares: BTreeMap::new(),
         };
         if self.apply {
-            self.drain(&mut pass, &intent.config, now)?;
+            self.drain(&mut pass, &intent.config, &intent.preemptions, now)?;
         }
         let slices = crate::slices::published(&self.state);
         let needs = needs(&intent.config);
@@ -188,6 +206,15 @@ impl Agent {
             .claims
             .update(slices.clone(), pools, needs.clone(), self.pinned());
         pass.claims = self.socket.claims.held();
+        pass.checkpoints = pass
+            .claims
+            .iter()
+            .filter_map(|c| {
+                let marker = self.state.checkpoint_done(&c.slice);
+                let written = std::fs::metadata(marker).ok()?.modified().ok()?;
+                Some((c.slice.clone(), DateTime::<Utc>::from(written)))
+            })
+            .collect();
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
         self.socket.compute.set(&pass.shares);
         for o in &pass.outcomes {
@@ -248,44 +275,81 @@ impl Agent {
 
     /// Warns or stops what blocks this pass's transitions — processes, and pods through their
     /// prepared claims — each as its CheckpointPolicy says: its workload's policy's, else its
-    /// GPU's pool's. Evictions are left in the pass for the cluster loop.
-    fn drain(&self, pass: &mut Pass, config: &Config, now: DateTime<Utc>) -> Result<(), PassError> {
+    /// GPU's pool's. Preempted pods' slices drain the same way. Evictions are left in the pass
+    /// for the cluster loop.
+    fn drain(
+        &self,
+        pass: &mut Pass,
+        config: &Config,
+        preemptions: &[gpuslice_api::Preemption],
+        now: DateTime<Utc>,
+    ) -> Result<(), PassError> {
         let claims = self.socket.claims.held();
         let gpus: Vec<_> = pass.plan.nodes.iter().flat_map(|n| &n.gpus).collect();
-        let blocking: Vec<Blocked> = pass
+        let workload_policy = |claim: Option<&Claim>| {
+            claim
+                .and_then(|c| c.policy.as_ref())
+                .and_then(|p| config.policies.get(p))
+                .and_then(|p| p.checkpoint_policy.clone())
+        };
+        let slice_gpus = crate::slices::configs(&pass.inventory);
+        let pool_policy = |slice: &str| {
+            let index = slice_gpus.iter().find(|c| c.id == slice).map(|c| c.gpu);
+            gpus.iter()
+                .find(|g| Some(g.index) == index)
+                .and_then(|g| g.checkpoint_policy.clone())
+        };
+        let policy_of = |claim: Option<&Claim>, slice: &str| {
+            drain::policy_for(
+                workload_policy(claim).as_deref(),
+                pool_policy(slice).as_deref(),
+                &config.checkpoints,
+            )
+        };
+        let pod_holder = |c: &Claim| Holder::Pod {
+            claim: c.resource_claim.clone().unwrap_or_default(),
+            pods: c.pod_names.clone(),
+            uids: c.pods.clone(),
+        };
+        let mut blocking: Vec<Blocked> = pass
             .outcomes
             .iter()
-            .flat_map(|o| {
-                let pool_policy = gpus
-                    .iter()
-                    .find(|g| g.index == o.index)
-                    .and_then(|g| g.checkpoint_policy.as_deref());
-                o.blocking.iter().map(move |b| (b, pool_policy))
-            })
-            .filter_map(|(b, pool_policy)| {
+            .flat_map(|o| &o.blocking)
+            .filter_map(|b| {
                 let claim = claims.iter().find(|c| c.slice == b.slice);
-                let workload_policy = claim
-                    .and_then(|c| c.policy.as_ref())
-                    .and_then(|p| config.policies.get(p))
-                    .and_then(|p| p.checkpoint_policy.as_deref());
                 let holder = if b.pid == 0 {
                     // A pod's prepared claim; gone from the board means just unprepared.
-                    let c = claim.filter(|c| c.resource_claim.is_some())?;
-                    Holder::Pod {
-                        claim: c.resource_claim.clone().unwrap_or_default(),
-                        pods: c.pod_names.clone(),
-                        uids: c.pods.clone(),
-                    }
+                    pod_holder(claim.filter(|c| c.resource_claim.is_some())?)
                 } else {
                     Holder::Process(b.pid)
                 };
                 Some(Blocked {
                     holder,
                     slice: b.slice.clone(),
-                    policy: drain::policy_for(workload_policy, pool_policy, &config.checkpoints),
+                    policy: policy_of(claim, &b.slice),
+                    preemption: None,
                 })
             })
             .collect();
+        // Preempted pods' slices (a slice a window change also needs drains once, as preempted).
+        for taken in preemptions {
+            let Some(claim) = claims
+                .iter()
+                .find(|c| c.resource_claim.as_deref() == Some(taken.resource_claim.as_str()))
+            else {
+                continue;
+            };
+            blocking.retain(|b| b.slice != claim.slice);
+            blocking.push(Blocked {
+                holder: pod_holder(claim),
+                slice: claim.slice.clone(),
+                policy: policy_of(Some(claim), &claim.slice),
+                preemption: Some(drain::Taken {
+                    for_pod: taken.for_pod.clone(),
+                    reason: taken.reason.clone(),
+                }),
+            });
+        }
         let mut drains = Drains::load(&self.state)?;
         if blocking.is_empty() && drains.records.is_empty() {
             return Ok(());
@@ -305,7 +369,25 @@ impl Agent {
         pass.drain_errors.clear();
         for action in &actions {
             match action {
-                Action::Evict { pods } => pass.evictions.extend(pods.iter().cloned()),
+                Action::Evict { pods, note } => {
+                    for pod in pods {
+                        let uid = blocking
+                            .iter()
+                            .find_map(|b| match &b.holder {
+                                Holder::Pod { pods, uids, .. } => pods
+                                    .iter()
+                                    .position(|p| p == pod)
+                                    .and_then(|i| uids.get(i).cloned()),
+                                Holder::Process(_) => None,
+                            })
+                            .unwrap_or_default();
+                        pass.evictions.push(Eviction {
+                            pod: pod.clone(),
+                            uid,
+                            note: note.clone(),
+                        });
+                    }
+                }
                 _ => {
                     tracing::info!(?action, "drain");
                     pass.drain_errors

@@ -64,6 +64,7 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
             plan: plan_cluster(&config.pools, std::slice::from_ref(node), now),
             config: config.clone(),
             problems: Vec::new(),
+            preemptions: Vec::new(),
         })?;
         pass.source = status;
         emit(&pass);

@@ -246,6 +246,7 @@ pub async fn run(
             policies: policies.clone(),
             slices: slices.clone(),
             claims: claims.clone(),
+            gpu_nodes: gpu_nodes.clone(),
         },
         queue_changed,
     ));
@@ -479,7 +480,10 @@ impl Writer {
         // Nodes are independent: write their layouts a few at a time, not one after another.
         let writes = want.node_specs.iter().filter_map(|(name, spec)| {
             let current = gpu_nodes.get(&reflector::ObjectRef::new(name));
-            if current.as_ref().is_some_and(|c| c.spec == *spec) {
+            // The preemptions are the queue's to write.
+            if current.as_ref().is_some_and(|c| {
+                c.spec.gpus == spec.gpus && c.spec.source_revision == spec.source_revision
+            }) {
                 return None;
             }
             let patch = apply_body("GpuNode", name, "spec", spec);

@@ -5,8 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
-use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use gpuslice_api::k8s_openapi::jiff::Timestamp;
+use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use gpuslice_api::{
     GpuAssignment, GpuNodeSpec, GpuPool, GpuPoolStatus, GpuSlicePolicy, GpuSlicePolicyStatus,
     NodeInventory, SliceCounts,
@@ -66,13 +65,6 @@ pub struct DesiredState {
     pub next_change: Option<DateTime<Utc>>,
 }
 
-/// A Kubernetes time for a chrono one.
-fn time(at: DateTime<Utc>) -> Option<Time> {
-    Timestamp::new(at.timestamp(), at.timestamp_subsec_nanos() as i32)
-        .ok()
-        .map(Time)
-}
-
 /// Builds the desired state at `at`.
 pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
     let inventories: Vec<NodeInventory> =
@@ -115,7 +107,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                     recut_at: later
                         .as_ref()
                         .filter(|_| recut)
-                        .and_then(|(next, _)| time(*next)),
+                        .and_then(|(next, _)| gpuslice_api::time_of(*next)),
                 })
             })
             .collect();
@@ -124,6 +116,8 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             GpuNodeSpec {
                 gpus,
                 source_revision: None,
+                // The queue's, under its own field manager.
+                preemptions: Vec::new(),
             },
         );
     }
@@ -253,7 +247,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                 conditions,
                 observed_generation: generation,
                 active_window: timing.window.clone(),
-                next_transition: timing.next_change.and_then(time),
+                next_transition: timing.next_change.and_then(gpuslice_api::time_of),
                 nodes: nodes.len() as u32,
                 gpus,
                 slices: SliceCounts {

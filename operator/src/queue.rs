@@ -17,15 +17,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuslice_api::{GpuPool, GpuSlicePolicy, dra};
+use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy, Preemption, dra};
 use gpuslice_planning::clock::Clock;
 use gpuslice_planning::queue::{
-    self, Decision, EnginePlacer, FreeDevice, Need, Reason, Share, Waiting,
+    self, Decision, EnginePlacer, FreeDevice, Need, Reason, Running, Share, Waiting,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt as _};
 use tokio::sync::Notify;
 
@@ -52,7 +52,11 @@ pub struct Caches {
     pub policies: Store<GpuSlicePolicy>,
     pub slices: Store<ResourceSlice>,
     pub claims: Store<ResourceClaim>,
+    pub gpu_nodes: Store<GpuNode>,
 }
+
+/// The field manager of the preemptions the queue writes into `GpuNode.spec`.
+pub const MANAGER: &str = "gpuslice-queue";
 
 /// The priority a policy's `priority` names: `low`, `normal` or `high` (a PriorityClass name
 /// counts as `normal` until PriorityClasses are read).
@@ -82,13 +86,17 @@ fn gated(pod: &Pod) -> bool {
         .is_some_and(|g| g.iter().any(|g| g.name == GATE))
 }
 
-/// The free devices of each pool: published, untainted, not allocated.
-fn free_devices(
-    slices: &Store<ResourceSlice>,
-    allocated: &BTreeSet<(String, String)>,
-) -> BTreeMap<String, Vec<FreeDevice>> {
+/// A published device of a GpuPool.
+struct Published {
+    pool: String,
+    device: FreeDevice,
+    tainted: bool,
+}
+
+/// Every gpuslice device published, by (ResourceSlice pool, device name).
+fn published(slices: &Store<ResourceSlice>) -> BTreeMap<(String, String), Published> {
     let mut software_on_gpu: BTreeMap<(String, i64), u32> = BTreeMap::new();
-    let mut out: BTreeMap<String, Vec<(FreeDevice, i64)>> = BTreeMap::new();
+    let mut out: BTreeMap<(String, String), (Published, i64)> = BTreeMap::new();
     for slice in slices.state() {
         let node = slice.spec.node_name.clone().unwrap_or_default();
         for device in slice.spec.devices.iter().flatten() {
@@ -113,38 +121,51 @@ fn free_devices(
             let Some(pool) = attribute(dra::attribute::POOL).and_then(|a| a.string.clone()) else {
                 continue;
             };
-            let tainted = device.taints.as_ref().is_some_and(|t| !t.is_empty());
-            if tainted || allocated.contains(&(slice.spec.pool.name.clone(), device.name.clone())) {
-                continue;
-            }
-            out.entry(pool).or_default().push((
-                FreeDevice {
-                    node: node.clone(),
-                    gpu: u32::try_from(gpu).unwrap_or(u32::MAX),
-                    device: device.name.clone(),
-                    memory_bytes: capacity(dra::capacity::MEMORY),
-                    compute: u32::try_from(capacity(dra::capacity::COMPUTE)).unwrap_or(0),
-                    slices_on_gpu: 0,
-                },
-                gpu,
-            ));
+            out.insert(
+                (slice.spec.pool.name.clone(), device.name.clone()),
+                (
+                    Published {
+                        pool,
+                        device: FreeDevice {
+                            node: node.clone(),
+                            gpu: u32::try_from(gpu).unwrap_or(u32::MAX),
+                            device: device.name.clone(),
+                            memory_bytes: capacity(dra::capacity::MEMORY),
+                            compute: u32::try_from(capacity(dra::capacity::COMPUTE)).unwrap_or(0),
+                            slices_on_gpu: 0,
+                        },
+                        tainted: device.taints.as_ref().is_some_and(|t| !t.is_empty()),
+                    },
+                    gpu,
+                ),
+            );
         }
     }
     out.into_iter()
-        .map(|(pool, devices)| {
-            let devices = devices
-                .into_iter()
-                .map(|(mut d, gpu)| {
-                    d.slices_on_gpu = software_on_gpu
-                        .get(&(d.node.clone(), gpu))
-                        .copied()
-                        .unwrap_or(0);
-                    d
-                })
-                .collect();
-            (pool, devices)
+        .map(|(key, (mut p, gpu))| {
+            p.device.slices_on_gpu = software_on_gpu
+                .get(&(p.device.node.clone(), gpu))
+                .copied()
+                .unwrap_or(0);
+            (key, p)
         })
         .collect()
+}
+
+/// The free devices of each pool: untainted, not allocated.
+fn free_devices(
+    devices: &BTreeMap<(String, String), Published>,
+    allocated: &BTreeSet<(String, String)>,
+) -> BTreeMap<String, Vec<FreeDevice>> {
+    let mut out: BTreeMap<String, Vec<FreeDevice>> = BTreeMap::new();
+    for (key, p) in devices {
+        if !p.tainted && !allocated.contains(key) {
+            out.entry(p.pool.clone())
+                .or_default()
+                .push(p.device.clone());
+        }
+    }
+    out
 }
 
 /// Devices by (ResourceSlice pool, device name).
@@ -152,27 +173,30 @@ type DeviceKeys = BTreeSet<(String, String)>;
 /// Slices held per (GpuPool, namespace).
 type Holdings = BTreeMap<(String, String), u32>;
 
-/// Each allocated gpuslice device, and how many each namespace holds per GpuPool.
+/// A slice a ResourceClaim holds.
+struct Held {
+    /// `namespace/name` of the claim.
+    claim: String,
+    namespace: String,
+    pool: String,
+    device: FreeDevice,
+    tainted: bool,
+    /// The policy of its DeviceClass (`<policy>.gpuslice.io`).
+    policy: Option<String>,
+    created: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Each allocated gpuslice device, how many each namespace holds per GpuPool, and who holds
+/// what.
 fn allocations(
-    slices: &Store<ResourceSlice>,
+    devices: &BTreeMap<(String, String), Published>,
     claims: &Store<ResourceClaim>,
-) -> (DeviceKeys, Holdings) {
-    let mut pool_of: BTreeMap<(String, String), String> = BTreeMap::new();
-    for slice in slices.state() {
-        for device in slice.spec.devices.iter().flatten() {
-            if let Some(pool) = device
-                .attributes
-                .as_ref()
-                .and_then(|a| a.get(dra::attribute::POOL))
-                .and_then(|a| a.string.clone())
-            {
-                pool_of.insert((slice.spec.pool.name.clone(), device.name.clone()), pool);
-            }
-        }
-    }
+) -> (DeviceKeys, Holdings, Vec<Held>) {
     let mut taken = BTreeSet::new();
     let mut holding: BTreeMap<(String, String), u32> = BTreeMap::new();
+    let mut held = Vec::new();
     for claim in claims.state() {
+        let namespace = claim.namespace().unwrap_or_default();
         let results = claim
             .status
             .as_ref()
@@ -185,15 +209,36 @@ fn allocations(
             .filter(|r| r.driver == dra::DRIVER)
         {
             let key = (r.pool.clone(), r.device.clone());
-            if let Some(pool) = pool_of.get(&key) {
+            if let Some(p) = devices.get(&key) {
                 *holding
-                    .entry((pool.clone(), claim.namespace().unwrap_or_default()))
+                    .entry((p.pool.clone(), namespace.clone()))
                     .or_default() += 1;
+                let class = claim
+                    .spec
+                    .devices
+                    .as_ref()
+                    .and_then(|d| d.requests.as_ref())
+                    .into_iter()
+                    .flatten()
+                    .find(|q| q.name == r.request || r.request.starts_with(&format!("{}/", q.name)))
+                    .and_then(|q| q.exactly.as_ref())
+                    .map(|e| e.device_class_name.clone());
+                held.push(Held {
+                    claim: format!("{namespace}/{}", claim.name_any()),
+                    namespace: namespace.clone(),
+                    pool: p.pool.clone(),
+                    device: p.device.clone(),
+                    tainted: p.tainted,
+                    policy: class.and_then(|c| c.strip_suffix(".gpuslice.io").map(str::to_string)),
+                    created: claim
+                        .creation_timestamp()
+                        .and_then(|t| gpuslice_api::chrono_of(&t)),
+                });
             }
             taken.insert(key);
         }
     }
-    (taken, holding)
+    (taken, holding, held)
 }
 
 /// The node an admitted pod was sent to (the node affinity the queue set), while it is not
@@ -234,6 +279,8 @@ pub struct Plan {
     pub admit: Vec<(String, String)>,
     /// Pod → (reason, message) of its `gpuslice.io/Queued` condition.
     pub tell: Vec<(String, String, String)>,
+    /// GpuNode → the preemptions it should carry (empty: none any more).
+    pub preemptions: BTreeMap<String, Vec<Preemption>>,
 }
 
 fn ordinal(n: usize) -> String {
@@ -252,8 +299,37 @@ impl Queue {
         let pools: Vec<Arc<GpuPool>> = caches.pools.state();
         let policies: Vec<Arc<GpuSlicePolicy>> = caches.policies.state();
         let pool_list: Vec<GpuPool> = pools.iter().map(|p| (**p).clone()).collect();
-        let (allocated, holding) = allocations(&caches.slices, &caches.claims);
-        let mut free = free_devices(&caches.slices, &allocated);
+        let devices = published(&caches.slices);
+        let (allocated, holding, held) = allocations(&devices, &caches.claims);
+        let gpu_nodes = caches.gpu_nodes.state();
+        // Preemptions under way, and what the agents say of each claim.
+        let mut under_way: BTreeMap<String, (String, String)> = BTreeMap::new();
+        let mut checkpoints: BTreeMap<String, chrono::DateTime<chrono::Utc>> = BTreeMap::new();
+        let mut draining: BTreeMap<String, String> = BTreeMap::new();
+        let mut plan = Plan::default();
+        for node in &gpu_nodes {
+            if !node.spec.preemptions.is_empty() {
+                plan.preemptions.insert(node.name_any(), Vec::new());
+            }
+            for p in &node.spec.preemptions {
+                under_way.insert(
+                    p.resource_claim.clone(),
+                    (p.for_pod.clone(), p.reason.clone()),
+                );
+            }
+            for c in node.status.iter().flat_map(|s| &s.claims) {
+                let Some(claim) = &c.resource_claim else {
+                    continue;
+                };
+                if let Some(t) = c.last_checkpoint.as_ref().and_then(gpuslice_api::chrono_of) {
+                    checkpoints.insert(claim.clone(), t);
+                }
+                if let Some(d) = &c.draining {
+                    draining.insert(claim.clone(), d.clone());
+                }
+            }
+        }
+        let mut free = free_devices(&devices, &allocated);
         let elapsed = self
             .last
             .map_or(0.0, |t| (now - t).num_milliseconds().max(0) as f64 / 1000.0);
@@ -279,7 +355,6 @@ impl Queue {
                 devices.remove(i);
             }
         }
-        let mut plan = Plan::default();
         for pool in &pools {
             let pool_name = pool.name_any();
             let scheduling = pool.spec.scheduling.clone().unwrap_or_default();
@@ -368,19 +443,75 @@ impl Queue {
             let Decision { admit, wait } =
                 queue::decide(&waiting, &order, &needs, &devices, &mut self.placer);
             plan.admit.extend(admit);
+            // Pods no free slice fits may take one back from running pods.
+            let preempted = if scheduling.preemption {
+                let unfit: Vec<&Waiting> = wait
+                    .iter()
+                    .filter(|(_, _, r)| *r == Reason::NoSliceFits)
+                    .filter_map(|(k, _, _)| waiting.iter().find(|w| w.key() == *k))
+                    .collect();
+                let running: Vec<Running> = held
+                    .iter()
+                    .filter(|h| h.pool == pool_name && !h.tainted)
+                    .map(|h| {
+                        let policy = h
+                            .policy
+                            .as_ref()
+                            .and_then(|p| policies.iter().find(|x| x.name_any() == *p));
+                        let since = checkpoints.get(&h.claim).copied().or(h.created);
+                        Running {
+                            claim: h.claim.clone(),
+                            namespace: h.namespace.clone(),
+                            device: h.device.clone(),
+                            priority: policy.map_or(0, |p| priority_value(&p.spec.priority)),
+                            // A claim whose policy is unknown is no victim.
+                            preemptible: policy.is_some_and(|p| p.spec.preemptible),
+                            loss_seconds: since.map_or(f64::MAX, |t| {
+                                (now - t).num_milliseconds().max(0) as f64 / 1000.0
+                            }),
+                            taken_for: under_way.get(&h.claim).cloned(),
+                        }
+                    })
+                    .collect();
+                queue::preempt(scheduling.policy, &unfit, &needs, &running, &shares)
+            } else {
+                Vec::new()
+            };
+            for p in &preempted {
+                plan.preemptions
+                    .entry(p.node.clone())
+                    .or_default()
+                    .push(Preemption {
+                        resource_claim: p.claim.clone(),
+                        for_pod: p.for_pod.clone(),
+                        reason: p.reason.clone(),
+                    });
+            }
             let total = wait.len();
             for (pod, place, reason) in wait {
+                let taking = preempted.iter().find(|p| p.for_pod == pod);
                 let policy = waiting
                     .iter()
                     .find(|w| w.key() == pod)
                     .map(|w| w.policy.clone())
                     .unwrap_or_default();
-                let (reason, why) = match reason {
-                    Reason::NoSliceFits => (
+                let (reason, why) = match (reason, taking) {
+                    (Reason::NoSliceFits, Some(p)) => (
+                        "Preempting",
+                        format!(
+                            "taking back the slice of ResourceClaim {} ({}): {}",
+                            p.claim,
+                            p.reason,
+                            draining
+                                .get(&p.claim)
+                                .map_or("asked its node's agent", String::as_str)
+                        ),
+                    ),
+                    (Reason::NoSliceFits, None) => (
                         "NoSliceFits",
                         format!("no free slice of pool {pool_name} fits policy {policy}"),
                     ),
-                    Reason::UnknownPolicy => (
+                    (Reason::UnknownPolicy, _) => (
                         "UnknownPolicy",
                         format!(
                             "GpuSlicePolicy {policy} does not exist: create it, or change the pod's label {POLICY_LABEL}"
@@ -456,6 +587,28 @@ async fn admit(client: &Client, pod: &Pod, node: &str) -> Result<(), kube::Error
     Ok(())
 }
 
+/// States the node's preemptions (all of them, under the queue's own field manager).
+async fn take_back(
+    client: &Client,
+    node: &str,
+    preemptions: &[Preemption],
+) -> Result<(), kube::Error> {
+    let body = gpuslice_runtime::apply_body(
+        "GpuNode",
+        node,
+        "spec",
+        &serde_json::json!({ "preemptions": preemptions }),
+    );
+    Api::<GpuNode>::all(client.clone())
+        .patch(
+            node,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+    Ok(())
+}
+
 async fn tell(
     client: &Client,
     namespace: &str,
@@ -505,6 +658,25 @@ pub async fn run(
                         queue.told.remove(key);
                     }
                     Err(e) => tracing::warn!("pod {key}: admitting it: {e}"),
+                }
+            }
+            for (node, preemptions) in &plan.preemptions {
+                let current = caches.gpu_nodes.get(&ObjectRef::new(node));
+                if current.is_some_and(|c| c.spec.preemptions == *preemptions) {
+                    continue;
+                }
+                match take_back(&client, node, preemptions).await {
+                    Ok(()) => {
+                        for p in preemptions {
+                            tracing::info!(
+                                "taking back the slice of {} on node {node} for pod {}: {}",
+                                p.resource_claim,
+                                p.for_pod,
+                                p.reason
+                            );
+                        }
+                    }
+                    Err(e) => tracing::warn!("GpuNode/{node}: writing preemptions: {e}"),
                 }
             }
             for (key, reason, message) in plan.tell {

@@ -292,6 +292,128 @@ pub fn decide(
     decision
 }
 
+/// A pod's slice the queue may take back: a candidate victim.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Running {
+    /// Its ResourceClaim (`namespace/name`).
+    pub claim: String,
+    pub namespace: String,
+    /// The device it holds: what taking it frees.
+    pub device: FreeDevice,
+    /// Its policy's priority (in the window in force).
+    pub priority: i64,
+    /// Its policy's `preemptible`.
+    pub preemptible: bool,
+    /// Work a preemption would lose: seconds since its last checkpoint, or since it started.
+    pub loss_seconds: f64,
+    /// Already being taken back: for which waiting pod (`namespace/name`), and why.
+    pub taken_for: Option<(String, String)>,
+}
+
+/// A slice to take back, for whom and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Preempt {
+    pub claim: String,
+    pub node: String,
+    pub for_pod: String,
+    pub reason: String,
+}
+
+/// Which running pods to preempt for the pods that wait because no free slice fits them
+/// (`waiting`, in queue order): for each, at most one victim, whose device fits it, that is
+/// `preemptible`, and either of lower priority (`Priority`, `PriorityFair`) or, at equal
+/// priority, of a namespace that would stay at or above the waiting pod's namespace's weighted
+/// share after the move (`Fair`, `PriorityFair`); among those, the one that loses the least work.
+/// Preemptions already under way are kept while their pod still waits (never a second victim
+/// for it, never a victim twice). `Fifo` preempts nothing.
+pub fn preempt(
+    policy: SchedulingPolicy,
+    waiting: &[&Waiting],
+    needs: &BTreeMap<String, Need>,
+    running: &[Running],
+    shares: &BTreeMap<String, Share>,
+) -> Vec<Preempt> {
+    let waiting_keys: Vec<String> = waiting.iter().map(|w| w.key()).collect();
+    let mut out: Vec<Preempt> = running
+        .iter()
+        .filter_map(|r| {
+            let (for_pod, reason) = r.taken_for.as_ref()?;
+            waiting_keys.contains(for_pod).then(|| Preempt {
+                claim: r.claim.clone(),
+                node: r.device.node.clone(),
+                for_pod: for_pod.clone(),
+                reason: reason.clone(),
+            })
+        })
+        .collect();
+    if policy == SchedulingPolicy::Fifo {
+        return out;
+    }
+    let by_priority = policy != SchedulingPolicy::Fair;
+    let by_share = policy != SchedulingPolicy::Priority;
+    let mut held: BTreeMap<&str, f64> = shares
+        .iter()
+        .map(|(ns, s)| (ns.as_str(), f64::from(s.holding)))
+        .collect();
+    let weight = |ns: &str| {
+        shares
+            .get(ns)
+            .map(|s| s.weight)
+            .filter(|w| *w > 0.0)
+            .unwrap_or(1.0)
+    };
+    for pod in waiting {
+        if out.iter().any(|p| p.for_pod == pod.key()) {
+            continue;
+        }
+        let Some(need) = needs.get(&pod.policy) else {
+            continue;
+        };
+        let best = running
+            .iter()
+            .filter(|r| r.preemptible && r.taken_for.is_none() && need.fits(&r.device))
+            .filter(|r| !out.iter().any(|p| p.claim == r.claim))
+            .filter_map(|r| {
+                if by_priority && r.priority < pod.priority {
+                    return Some((r, format!("priority {} over {}", pod.priority, r.priority)));
+                }
+                let mine = held.get(pod.namespace.as_str()).copied().unwrap_or(0.0);
+                let theirs = held.get(r.namespace.as_str()).copied().unwrap_or(0.0);
+                let fairer = r.namespace != pod.namespace
+                    && (mine + 1.0) / weight(&pod.namespace) <= (theirs - 1.0) / weight(&r.namespace);
+                (by_share && r.priority == pod.priority && fairer).then(|| {
+                    (
+                        r,
+                        format!(
+                            "fair share: namespace {} holds {theirs} slices at weight {}, namespace {} {mine} at weight {}",
+                            r.namespace,
+                            weight(&r.namespace),
+                            pod.namespace,
+                            weight(&pod.namespace)
+                        ),
+                    )
+                })
+            })
+            .min_by(|(a, _), (b, _)| {
+                (a.loss_seconds, a.priority)
+                    .partial_cmp(&(b.loss_seconds, b.priority))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+                    .then_with(|| a.claim.cmp(&b.claim))
+            });
+        if let Some((victim, reason)) = best {
+            *held.entry(victim.namespace.as_str()).or_default() -= 1.0;
+            *held.entry(pod.namespace.as_str()).or_default() += 1.0;
+            out.push(Preempt {
+                claim: victim.claim.clone(),
+                node: victim.device.node.clone(),
+                for_pod: pod.key(),
+                reason,
+            });
+        }
+    }
+    out
+}
+
 /// A namespace's usage after `seconds` more, holding `slices`: the old usage decayed by the
 /// half-life, plus what was used since.
 pub fn decay(usage: f64, slices: u32, seconds: f64, half_life_seconds: f64) -> f64 {
@@ -498,5 +620,162 @@ mod tests {
         let after = decay(100.0, 0, 3600.0, 3600.0);
         assert!((after - 50.0).abs() < 1e-9);
         assert!((decay(0.0, 2, 10.0, 3600.0) - 20.0).abs() < 1e-9);
+    }
+
+    fn running(claim: &str, namespace: &str, priority: i64, loss: f64) -> Running {
+        Running {
+            claim: format!("{namespace}/{claim}"),
+            namespace: namespace.into(),
+            device: FreeDevice {
+                node: "n".into(),
+                gpu: 0,
+                device: claim.into(),
+                memory_bytes: 20 << 30,
+                compute: 100,
+                slices_on_gpu: 4,
+            },
+            priority,
+            preemptible: true,
+            loss_seconds: loss,
+            taken_for: None,
+        }
+    }
+
+    fn need() -> BTreeMap<String, Need> {
+        [(
+            "notebook".to_string(),
+            Need {
+                memory_bytes: 8 << 30,
+                compute: 0,
+            },
+        )]
+        .into()
+    }
+
+    #[test]
+    fn a_higher_priority_pod_takes_the_slice_that_loses_the_least_work() {
+        let urgent = pod("ml", "urgent", 1000, 5);
+        let mut pinned = running("pinned", "ml", 0, 1.0);
+        pinned.preemptible = false;
+        let candidates = [
+            pinned,
+            running("fresh-checkpoint", "ml", 0, 30.0),
+            running("never-checkpointed", "ml", 0, 600.0),
+            running("same-priority", "ml", 1000, 0.0),
+        ];
+        let shares = BTreeMap::new();
+        let got = preempt(
+            SchedulingPolicy::PriorityFair,
+            &[&urgent],
+            &need(),
+            &candidates,
+            &shares,
+        );
+        assert_eq!(
+            got.iter().map(|p| p.claim.as_str()).collect::<Vec<_>>(),
+            ["ml/fresh-checkpoint"]
+        );
+        assert_eq!(got[0].for_pod, "ml/urgent");
+        // Fifo preempts nobody; nor does anyone for a pod of equal priority in one namespace.
+        assert!(
+            preempt(
+                SchedulingPolicy::Fifo,
+                &[&urgent],
+                &need(),
+                &candidates,
+                &shares
+            )
+            .is_empty()
+        );
+        let peer = pod("ml", "peer", 0, 6);
+        assert!(
+            preempt(
+                SchedulingPolicy::PriorityFair,
+                &[&peer],
+                &need(),
+                &candidates,
+                &shares
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_preemption_under_way_is_kept_while_its_pod_waits_and_never_doubled() {
+        let urgent = pod("ml", "urgent", 1000, 5);
+        let mut taken = running("a", "ml", 0, 600.0);
+        taken.taken_for = Some(("ml/urgent".into(), "priority".into()));
+        let candidates = [taken, running("b", "ml", 0, 1.0)];
+        let shares = BTreeMap::new();
+        let got = preempt(
+            SchedulingPolicy::Priority,
+            &[&urgent],
+            &need(),
+            &candidates,
+            &shares,
+        );
+        assert_eq!(
+            got.iter()
+                .map(|p| (p.claim.as_str(), p.reason.as_str()))
+                .collect::<Vec<_>>(),
+            [("ml/a", "priority")]
+        );
+        // Its pod no longer waits (it was admitted, or deleted): the preemption is dropped.
+        assert!(
+            preempt(
+                SchedulingPolicy::Priority,
+                &[],
+                &need(),
+                &candidates,
+                &shares
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn fair_share_preemption_converges_to_the_weights() {
+        // Six slices, all held by namespace b (weight 1); namespace a (weight 2) waits.
+        let shares_of = |a: u32, b: u32| -> BTreeMap<String, Share> {
+            [
+                (
+                    "a".to_string(),
+                    Share {
+                        weight: 2.0,
+                        holding: a,
+                        usage: 0.0,
+                    },
+                ),
+                (
+                    "b".to_string(),
+                    Share {
+                        weight: 1.0,
+                        holding: b,
+                        usage: 0.0,
+                    },
+                ),
+            ]
+            .into()
+        };
+        let (mut a, mut b) = (0u32, 6u32);
+        for round in 0..10 {
+            let waiting = pod("a", &format!("a-{round}"), 0, round);
+            let victims: Vec<Running> = (0..b)
+                .map(|i| running(&format!("b{i}"), "b", 0, 1.0))
+                .collect();
+            let got = preempt(
+                SchedulingPolicy::PriorityFair,
+                &[&waiting],
+                &need(),
+                &victims,
+                &shares_of(a, b),
+            );
+            if got.is_empty() {
+                break;
+            }
+            a += 1;
+            b -= 1;
+        }
+        assert_eq!((a, b), (4, 2), "2:1");
     }
 }
