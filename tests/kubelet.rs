@@ -565,3 +565,320 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
     // Still the policy's cap, on the bigger slice.
     assert_eq!(value(&new, "info_total"), 9 << 30, "{new}");
 }
+
+/// A pod of `policy` (by label and its extended resource) running `script`; `gated`: waiting
+/// in the operator's queue, as the chart's admission policy would have created it.
+fn policy_pod(setup: &Setup, name: &str, policy: &str, script: &str, gated: bool) -> Pod {
+    let mut spec = pod_spec(&["/bin/sh", "-c", script], &setup.lib, &setup.machine);
+    spec["restartPolicy"] = "Never".into();
+    spec["containers"][0]["resources"] =
+        serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): "1"}});
+    if gated {
+        spec["schedulingGates"] = serde_json::json!([{"name": "gpuslice.io/queue"}]);
+    }
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "preemption-test", "gpuslice.io/policy": policy}},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+/// The ResourceClaim (`default/<name>`) of a pod's extended resource.
+async fn claim_of(pods: &Api<Pod>, pod: &str) -> String {
+    let name = pods
+        .get(pod)
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.extended_resource_claim_status)
+        .map(|s| s.resource_claim_name)
+        .unwrap_or_else(|| panic!("{pod} has no claim"));
+    format!("default/{name}")
+}
+
+/// What the node's agent says of each claim: (last checkpoint written, what it is doing to it).
+async fn claim_reports(
+    gpu_nodes: &Api<gpuslice_api::GpuNode>,
+) -> std::collections::BTreeMap<String, (bool, Option<String>)> {
+    let node = gpu_nodes.get(NODE).await.unwrap();
+    node.status
+        .iter()
+        .flat_map(|s| &s.claims)
+        .filter_map(|c| {
+            Some((
+                c.resource_claim.clone()?,
+                (c.last_checkpoint.is_some(), c.draining.clone()),
+            ))
+        })
+        .collect()
+}
+
+async fn queued(pods: &Api<Pod>, name: &str) -> Option<(bool, String, String)> {
+    let p = pods.get(name).await.ok()?;
+    let gated = p
+        .spec
+        .as_ref()
+        .and_then(|s| s.scheduling_gates.as_ref())
+        .is_some_and(|g| !g.is_empty());
+    let c = p
+        .status?
+        .conditions?
+        .into_iter()
+        .find(|c| c.type_ == "gpuslice.io/Queued")?;
+    Some((
+        gated,
+        c.reason.unwrap_or_default(),
+        c.message.unwrap_or_default(),
+    ))
+}
+
+#[tokio::test]
+async fn a_high_priority_pod_preempts_the_pod_that_loses_least_after_its_checkpoint() {
+    // Day layout of shared-a100: four 20 GiB slices, preemption on.
+    let Some(setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    let client = setup.client.clone();
+    let policies = "
+apiVersion: gpuslice.io/v1alpha1
+kind: CheckpointPolicy
+metadata: {name: quick}
+spec: {signal: SIGUSR1, gracePeriod: 3s}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: CheckpointPolicy
+metadata: {name: must-checkpoint}
+spec: {signal: SIGUSR1, gracePeriod: 2s, required: true}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: batch}
+spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: quick}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: careful}
+spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: must-checkpoint}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: pinned}
+spec: {pool: shared-a100, memory: 8Gi, priority: low, preemptible: false}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: urgent}
+spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
+";
+    let dir = setup.dir.path().join("policies.yaml");
+    std::fs::write(&dir, policies).unwrap();
+    apply_examples(&client, &[dir.to_str().unwrap()]).await;
+    eventually("the policies' DeviceClasses exist", || {
+        let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
+        async move {
+            let n = classes
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .len();
+            (n == 5).then_some(()).ok_or_else(|| format!("{n} classes"))
+        }
+    })
+    .await;
+    let marker = "touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"";
+    let idle = "while :; do sleep 0.2; done";
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    // Four slices, four low-priority pods, oldest first: one that must checkpoint and never
+    // does, one that ignores the signal, one that may not be preempted (checkpointed at once),
+    // and one that checkpoints 3 s after it starts, and again when told (3 s later).
+    let running = [
+        ("stubborn", "careful", format!("trap '' USR1; {idle}")),
+        ("ignorer", "batch", format!("trap '' USR1; {idle}")),
+        ("pinned", "pinned", format!("{marker}; {idle}")),
+        (
+            "trainer",
+            "batch",
+            format!("trap 'sleep 3; echo checkpointing; {marker}' USR1; sleep 3; {marker}; {idle}"),
+        ),
+    ];
+    for (name, policy, script) in &running {
+        pods.create(
+            &PostParams::default(),
+            &policy_pod(&setup, name, policy, script, false),
+        )
+        .await
+        .unwrap();
+        eventually(&format!("{name} runs"), || {
+            let pods = pods.clone();
+            async move {
+                let p = phase(&pods, name).await;
+                (p == "Running").then_some(()).ok_or(p)
+            }
+        })
+        .await;
+    }
+    let mut claims = std::collections::BTreeMap::new();
+    for (name, _, _) in &running {
+        claims.insert(*name, claim_of(&pods, name).await);
+    }
+    let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
+    eventually("the agent reports the two checkpoints", || {
+        let (gpu_nodes, claims) = (gpu_nodes.clone(), claims.clone());
+        async move {
+            let reports = claim_reports(&gpu_nodes).await;
+            let with: Vec<&str> = claims
+                .iter()
+                .filter(|(_, c)| reports.get(*c).is_some_and(|r| r.0))
+                .map(|(n, _)| *n)
+                .collect();
+            (with == ["pinned", "trainer"])
+                .then_some(())
+                .ok_or_else(|| format!("{reports:?}"))
+        }
+    })
+    .await;
+
+    // A high-priority pod arrives: no slice is free. The queue takes back the trainer's (the
+    // least work lost among the preemptible), and the pod says so while the trainer
+    // checkpoints.
+    pods.create(
+        &PostParams::default(),
+        &policy_pod(&setup, "urgent-0", "urgent", idle, true),
+    )
+    .await
+    .unwrap();
+    let trainer_claim = claims["trainer"].clone();
+    let told = eventually("urgent-0 waits for the trainer's slice", || {
+        let pods = pods.clone();
+        async move {
+            match queued(&pods, "urgent-0").await {
+                Some((true, reason, message)) if reason == "Preempting" => Ok(message),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    assert!(told.contains(&trainer_claim), "{told}");
+    // Then urgent-0 runs on the trainer's slice; the trainer was evicted only after its
+    // checkpoint, and is told so.
+    eventually("urgent-0 runs, the trainer is gone", || {
+        let pods = pods.clone();
+        async move {
+            let (u, t) = (
+                phase(&pods, "urgent-0").await,
+                phase(&pods, "trainer").await,
+            );
+            (u == "Running" && t == "gone")
+                .then_some(())
+                .ok_or(format!("urgent-0 {u}, trainer {t}"))
+        }
+    })
+    .await;
+    let trainer = setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == "trainer")
+        .unwrap();
+    assert!(setup.kubelet.output(&trainer).contains("checkpointing"));
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    let note = eventually("the trainer's Preempted event", || {
+        let events = events.clone();
+        async move {
+            events
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some("Preempted")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("trainer")
+                })
+                .and_then(|e| e.note)
+                .ok_or_else(|| "no event".to_string())
+        }
+    })
+    .await;
+    assert!(
+        note.contains("for pod default/urgent-0") && note.ends_with("checkpoint taken"),
+        "{note}"
+    );
+
+    // Two more: the pod that ignores the signal goes after its grace period; the one whose
+    // checkpoint is required and never comes is waited for, not evicted; the pinned one is
+    // never asked.
+    for name in ["urgent-1", "urgent-2"] {
+        pods.create(
+            &PostParams::default(),
+            &policy_pod(&setup, name, "urgent", idle, true),
+        )
+        .await
+        .unwrap();
+    }
+    let stubborn_claim = claims["stubborn"].clone();
+    eventually(
+        "the stubborn pod's checkpoint is required and waited for",
+        || {
+            let gpu_nodes = gpu_nodes.clone();
+            let stubborn_claim = stubborn_claim.clone();
+            async move {
+                let reports = claim_reports(&gpu_nodes).await;
+                reports
+                    .get(&stubborn_claim)
+                    .and_then(|r| r.1.clone())
+                    .filter(|d| d.contains("requires a checkpoint"))
+                    .map(|_| ())
+                    .ok_or_else(|| format!("{reports:?}"))
+            }
+        },
+    )
+    .await;
+    eventually("one urgent pod runs on the ignorer's slice", || {
+        let pods = pods.clone();
+        async move {
+            let phases = [
+                phase(&pods, "ignorer").await,
+                phase(&pods, "urgent-1").await,
+                phase(&pods, "urgent-2").await,
+            ];
+            let one_runs = phases[1..].iter().filter(|p| *p == "Running").count() == 1;
+            (phases[0] == "gone" && one_runs)
+                .then_some(())
+                .ok_or(format!("{phases:?}"))
+        }
+    })
+    .await;
+    for name in ["stubborn", "pinned", "urgent-0"] {
+        assert_eq!(phase(&pods, name).await, "Running", "{name}");
+        let p = pods.get(name).await.unwrap();
+        assert!(
+            p.metadata.deletion_timestamp.is_none(),
+            "{name} is being deleted"
+        );
+    }
+    let ignorer_note = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|e| {
+            e.reason.as_deref() == Some("Preempted")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("ignorer")
+        })
+        .and_then(|e| e.note)
+        .unwrap_or_default();
+    assert!(
+        ignorer_note.ends_with("no checkpoint within the grace period of 3s"),
+        "{ignorer_note}"
+    );
+    let log = setup.agent_log();
+    assert!(
+        !log.contains("evicted pod default/stubborn")
+            && !log.contains("evicted pod default/pinned"),
+        "{log}"
+    );
+}

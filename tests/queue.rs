@@ -392,6 +392,51 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         }
     })
     .await;
+    // It may preempt a notebook (the pool allows it): the queue asks the node's agent for the
+    // slice of the one that loses the least work (none checkpointed: the newest). With no
+    // kubelet here nothing ends it, so the job says it waits for that.
+    let claim_of = |name: &'static str| {
+        let default = default.clone();
+        async move {
+            let claim = default
+                .get(name)
+                .await
+                .unwrap()
+                .status
+                .and_then(|s| s.extended_resource_claim_status)
+                .map(|s| s.resource_claim_name)
+                .unwrap();
+            format!("default/{claim}")
+        }
+    };
+    let newest = claim_of("notebook-3").await;
+    let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
+    let preemptions = || {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            gpu_nodes
+                .get("a100-a")
+                .await
+                .map(|n| n.spec.preemptions)
+                .map_err(|e| e.to_string())
+        }
+    };
+    let taken = eventually("the queue takes back the newest notebook's slice", || {
+        let (client, preemptions) = (client.clone(), preemptions.clone());
+        async move {
+            let s = states(&client).await;
+            let bert = s.iter().find(|p| p.0 == "bert-0").and_then(|p| p.3.clone());
+            let p = preemptions().await?;
+            (bert.as_ref().is_some_and(|(r, _)| r == "Preempting") && p.len() == 1)
+                .then(|| p[0].clone())
+                .ok_or_else(|| format!("{s:?} {p:?}"))
+        }
+    })
+    .await;
+    assert_eq!(
+        (taken.resource_claim.as_str(), taken.for_pod.as_str()),
+        (newest.as_str(), "nlp/bert-0")
+    );
     // A slice frees up: it goes to the fine-tuning job, not to the notebooks that came first.
     default
         .delete("notebook-0", &DeleteParams::default().grace_period(0))
@@ -410,6 +455,16 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
                 && still == ["notebook-4", "notebook-5"])
             .then_some(())
             .ok_or_else(|| format!("{s:?}"))
+        }
+    })
+    .await;
+
+    // The job has its slice: the preemption is withdrawn.
+    eventually("no preemption is left", || {
+        let preemptions = preemptions.clone();
+        async move {
+            let p = preemptions().await?;
+            p.is_empty().then_some(()).ok_or_else(|| format!("{p:?}"))
         }
     })
     .await;

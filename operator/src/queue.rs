@@ -294,8 +294,15 @@ fn ordinal(n: usize) -> String {
 }
 
 impl Queue {
-    /// Decides one pass from the caches (no I/O).
-    pub fn plan(&mut self, caches: &Caches, now: chrono::DateTime<chrono::Utc>) -> Plan {
+    /// Decides one pass from the caches (no I/O). `now` is the operator's clock (windows, usage);
+    /// `wall` the real time, which the API server's and the agents' timestamps (claims created,
+    /// checkpoints written) are on, so that work lost is measured on their clock.
+    pub fn plan(
+        &mut self,
+        caches: &Caches,
+        now: chrono::DateTime<chrono::Utc>,
+        wall: chrono::DateTime<chrono::Utc>,
+    ) -> Plan {
         let pools: Vec<Arc<GpuPool>> = caches.pools.state();
         let policies: Vec<Arc<GpuSlicePolicy>> = caches.policies.state();
         let pool_list: Vec<GpuPool> = pools.iter().map(|p| (**p).clone()).collect();
@@ -467,12 +474,13 @@ impl Queue {
                             // A claim whose policy is unknown is no victim.
                             preemptible: policy.is_some_and(|p| p.spec.preemptible),
                             loss_seconds: since.map_or(f64::MAX, |t| {
-                                (now - t).num_milliseconds().max(0) as f64 / 1000.0
+                                (wall - t).num_milliseconds().max(0) as f64 / 1000.0
                             }),
                             taken_for: under_way.get(&h.claim).cloned(),
                         }
                     })
                     .collect();
+                tracing::debug!(?running, "candidates for preemption");
                 queue::preempt(scheduling.policy, &unfit, &needs, &running, &shares)
             } else {
                 Vec::new()
@@ -641,7 +649,7 @@ pub async fn run(
     let mut queue = Queue::default();
     loop {
         if leadership.is_leader() {
-            let plan = queue.plan(&caches, clock.now());
+            let plan = queue.plan(&caches, clock.now(), chrono::Utc::now());
             let pods = caches.pods.state();
             let find = |key: &str| {
                 pods.iter()
