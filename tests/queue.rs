@@ -422,7 +422,7 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         }
     };
     let taken = eventually("the queue takes back the newest notebook's slice", || {
-        let (client, preemptions) = (client.clone(), preemptions.clone());
+        let client = client.clone();
         async move {
             let s = states(&client).await;
             let bert = s.iter().find(|p| p.0 == "bert-0").and_then(|p| p.3.clone());
@@ -460,12 +460,9 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
     .await;
 
     // The job has its slice: the preemption is withdrawn.
-    eventually("no preemption is left", || {
-        let preemptions = preemptions.clone();
-        async move {
-            let p = preemptions().await?;
-            p.is_empty().then_some(()).ok_or_else(|| format!("{p:?}"))
-        }
+    eventually("no preemption is left", || async move {
+        let p = preemptions().await?;
+        p.is_empty().then_some(()).ok_or_else(|| format!("{p:?}"))
     })
     .await;
 
