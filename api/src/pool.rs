@@ -112,6 +112,12 @@ pub struct TimeWindow {
     pub end: ClockTime,
     /// The layout in force while the window is open.
     pub layout: Layout,
+    /// Priorities of the pool's policies while the window is open (policy name → `low`,
+    /// `normal`, `high` or a PriorityClass name), for example training first at night; a policy
+    /// not named keeps its own `priority`. The queue and preemption use the window in force.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[x_kube(validation = Rule::new("self.all(p, self[p].matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$') && self[p].size() <= 253)").message("each priority must be low, normal, high or a PriorityClass name (lowercase DNS name)"))]
+    pub priorities: BTreeMap<String, String>,
 }
 
 fn every_day() -> Vec<Weekday> {

@@ -9,9 +9,12 @@
 //! allocates the slice); a waiting pod carries the condition `gpuslice.io/Queued` with its place
 //! in the queue and why it waits.
 //!
-//! Not here yet (issue: priority, fair share, preemption): preemption, priorities by window,
-//! usage that survives an operator restart (the decayed usage is kept in memory; queue order
-//! itself depends only on the pods, so a restart loses no place).
+//! Where the pool allows preemption, pods that still wait may take back running pods' slices
+//! (`queue::preempt`): the choices go to `GpuNode.spec.preemptions` under this module's own field
+//! manager, and the node's agent drains those slices as their CheckpointPolicy says.
+//!
+//! Not here yet: usage that survives an operator restart (the decayed usage is kept in memory;
+//! queue order itself depends only on the pods, so a restart loses no place).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -57,16 +60,6 @@ pub struct Caches {
 
 /// The field manager of the preemptions the queue writes into `GpuNode.spec`.
 pub const MANAGER: &str = "gpuslice-queue";
-
-/// The priority a policy's `priority` names: `low`, `normal` or `high` (a PriorityClass name
-/// counts as `normal` until PriorityClasses are read).
-pub fn priority_value(name: &str) -> i64 {
-    match name {
-        "low" => 0,
-        "high" => 1000,
-        _ => 100,
-    }
-}
 
 /// Policy name → pods naming it that wait at the gate.
 pub fn waiting_by_policy(pods: &Store<Pod>) -> BTreeMap<String, u32> {
@@ -397,7 +390,9 @@ impl Queue {
                     Some(Waiting {
                         namespace: p.namespace().unwrap_or_default(),
                         name: p.name_any(),
-                        priority: spec.map_or(0, |s| priority_value(&s.spec.priority)),
+                        priority: spec.map_or(0, |s| {
+                            queue::priority_in_force(pool, &policy, &s.spec.priority, now)
+                        }),
                         policy,
                         created: p
                             .creation_timestamp()
@@ -470,7 +465,9 @@ impl Queue {
                             claim: h.claim.clone(),
                             namespace: h.namespace.clone(),
                             device: h.device.clone(),
-                            priority: policy.map_or(0, |p| priority_value(&p.spec.priority)),
+                            priority: policy.map_or(0, |p| {
+                                queue::priority_in_force(pool, &p.name_any(), &p.spec.priority, now)
+                            }),
                             // A claim whose policy is unknown is no victim.
                             preemptible: policy.is_some_and(|p| p.spec.preemptible),
                             loss_seconds: since.map_or(f64::MAX, |t| {

@@ -20,6 +20,31 @@ use gpuslice_api::SchedulingPolicy;
 
 use crate::placement::{self, Cluster, Gpu, GpuAsk, Request, WHOLE};
 
+/// The number a priority name stands for: `low` 0, `normal` 100, `high` 1000 (a PriorityClass
+/// name counts as `normal`).
+pub fn priority_value(name: &str) -> i64 {
+    match name {
+        "low" => 0,
+        "high" => 1000,
+        _ => 100,
+    }
+}
+
+/// The priority of `policy` (declared `declared`) in `pool` at `at`: the open window's, where it
+/// names the policy, else the policy's own.
+pub fn priority_in_force(
+    pool: &gpuslice_api::GpuPool,
+    policy: &str,
+    declared: &str,
+    at: DateTime<Utc>,
+) -> i64 {
+    let (window, _) = crate::cluster::pool_timing(pool, at);
+    let name = window
+        .and_then(|w| pool.spec.windows[w].priorities.get(policy))
+        .map_or(declared, String::as_str);
+    priority_value(name)
+}
+
 /// A pod waiting at the gate.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Waiting {
@@ -777,5 +802,38 @@ mod tests {
             b -= 1;
         }
         assert_eq!((a, b), (4, 2), "2:1");
+    }
+
+    #[test]
+    fn a_window_raises_a_policys_priority_while_it_is_open() {
+        let pool: gpuslice_api::GpuPool = serde_yaml::from_str(
+            "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: shared-a100}
+spec:
+  nodeSelector: {}
+  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}
+  windows:
+  - name: night
+    timeZone: Asia/Shanghai
+    start: '20:00'
+    end: '08:00'
+    layout: {software: {slices: 2, memory: 40Gi, compute: 50}}
+    priorities: {bert-finetune: high}
+",
+        )
+        .unwrap();
+        let day: DateTime<Utc> = "2026-12-02T04:00:00Z".parse().unwrap();
+        let night: DateTime<Utc> = "2026-12-02T14:00:00Z".parse().unwrap();
+        assert_eq!(
+            priority_in_force(&pool, "bert-finetune", "normal", day),
+            100
+        );
+        assert_eq!(
+            priority_in_force(&pool, "bert-finetune", "normal", night),
+            1000
+        );
+        assert_eq!(priority_in_force(&pool, "notebook", "low", night), 0);
     }
 }

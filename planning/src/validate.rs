@@ -122,12 +122,6 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
     for pool in &repo.pools {
         let spec = &pool.object.spec;
         let mut warn = |path: &str, what: &str| out.inert(pool.doc, path, what);
-        if spec.scheduling.is_some() {
-            warn(
-                "spec.scheduling",
-                "no scheduler queues, orders or preempts workloads by it",
-            );
-        }
         if spec.compaction.is_some() {
             warn("spec.compaction", "nothing compacts a pool's slices");
         }
@@ -152,11 +146,11 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
     for policy in &repo.policies {
         let spec = &policy.object.spec;
         let mut warn = |path: &str, what: &str| out.inert(policy.doc, path, what);
-        if spec.priority != "normal" {
-            warn("spec.priority", "workloads are not ordered by priority");
-        }
-        if !spec.preemptible {
-            warn("spec.preemptible", "nothing preempts workloads yet");
+        if !["low", "normal", "high"].contains(&spec.priority.as_str()) {
+            warn(
+                "spec.priority",
+                "PriorityClasses are not read: the queue counts this policy as normal",
+            );
         }
         if spec.count > 1 {
             warn("spec.count", "a workload gets one slice");
