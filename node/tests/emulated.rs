@@ -181,6 +181,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
             ),
             config: Default::default(),
             problems: Vec::new(),
+            preemptions: Vec::new(),
         })
         .unwrap();
     assert!(pass.converged(), "{:#?}", pass.outcomes);

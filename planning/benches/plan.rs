@@ -39,6 +39,7 @@ fn pool(name: &str, layout: Layout, night: Layout) -> GpuPool {
                 start: ClockTime::from("20:00"),
                 end: ClockTime::from("08:00"),
                 layout: night,
+                priorities: Default::default(),
             }],
             time_slice: None,
             memory_headroom: None,
