@@ -101,20 +101,6 @@ pub(crate) fn utc() -> String {
     "UTC".to_string()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn clock_time_minutes() {
-        assert_eq!(ClockTime::from("00:00").minutes(), Some(0));
-        assert_eq!(ClockTime::from("20:30").minutes(), Some(20 * 60 + 30));
-        assert_eq!(ClockTime::from("24:00").minutes(), None);
-        assert_eq!(ClockTime::from("8:00").minutes(), None);
-        assert_eq!(ClockTime::from("08:60").minutes(), None);
-    }
-}
-
 /// A Kubernetes time for a chrono one (`None` out of range).
 pub fn time_of(
     at: chrono::DateTime<chrono::Utc>,
@@ -129,4 +115,18 @@ pub fn chrono_of(
     t: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
 ) -> Option<chrono::DateTime<chrono::Utc>> {
     chrono::DateTime::from_timestamp(t.0.as_second(), t.0.subsec_nanosecond().max(0) as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_time_minutes() {
+        assert_eq!(ClockTime::from("00:00").minutes(), Some(0));
+        assert_eq!(ClockTime::from("20:30").minutes(), Some(20 * 60 + 30));
+        assert_eq!(ClockTime::from("24:00").minutes(), None);
+        assert_eq!(ClockTime::from("8:00").minutes(), None);
+        assert_eq!(ClockTime::from("08:60").minutes(), None);
+    }
 }
