@@ -33,7 +33,8 @@ fn root() -> &'static Path {
 /// policy; and the shim's probe program built against the emulated CUDA driver.
 struct Setup {
     _agent: KillOnDrop,
-    _operator: KillOnDrop,
+    operator: KillOnDrop,
+    clock: String,
     kubelet: Kubelet,
     cluster: ControlPlane,
     client: Client,
@@ -83,16 +84,7 @@ impl Setup {
                 .spawn()
                 .unwrap(),
         );
-        let operator = KillOnDrop(
-            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-                .arg("operator")
-                .env("KUBECONFIG", cluster.kubeconfig_path())
-                .env("GPUSLICE_CLOCK_START", clock)
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap(),
-        );
+        let operator = spawn_operator(&cluster, clock);
         apply_examples(
             &client,
             &[
@@ -109,7 +101,8 @@ impl Setup {
         let machine = gpuslice_contract::StateDir::new(&state).emulated_machine(NODE);
         Some(Setup {
             _agent: agent,
-            _operator: operator,
+            operator,
+            clock: clock.to_string(),
             kubelet,
             cluster,
             client,
@@ -124,6 +117,26 @@ impl Setup {
     fn agent_log(&self) -> String {
         std::fs::read_to_string(&self.agent_log).unwrap_or_default()
     }
+
+    /// Kills the operator and starts another (on a clock started where the first one's was).
+    fn restart_operator(&mut self) {
+        let _ = self.operator.0.kill();
+        let _ = self.operator.0.wait();
+        self.operator = spawn_operator(&self.cluster, &self.clock);
+    }
+}
+
+fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .arg("operator")
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("GPUSLICE_CLOCK_START", clock)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    )
 }
 
 /// A failed test shows the kubelet's, the runtime's and the agent's logs.
@@ -635,9 +648,9 @@ async fn queued(pods: &Api<Pod>, name: &str) -> Option<(bool, String, String)> {
 }
 
 #[tokio::test]
-async fn a_high_priority_pod_preempts_the_pod_that_loses_least_after_its_checkpoint() {
+async fn a_high_priority_pod_preempts_the_pod_that_loses_least_after_its_checkpoint_once() {
     // Day layout of shared-a100: four 20 GiB slices, preemption on.
-    let Some(setup) = Setup::start(CLOCK, &[]).await else {
+    let Some(mut setup) = Setup::start(CLOCK, &[]).await else {
         return;
     };
     let client = setup.client.clone();
@@ -649,6 +662,11 @@ spec: {signal: SIGUSR1, gracePeriod: 3s}
 ---
 apiVersion: gpuslice.io/v1alpha1
 kind: CheckpointPolicy
+metadata: {name: patient}
+spec: {signal: SIGUSR1, gracePeriod: 60s}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: CheckpointPolicy
 metadata: {name: must-checkpoint}
 spec: {signal: SIGUSR1, gracePeriod: 2s, required: true}
 ---
@@ -656,6 +674,11 @@ apiVersion: gpuslice.io/v1alpha1
 kind: GpuSlicePolicy
 metadata: {name: batch}
 spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: quick}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: training}
+spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: patient}
 ---
 apiVersion: gpuslice.io/v1alpha1
 kind: GpuSlicePolicy
@@ -684,7 +707,7 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
                 .map_err(|e| e.to_string())?
                 .items
                 .len();
-            (n == 5).then_some(()).ok_or_else(|| format!("{n} classes"))
+            (n == 6).then_some(()).ok_or_else(|| format!("{n} classes"))
         }
     })
     .await;
@@ -693,15 +716,16 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     // Four slices, four low-priority pods, oldest first: one that must checkpoint and never
     // does, one that ignores the signal, one that may not be preempted (checkpointed at once),
-    // and one that checkpoints 3 s after it starts, and again when told (3 s later).
+    // and one that checkpoints 3 s after it starts, and again when told (8 s later; its grace
+    // period is 60 s).
     let running = [
         ("stubborn", "careful", format!("trap '' USR1; {idle}")),
         ("ignorer", "batch", format!("trap '' USR1; {idle}")),
         ("pinned", "pinned", format!("{marker}; {idle}")),
         (
             "trainer",
-            "batch",
-            format!("trap 'sleep 3; echo checkpointing; {marker}' USR1; sleep 3; {marker}; {idle}"),
+            "training",
+            format!("trap 'sleep 8; echo checkpointing; {marker}' USR1; sleep 3; {marker}; {idle}"),
         ),
     ];
     for (name, policy, script) in &running {
@@ -762,6 +786,24 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
     })
     .await;
     assert!(told.contains(&trainer_claim), "{told}");
+    // The operator restarts while the trainer checkpoints (8 s): the new one keeps the same
+    // preemption and the pod's place; nobody is signalled or evicted twice.
+    setup.restart_operator();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let node = gpu_nodes.get(NODE).await.unwrap();
+    assert_eq!(
+        node.spec
+            .preemptions
+            .iter()
+            .map(|p| (p.resource_claim.as_str(), p.for_pod.as_str()))
+            .collect::<Vec<_>>(),
+        [(trainer_claim.as_str(), "default/urgent-0")]
+    );
+    let still = queued(&pods, "urgent-0").await.unwrap();
+    assert!(
+        still.0 && still.1 == "Preempting" && still.2.starts_with("1st of 1 waiting"),
+        "{still:?}"
+    );
     // Then urgent-0 runs on the trainer's slice; the trainer was evicted only after its
     // checkpoint, and is told so.
     eventually("urgent-0 runs, the trainer is gone", || {
@@ -784,6 +826,20 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
         .find(|c| c.pod == "trainer")
         .unwrap();
     assert!(setup.kubelet.output(&trainer).contains("checkpointing"));
+    let log = setup.agent_log();
+    let trainer_uid = trainer.pod_uid.clone();
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("SignalPods") && l.contains(&trainer_uid))
+            .count(),
+        1,
+        "signalled once: {log}"
+    );
+    assert_eq!(
+        log.matches("evicted pod default/trainer:").count(),
+        1,
+        "evicted once: {log}"
+    );
     let events: Api<k8s_openapi::api::events::v1::Event> =
         Api::namespaced(client.clone(), "default");
     let note = eventually("the trainer's Preempted event", || {

@@ -126,100 +126,170 @@ async fn states(client: &Client) -> Vec<(String, Option<String>, bool, Option<(S
     out
 }
 
+/// The control plane with the chart's mutating admission policies (and the queued pods'
+/// PriorityClass), one kwok node with `cpu` CPUs and emulated A100s (`gpus`) labelled for
+/// `pool`, its agent, and the operator, on a clock started at `clock`.
+struct Harness {
+    _agent: KillOnDrop,
+    _operator: KillOnDrop,
+    client: Client,
+    _cluster: ControlPlane,
+    _dir: tempfile::TempDir,
+}
+
+impl Harness {
+    async fn start(clock: &str, node: &str, pool: &str, cpu: &str, gpus: u32) -> Option<Harness> {
+        let Some(helm) = helm() else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "no helm: run tests/helm/build.sh"
+            );
+            eprintln!("SKIPPED: no helm binary (bash tests/helm/build.sh builds one)");
+            return None;
+        };
+        let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
+        let client = cluster.client().await.unwrap();
+        gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+            .await
+            .unwrap();
+        // The chart's mutating admission policies: label → the policy's extended resource,
+        // label → the queue's gate, and the queued pods' priority.
+        let rendered = Command::new(&helm)
+            .args(["template", "gs", "--namespace", "gpuslice-system"])
+            .arg(root().join("charts/gpuslice"))
+            .output()
+            .unwrap();
+        assert!(
+            rendered.status.success(),
+            "{}",
+            String::from_utf8_lossy(&rendered.stderr)
+        );
+        let mutating: Vec<serde_json::Value> =
+            documents(&String::from_utf8(rendered.stdout).unwrap())
+                .into_iter()
+                .filter(|d| {
+                    d["kind"].as_str().is_some_and(|k| {
+                        k.starts_with("MutatingAdmissionPolicy") || k == "PriorityClass"
+                    })
+                })
+                .collect();
+        assert_eq!(
+            mutating.len(),
+            7,
+            "three policies, their bindings and the queued pods' PriorityClass"
+        );
+        apply(&client, &mutating).await;
+        cluster
+            .create_node(node, &[("gpuslice.io/pool", pool)], &[("cpu", cpu)])
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let node_file = dir.path().join("node.yaml");
+        let gpu_lines: String = (0..gpus)
+            .map(|i| format!("- {{index: {i}, model: NVIDIA A100-SXM4-80GB}}\n"))
+            .collect();
+        std::fs::write(&node_file, format!("name: {node}\ngpus:\n{gpu_lines}")).unwrap();
+        let bin = env!("CARGO_BIN_EXE_gpuslice");
+        let agent = KillOnDrop(
+            Command::new(bin)
+                .args([
+                    "agent",
+                    "--kube",
+                    "--apply",
+                    "--interval",
+                    "2s",
+                    "--emulate",
+                ])
+                .arg(&node_file)
+                .arg("--state")
+                .arg(dir.path().join("state"))
+                .arg("--kubelet-dir")
+                .arg(dir.path().join("kubelet"))
+                .arg("--cdi-dir")
+                .arg(dir.path().join("cdi"))
+                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("GPUSLICE_CLOCK_START", clock)
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        );
+        let operator = KillOnDrop(
+            Command::new(bin)
+                .arg("operator")
+                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("GPUSLICE_CLOCK_START", clock)
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        );
+        Some(Harness {
+            _agent: agent,
+            _operator: operator,
+            client,
+            _cluster: cluster,
+            _dir: dir,
+        })
+    }
+
+    /// Applies `docs`, then waits until the operator has written `classes` DeviceClasses.
+    async fn apply_and_wait(&self, docs: &[serde_json::Value], classes: usize) {
+        apply(&self.client, docs).await;
+        eventually("the policies' DeviceClasses exist", || {
+            let api: Api<k8s_openapi::api::resource::v1::DeviceClass> =
+                Api::all(self.client.clone());
+            async move {
+                let n = api
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .items
+                    .len();
+                (n == classes)
+                    .then_some(())
+                    .ok_or_else(|| format!("{n} classes"))
+            }
+        })
+        .await;
+    }
+
+    /// Creates a labelled pod, again until the API server (which loads new admission policies
+    /// a moment after they are made) stores it gated.
+    async fn create_gated(&self, pod: &Pod) {
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
+        eventually("a labelled pod is stored gated", || {
+            let (api, name) = (api.clone(), name.clone());
+            async move {
+                let stored = api
+                    .create(&PostParams::default(), pod)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let gated = stored
+                    .spec
+                    .and_then(|s| s.scheduling_gates)
+                    .is_some_and(|g| g.iter().any(|g| g.name == "gpuslice.io/queue"));
+                if gated {
+                    return Ok(());
+                }
+                api.delete(&name, &DeleteParams::default().grace_period(0))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Err("stored without the gate".to_string())
+            }
+        })
+        .await;
+    }
+}
+
 #[tokio::test]
 async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
-    let Some(helm) = helm() else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "no helm: run tests/helm/build.sh"
-        );
-        eprintln!("SKIPPED: no helm binary (bash tests/helm/build.sh builds one)");
+    let Some(harness) = Harness::start(CLOCK, "a100-a", "shared-a100", "5", 1).await else {
         return;
     };
-    let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
-        return;
-    };
-    let client = cluster.client().await.unwrap();
-    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-        .await
-        .unwrap();
-    // The chart's mutating admission policies: label → the policy's extended resource, and
-    // label → the queue's gate.
-    let rendered = Command::new(&helm)
-        .args(["template", "gs", "--namespace", "gpuslice-system"])
-        .arg(root().join("charts/gpuslice"))
-        .output()
-        .unwrap();
-    assert!(
-        rendered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rendered.stderr)
-    );
-    let mutating: Vec<serde_json::Value> = documents(&String::from_utf8(rendered.stdout).unwrap())
-        .into_iter()
-        .filter(|d| {
-            d["kind"]
-                .as_str()
-                .is_some_and(|k| k.starts_with("MutatingAdmissionPolicy") || k == "PriorityClass")
-        })
-        .collect();
-    assert_eq!(
-        mutating.len(),
-        7,
-        "three policies, their bindings and the queued pods' PriorityClass"
-    );
-    apply(&client, &mutating).await;
-
-    cluster
-        .create_node(
-            "a100-a",
-            &[("gpuslice.io/pool", "shared-a100")],
-            &[("cpu", "5")],
-        )
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let node_file = dir.path().join("a100-a.yaml");
-    std::fs::write(
-        &node_file,
-        "name: a100-a\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB}\n",
-    )
-    .unwrap();
-    let bin = env!("CARGO_BIN_EXE_gpuslice");
-    let _agent = KillOnDrop(
-        Command::new(bin)
-            .args([
-                "agent",
-                "--kube",
-                "--apply",
-                "--interval",
-                "2s",
-                "--emulate",
-            ])
-            .arg(&node_file)
-            .arg("--state")
-            .arg(dir.path().join("state"))
-            .arg("--kubelet-dir")
-            .arg(dir.path().join("kubelet"))
-            .arg("--cdi-dir")
-            .arg(dir.path().join("cdi"))
-            .env("KUBECONFIG", cluster.kubeconfig_path())
-            .env("GPUSLICE_CLOCK_START", CLOCK)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
-    let _operator = KillOnDrop(
-        Command::new(bin)
-            .arg("operator")
-            .env("KUBECONFIG", cluster.kubeconfig_path())
-            .env("GPUSLICE_CLOCK_START", CLOCK)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
+    let client = harness.client.clone();
     let nlp = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
         "metadata": {"name": "nlp", "labels": {"team": "nlp"}}});
     let mut docs = vec![nlp];
@@ -233,20 +303,7 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
             &std::fs::read_to_string(root().join(file)).unwrap(),
         ));
     }
-    apply(&client, &docs).await;
-    eventually("the policies' DeviceClasses exist", || {
-        let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
-        async move {
-            let n = classes
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| e.to_string())?
-                .items
-                .len();
-            (n == 2).then_some(()).ok_or_else(|| format!("{n} classes"))
-        }
-    })
-    .await;
+    harness.apply_and_wait(&docs, 2).await;
 
     // A pod that is not ours (priority 0) takes the node's fifth CPU.
     let default: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -269,29 +326,9 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
     // Six notebooks (priority low) for four slices. The API server loads new admission policies
     // a moment after they are created: a pod stored without the gate is sent again.
     for i in 0..6 {
-        let name = format!("notebook-{i}");
-        eventually("a labelled pod is stored gated", || {
-            let (default, name) = (default.clone(), name.clone());
-            async move {
-                let stored = default
-                    .create(&PostParams::default(), &pod(&name, "default", "notebook"))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let gated = stored
-                    .spec
-                    .and_then(|s| s.scheduling_gates)
-                    .is_some_and(|g| g.iter().any(|g| g.name == "gpuslice.io/queue"));
-                if gated {
-                    return Ok(());
-                }
-                default
-                    .delete(&name, &DeleteParams::default().grace_period(0))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Err("stored without the gate".to_string())
-            }
-        })
-        .await;
+        harness
+            .create_gated(&pod(&format!("notebook-{i}"), "default", "notebook"))
+            .await;
         // Arrival order is creation time, in seconds.
         tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     }
@@ -555,4 +592,174 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
             "{name} is being deleted"
         );
     }
+}
+
+/// Bound pods (not being deleted) in `namespaces`: (namespace, name).
+async fn bound(client: &Client, namespaces: &[&str]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for namespace in namespaces {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+        for p in pods.list(&ListParams::default()).await.unwrap() {
+            let on_node = p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
+            if on_node && p.metadata.deletion_timestamp.is_none() {
+                out.push((namespace.to_string(), p.metadata.name.unwrap_or_default()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn namespaces_share_a_pool_by_their_weights() {
+    let Some(h) = Harness::start(CLOCK, "a100-f", "teams", "64", 2).await else {
+        return;
+    };
+    let client = h.client.clone();
+    let docs = documents(
+        "
+apiVersion: v1
+kind: Namespace
+metadata: {name: alpha}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: beta}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: teams}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: teams}}
+  layout: {software: {slices: 3, memory: 26Gi, compute: 33}}
+  scheduling: {policy: Fair, weights: {alpha: 2, beta: 1}}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: team-job}
+spec: {pool: teams, memory: 8Gi}
+",
+    );
+    h.apply_and_wait(&docs, 1).await;
+    // Both teams submit more than the six slices hold.
+    for i in 0..16 {
+        for namespace in ["alpha", "beta"] {
+            h.create_gated(&pod(&format!("{namespace}-{i:02}"), namespace, "team-job"))
+                .await;
+        }
+    }
+    // Jobs end one at a time, alternately of each team; each freed slice goes to the team
+    // furthest below its weighted share. What each holds is sampled whenever all six run.
+    let mut held = (0u32, 0u32);
+    for round in 0..10 {
+        let running = eventually("six jobs hold the six slices", || {
+            let client = client.clone();
+            async move {
+                let b = bound(&client, &["alpha", "beta"]).await;
+                (b.len() == 6)
+                    .then(|| b.clone())
+                    .ok_or_else(|| format!("{b:?}"))
+            }
+        })
+        .await;
+        let alpha = running.iter().filter(|(ns, _)| ns == "alpha").count() as u32;
+        held.0 += alpha;
+        held.1 += 6 - alpha;
+        let ending = if round % 2 == 0 { "alpha" } else { "beta" };
+        let (namespace, name) = running
+            .iter()
+            .find(|(ns, _)| ns == ending)
+            .unwrap_or(&running[0])
+            .clone();
+        Api::<Pod>::namespaced(client.clone(), &namespace)
+            .delete(&name, &DeleteParams::default().grace_period(0))
+            .await
+            .unwrap();
+    }
+    // Slice-time used, alpha to beta: 2:1 within 10 %.
+    let ratio = f64::from(held.0) / f64::from(held.1.max(1));
+    assert!((1.8..=2.2).contains(&ratio), "alpha:beta = {held:?}");
+}
+
+#[tokio::test]
+async fn priorities_change_with_the_window_in_force() {
+    // 18:00:20 in Shanghai: the window "evening" (18:00–18:01) raises lab jobs to high; it
+    // keeps the pool's layout, so nothing is re-cut when it closes.
+    let Some(h) = Harness::start("2026-12-02T10:00:20Z", "a100-w", "lab", "64", 1).await else {
+        return;
+    };
+    let client = h.client.clone();
+    let docs = documents(
+        "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: lab}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: lab}}
+  layout: {software: {slices: 2, memory: 40Gi, compute: 50}}
+  windows:
+  - name: evening
+    timeZone: Asia/Shanghai
+    start: '18:00'
+    end: '18:01'
+    layout: {software: {slices: 2, memory: 40Gi, compute: 50}}
+    priorities: {lab-job: high}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: prod-job}
+spec: {pool: lab, memory: 8Gi, priority: normal}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: lab-job}
+spec: {pool: lab, memory: 8Gi, priority: low}
+",
+    );
+    h.apply_and_wait(&docs, 2).await;
+    for name in ["filler-0", "filler-1", "prod-x"] {
+        h.create_gated(&pod(name, "default", "prod-job")).await;
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    }
+    h.create_gated(&pod("lab-y", "default", "lab-job")).await;
+    let place = |name: &'static str| {
+        let client = client.clone();
+        async move {
+            let p = Api::<Pod>::namespaced(client, "default")
+                .get(name)
+                .await
+                .map_err(|e| e.to_string())?;
+            p.status
+                .and_then(|s| s.conditions)
+                .into_iter()
+                .flatten()
+                .find(|c| c.type_ == "gpuslice.io/Queued")
+                .and_then(|c| c.message)
+                .ok_or_else(|| format!("{name} not told yet"))
+        }
+    };
+    // In the window the lab job, though it came last, is first in line.
+    eventually("the lab job is first while the window is open", || async {
+        let (lab, prod) = (place("lab-y").await?, place("prod-x").await?);
+        (lab.starts_with("1st of 2") && prod.starts_with("2nd of 2"))
+            .then_some(())
+            .ok_or(format!("lab-y: {lab}; prod-x: {prod}"))
+    })
+    .await;
+    // At 18:01 the window closes: the lab job is low again, behind the production job.
+    eventually("the production job is first after the window", || async {
+        let (lab, prod) = (place("lab-y").await?, place("prod-x").await?);
+        (lab.starts_with("2nd of 2") && prod.starts_with("1st of 2"))
+            .then_some(())
+            .ok_or(format!("lab-y: {lab}; prod-x: {prod}"))
+    })
+    .await;
+    let bound = bound(&client, &["default"]).await;
+    assert_eq!(
+        bound,
+        [
+            ("default".to_string(), "filler-0".to_string()),
+            ("default".to_string(), "filler-1".to_string())
+        ]
+    );
 }

@@ -116,7 +116,7 @@ pub struct TimeWindow {
     /// `normal`, `high` or a PriorityClass name), for example training first at night; a policy
     /// not named keeps its own `priority`. The queue and preemption use the window in force.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[x_kube(validation = Rule::new("self.all(p, self[p].matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$') && self[p].size() <= 253)").message("each priority must be low, normal, high or a PriorityClass name (lowercase DNS name)"))]
+    #[schemars(extend("maxProperties" = 64, "additionalProperties" = {"type": "string", "maxLength": 253, "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}))]
     pub priorities: BTreeMap<String, String>,
 }
 

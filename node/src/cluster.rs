@@ -207,6 +207,15 @@ pub struct Metrics {
     duration: Histogram,
     slice_limit: Family<SliceLabel, Gauge>,
     slice_guarantee: Family<SliceLabel, Gauge>,
+    evictions: Family<EvictionLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EvictionLabel {
+    /// `preemption` or `window`.
+    cause: String,
+    /// `taken`, `grace_over` or `none` (no checkpoint policy).
+    checkpoint: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -225,6 +234,7 @@ impl Metrics {
             duration: Histogram::new(gpuslice_runtime::duration_buckets()),
             slice_limit: Family::default(),
             slice_guarantee: Family::default(),
+            evictions: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuslice_agent");
         r.register("passes", "Reconcile passes", m.passes.clone());
@@ -252,6 +262,11 @@ impl Metrics {
             "slice_compute_limit_percent",
             "The compute cap the arbiter enforces on a software slice (its claim's policy's limit, else the slice's share)",
             m.slice_limit.clone(),
+        );
+        r.register(
+            "evictions",
+            "Pods evicted to take their slices back (a preemption or a window change), by whether they checkpointed",
+            m.evictions.clone(),
         );
         r.register(
             "slice_compute_guarantee_percent",
@@ -521,7 +536,7 @@ pub async fn run(
                 preemptions: current.spec.preemptions.clone(),
             }
         })?;
-        let refused = evict(&client, &recorder, &pass.evictions, &mut evicted).await;
+        let refused = evict(&client, &recorder, &metrics, &pass.evictions, &mut evicted).await;
         pass.drain_errors.extend(refused);
         metrics.record(&pass, started, &mut blocked_since);
         if let Some(t) = &telemetry {
@@ -572,6 +587,7 @@ pub async fn run(
 async fn evict(
     client: &Client,
     recorder: &Recorder,
+    metrics: &Metrics,
     evictions: &[Eviction],
     evicted: &mut std::collections::BTreeSet<String>,
 ) -> Vec<String> {
@@ -588,6 +604,20 @@ async fn evict(
                 if evicted.insert(pod.clone()) {
                     tracing::info!("evicted pod {pod}: {}", eviction.note);
                     let preempted = eviction.note.starts_with("preempted");
+                    let checkpoint = if eviction.note.ends_with("checkpoint taken") {
+                        "taken"
+                    } else if eviction.note.contains("no checkpoint policy") {
+                        "none"
+                    } else {
+                        "grace_over"
+                    };
+                    metrics
+                        .evictions
+                        .get_or_create(&EvictionLabel {
+                            cause: if preempted { "preemption" } else { "window" }.into(),
+                            checkpoint: checkpoint.into(),
+                        })
+                        .inc();
                     let event = Event {
                         type_: EventType::Warning,
                         reason: if preempted { "Preempted" } else { "Resliced" }.into(),

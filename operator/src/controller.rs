@@ -16,6 +16,7 @@ use gpuslice_api::{
 use gpuslice_planning::clock::Clock;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
@@ -82,6 +83,7 @@ pub struct Metrics {
     pool_nodes: Family<PoolLabel, Gauge>,
     pool_gpus: Family<PoolLabel, Gauge>,
     pool_slices: Family<PoolLabel, Gauge>,
+    queue: crate::queue::QueueMetrics,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -99,6 +101,7 @@ impl Metrics {
             pool_nodes: Family::default(),
             pool_gpus: Family::default(),
             pool_slices: Family::default(),
+            queue: crate::queue::QueueMetrics::register(registry),
         };
         let r = registry.sub_registry_with_prefix("gpuslice");
         r.register(
@@ -236,6 +239,19 @@ pub async fn run(
             kind: "Pod",
             message: e.to_string(),
         })?;
+    // A policy's priority may name a PriorityClass: the queue orders by its value.
+    let priority_classes = cache(
+        Api::<PriorityClass>::all(client.clone()),
+        all(),
+        queue_changed.clone(),
+    );
+    priority_classes
+        .wait_until_ready()
+        .await
+        .map_err(|e| OperatorError::Cache {
+            kind: "PriorityClass",
+            message: e.to_string(),
+        })?;
     tokio::spawn(crate::queue::run(
         client.clone(),
         clock,
@@ -247,8 +263,10 @@ pub async fn run(
             slices: slices.clone(),
             claims: claims.clone(),
             gpu_nodes: gpu_nodes.clone(),
+            priority_classes,
         },
         queue_changed,
+        metrics.queue.clone(),
     ));
     let writer = Writer {
         recorder: Recorder::new(

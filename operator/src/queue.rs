@@ -27,9 +27,16 @@ use gpuslice_planning::queue::{
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt as _};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
 use tokio::sync::Notify;
 
 use crate::election::Leadership;
@@ -56,6 +63,7 @@ pub struct Caches {
     pub slices: Store<ResourceSlice>,
     pub claims: Store<ResourceClaim>,
     pub gpu_nodes: Store<GpuNode>,
+    pub priority_classes: Store<PriorityClass>,
 }
 
 /// The field manager of the preemptions the queue writes into `GpuNode.spec`.
@@ -254,6 +262,62 @@ fn admitted_to(pod: &Pod) -> Option<String> {
         .and_then(|f| f.values.as_ref()?.first().cloned())
 }
 
+/// The queue's metrics (under `gpuslice_queue_`).
+#[derive(Clone)]
+pub struct QueueMetrics {
+    waiting: Family<PoolNamespace, Gauge>,
+    wait: Family<PoolLabel, Histogram>,
+    preemptions: Family<PreemptionLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolNamespace {
+    pool: String,
+    namespace: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabel {
+    pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PreemptionLabel {
+    pool: String,
+    /// `priority` or `fair_share`.
+    reason: String,
+}
+
+impl QueueMetrics {
+    pub fn register(registry: &mut Registry) -> QueueMetrics {
+        let m = QueueMetrics {
+            waiting: Family::default(),
+            wait: Family::new_with_constructor(|| {
+                Histogram::new([1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0])
+            }),
+            preemptions: Family::default(),
+        };
+        let r = registry.sub_registry_with_prefix("gpuslice_queue");
+        r.register(
+            "waiting_pods",
+            "Pods waiting at the gate gpuslice.io/queue, per pool and namespace",
+            m.waiting.clone(),
+        );
+        r.register_with_unit(
+            "wait",
+            "Time from a pod's creation to its admission by the queue",
+            Unit::Seconds,
+            m.wait.clone(),
+        );
+        r.register(
+            "preemptions",
+            "Slices the queue took back for waiting pods, by why",
+            m.preemptions.clone(),
+        );
+        m
+    }
+}
+
 /// The queue's state between passes.
 #[derive(Default)]
 pub struct Queue {
@@ -274,6 +338,10 @@ pub struct Plan {
     pub tell: Vec<(String, String, String)>,
     /// GpuNode → the preemptions it should carry (empty: none any more).
     pub preemptions: BTreeMap<String, Vec<Preemption>>,
+    /// Pods waiting per (pool, namespace).
+    pub waiting: BTreeMap<(String, String), i64>,
+    /// The pool of each pod admitted.
+    pub admitted_pool: BTreeMap<String, String>,
 }
 
 fn ordinal(n: usize) -> String {
@@ -302,6 +370,12 @@ impl Queue {
         let devices = published(&caches.slices);
         let (allocated, holding, held) = allocations(&devices, &caches.claims);
         let gpu_nodes = caches.gpu_nodes.state();
+        let classes: BTreeMap<String, i64> = caches
+            .priority_classes
+            .state()
+            .iter()
+            .map(|c| (c.name_any(), i64::from(c.value.unwrap_or(0))))
+            .collect();
         // Preemptions under way, and what the agents say of each claim.
         let mut under_way: BTreeMap<String, (String, String)> = BTreeMap::new();
         let mut checkpoints: BTreeMap<String, chrono::DateTime<chrono::Utc>> = BTreeMap::new();
@@ -391,17 +465,12 @@ impl Queue {
                         namespace: p.namespace().unwrap_or_default(),
                         name: p.name_any(),
                         priority: spec.map_or(0, |s| {
-                            queue::priority_in_force(pool, &policy, &s.spec.priority, now)
+                            queue::priority_in_force(pool, &policy, &s.spec.priority, now, &classes)
                         }),
                         policy,
                         created: p
                             .creation_timestamp()
-                            .and_then(|t| {
-                                chrono::DateTime::from_timestamp(
-                                    t.0.as_second(),
-                                    t.0.subsec_nanosecond().max(0) as u32,
-                                )
-                            })
+                            .and_then(|t| gpuslice_api::chrono_of(&t))
                             .unwrap_or(now),
                     })
                 })
@@ -444,6 +513,23 @@ impl Queue {
             let devices = free.remove(&pool_name).unwrap_or_default();
             let Decision { admit, wait } =
                 queue::decide(&waiting, &order, &needs, &devices, &mut self.placer);
+            for w in &waiting {
+                *plan
+                    .waiting
+                    .entry((pool_name.clone(), w.namespace.clone()))
+                    .or_default() += 1;
+            }
+            for (pod, _) in &admit {
+                plan.admitted_pool.insert(pod.clone(), pool_name.clone());
+                if let Some((pool, namespace)) = waiting
+                    .iter()
+                    .find(|w| w.key() == *pod)
+                    .map(|w| (pool_name.clone(), w.namespace.clone()))
+                    && let Some(n) = plan.waiting.get_mut(&(pool, namespace))
+                {
+                    *n -= 1;
+                }
+            }
             plan.admit.extend(admit);
             // Pods no free slice fits may take one back from running pods.
             let preempted = if scheduling.preemption {
@@ -466,7 +552,13 @@ impl Queue {
                             namespace: h.namespace.clone(),
                             device: h.device.clone(),
                             priority: policy.map_or(0, |p| {
-                                queue::priority_in_force(pool, &p.name_any(), &p.spec.priority, now)
+                                queue::priority_in_force(
+                                    pool,
+                                    &p.name_any(),
+                                    &p.spec.priority,
+                                    now,
+                                    &classes,
+                                )
                             }),
                             // A claim whose policy is unknown is no victim.
                             preemptible: policy.is_some_and(|p| p.spec.preemptible),
@@ -642,11 +734,23 @@ pub async fn run(
     leadership: Leadership,
     caches: Caches,
     changed: Arc<Notify>,
+    metrics: QueueMetrics,
 ) {
     let mut queue = Queue::default();
     loop {
         if leadership.is_leader() {
-            let plan = queue.plan(&caches, clock.now(), chrono::Utc::now());
+            let wall = chrono::Utc::now();
+            let plan = queue.plan(&caches, clock.now(), wall);
+            metrics.waiting.clear();
+            for ((pool, namespace), n) in &plan.waiting {
+                metrics
+                    .waiting
+                    .get_or_create(&PoolNamespace {
+                        pool: pool.clone(),
+                        namespace: namespace.clone(),
+                    })
+                    .set(*n);
+            }
             let pods = caches.pods.state();
             let find = |key: &str| {
                 pods.iter()
@@ -661,18 +765,62 @@ pub async fn run(
                     Ok(()) => {
                         tracing::info!("admitted pod {key} onto node {node}");
                         queue.told.remove(key);
+                        let created = pod
+                            .creation_timestamp()
+                            .and_then(|t| gpuslice_api::chrono_of(&t))
+                            .unwrap_or(wall);
+                        metrics
+                            .wait
+                            .get_or_create(&PoolLabel {
+                                pool: plan.admitted_pool.get(key).cloned().unwrap_or_default(),
+                            })
+                            .observe((wall - created).num_milliseconds().max(0) as f64 / 1000.0);
                     }
                     Err(e) => tracing::warn!("pod {key}: admitting it: {e}"),
                 }
             }
             for (node, preemptions) in &plan.preemptions {
                 let current = caches.gpu_nodes.get(&ObjectRef::new(node));
-                if current.is_some_and(|c| c.spec.preemptions == *preemptions) {
+                let before = current
+                    .map(|c| c.spec.preemptions.clone())
+                    .unwrap_or_default();
+                if before == *preemptions {
                     continue;
                 }
                 match take_back(&client, node, preemptions).await {
                     Ok(()) => {
-                        for p in preemptions {
+                        for p in preemptions.iter().filter(|p| !before.contains(p)) {
+                            let pool = caches
+                                .pods
+                                .state()
+                                .iter()
+                                .find(|x| {
+                                    format!(
+                                        "{}/{}",
+                                        x.namespace().unwrap_or_default(),
+                                        x.name_any()
+                                    ) == p.for_pod
+                                })
+                                .and_then(|x| x.labels().get(POLICY_LABEL).cloned())
+                                .and_then(|policy| {
+                                    caches
+                                        .policies
+                                        .get(&ObjectRef::new(&policy))
+                                        .map(|x| x.spec.pool.clone())
+                                })
+                                .unwrap_or_default();
+                            let reason = if p.reason.starts_with("fair share") {
+                                "fair_share"
+                            } else {
+                                "priority"
+                            };
+                            metrics
+                                .preemptions
+                                .get_or_create(&PreemptionLabel {
+                                    pool,
+                                    reason: reason.into(),
+                                })
+                                .inc();
                             tracing::info!(
                                 "taking back the slice of {} on node {node} for pod {}: {}",
                                 p.resource_claim,

@@ -20,13 +20,14 @@ use gpuslice_api::SchedulingPolicy;
 
 use crate::placement::{self, Cluster, Gpu, GpuAsk, Request, WHOLE};
 
-/// The number a priority name stands for: `low` 0, `normal` 100, `high` 1000 (a PriorityClass
-/// name counts as `normal`).
-pub fn priority_value(name: &str) -> i64 {
+/// The number a priority name stands for: `low` 0, `normal` 100, `high` 1000, or the value of
+/// the PriorityClass of that name in `classes` (one that does not exist counts as `normal`).
+pub fn priority_value(name: &str, classes: &BTreeMap<String, i64>) -> i64 {
     match name {
         "low" => 0,
+        "normal" => 100,
         "high" => 1000,
-        _ => 100,
+        class => classes.get(class).copied().unwrap_or(100),
     }
 }
 
@@ -37,12 +38,13 @@ pub fn priority_in_force(
     policy: &str,
     declared: &str,
     at: DateTime<Utc>,
+    classes: &BTreeMap<String, i64>,
 ) -> i64 {
     let (window, _) = crate::cluster::pool_timing(pool, at);
     let name = window
         .and_then(|w| pool.spec.windows[w].priorities.get(policy))
         .map_or(declared, String::as_str);
-    priority_value(name)
+    priority_value(name, classes)
 }
 
 /// A pod waiting at the gate.
@@ -826,14 +828,15 @@ spec:
         .unwrap();
         let day: DateTime<Utc> = "2026-12-02T04:00:00Z".parse().unwrap();
         let night: DateTime<Utc> = "2026-12-02T14:00:00Z".parse().unwrap();
-        assert_eq!(
-            priority_in_force(&pool, "bert-finetune", "normal", day),
-            100
-        );
-        assert_eq!(
-            priority_in_force(&pool, "bert-finetune", "normal", night),
-            1000
-        );
-        assert_eq!(priority_in_force(&pool, "notebook", "low", night), 0);
+        let classes: BTreeMap<String, i64> = [("batch-critical".to_string(), 5000)].into();
+        let at = |policy: &str, declared: &str, when| {
+            priority_in_force(&pool, policy, declared, when, &classes)
+        };
+        assert_eq!(at("bert-finetune", "normal", day), 100);
+        assert_eq!(at("bert-finetune", "normal", night), 1000);
+        assert_eq!(at("notebook", "low", night), 0);
+        // A PriorityClass name stands for its value; one that does not exist for normal.
+        assert_eq!(at("etl", "batch-critical", day), 5000);
+        assert_eq!(at("etl", "no-such-class", day), 100);
     }
 }

@@ -146,12 +146,6 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
     for policy in &repo.policies {
         let spec = &policy.object.spec;
         let mut warn = |path: &str, what: &str| out.inert(policy.doc, path, what);
-        if !["low", "normal", "high"].contains(&spec.priority.as_str()) {
-            warn(
-                "spec.priority",
-                "PriorityClasses are not read: the queue counts this policy as normal",
-            );
-        }
         if spec.count > 1 {
             warn("spec.count", "a workload gets one slice");
         }
