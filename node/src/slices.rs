@@ -108,10 +108,16 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
     let mut out = Vec::new();
     for gpu in &node.gpus {
         let gpu_uuid = gpu.uuid.clone().unwrap_or_default();
+        // NVML's figure, else the catalog's for the model (as NodeInventory documents).
         let gpu_memory = gpu
             .memory
             .as_ref()
             .and_then(|q| gpuslice_api::bytes_of(&q.0).ok())
+            .or_else(|| {
+                gpuslice_planning::catalog::model(&gpu.model)
+                    .ok()
+                    .map(|m| m.memory_bytes())
+            })
             .unwrap_or(0);
         let instances = gpu
             .mig
@@ -220,4 +226,23 @@ pub fn published(state: &StateDir) -> Vec<SliceConfig> {
         .collect();
     out.sort_by(|a, b| a.id.cmp(&b.id));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_whole_gpu_without_nvmls_memory_has_the_catalogs() {
+        let node: gpuslice_api::NodeInventory = serde_yaml::from_str(
+            "name: n\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB}\n- {index: 1, model: NVIDIA A100-SXM4-80GB, memory: 40Gi}\n",
+        )
+        .unwrap();
+        let catalog = gpuslice_planning::catalog::model("NVIDIA A100-SXM4-80GB")
+            .unwrap()
+            .memory_bytes();
+        let memory: Vec<u64> = super::configs(&node)
+            .iter()
+            .map(|c| c.memory_bytes)
+            .collect();
+        assert_eq!(memory, [catalog, 40 << 30]);
+    }
 }

@@ -12,6 +12,7 @@
 //! that owns its control plane can restart it, break it and read its logs without disturbing others.
 
 mod kubelet;
+pub mod scale;
 
 pub use kubelet::{Container, Kubelet};
 
