@@ -80,6 +80,18 @@ pub fn waiting_by_policy(pods: &Store<Pod>) -> BTreeMap<String, u32> {
     out
 }
 
+/// Drops what the queue never reads of a cached pod: its status, containers and volumes (it reads
+/// labels, annotations, creation time, gates, node name and affinity).
+pub fn trim_pod(pod: &mut Pod) {
+    pod.status = None;
+    if let Some(spec) = &mut pod.spec {
+        spec.containers.clear();
+        spec.init_containers = None;
+        spec.volumes = None;
+        spec.tolerations = None;
+    }
+}
+
 fn gated(pod: &Pod) -> bool {
     pod.spec
         .as_ref()

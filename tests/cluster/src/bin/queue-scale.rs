@@ -1,17 +1,17 @@
 //! The admission queue at scale, on a private control plane (API server with the chart's
 //! admission policies, scheduler, controller-manager, etcd, kwok): N kwok nodes × 8 A100s, GPUs
-//! 0–6 whole (pool bench-whole) and GPU 7 cut into four 20 GiB slices (pool bench-shared), the
-//! real operator, and simulated agents (`gpuslice_testcluster::scale`). P pods take the Alibaba
-//! trace's GPU pod mix (`openb_pod_list_default.csv`, in creation order, repeated as needed): a
-//! pod asking for a fraction of one GPU takes a slice (policy `quarter`), any other a whole GPU
-//! (policy `whole`; multi-GPU pods take one).
+//! 0–5 whole (pool bench-whole) and GPUs 6–7 each cut into four 20 GiB slices (pool
+//! bench-shared), the real operator, and simulated agents (`gpuslice_testcluster::scale`). P pods
+//! take the Alibaba trace's GPU pod mix (`openb_pod_list_default.csv`, in creation order, repeated
+//! as needed): a pod asking for a fraction of one GPU takes a slice (policy `quarter`), any other a
+//! whole GPU (policy `whole`; multi-GPU pods take one). The cluster is sized so every pod fits.
 //!
 //! The same pods are placed twice: by kube-scheduler alone (each asks for its policy's extended
 //! resource, no label, so no gate), then through the queue (the label; the chart's admission
 //! policies gate them and the operator admits them onto the node its placement engine picks).
 //! Measures the time until every pod is bound each way, the operator's share (until the last gate
-//! is lifted), and where the slices landed: shared GPUs left with nothing allocated (whole GPUs
-//! free for a re-cut or a whole-GPU job; higher is better). Prints a table with PASS/FAIL.
+//! is lifted), and where the slices landed: GPUs left with nothing allocated (free for a re-cut or
+//! a whole-GPU job; higher is better). Prints a table with PASS/FAIL.
 //!
 //!     cargo build --release -p gpuslice -p gpuslice-testcluster --bin gpuslice --bin queue-scale
 //!     target/release/queue-scale --gpuslice target/release/gpuslice --helm HELM \
@@ -34,13 +34,17 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 
+/// Whole GPUs (0–5) and GPUs cut into four slices (6–7) per node.
+const WHOLE_GPUS: usize = 6;
+const SHARED_GPUS: usize = 2;
+
 const POOLS: &str = "
 apiVersion: gpuslice.io/v1alpha1
 kind: GpuPool
 metadata: {name: bench-whole}
 spec:
   nodeSelector: {matchLabels: {gpuslice.io/pool: bench}}
-  gpuSelector: {indices: [0, 1, 2, 3, 4, 5, 6]}
+  gpuSelector: {indices: [0, 1, 2, 3, 4, 5]}
   layout: {exclusive: {}}
 ---
 apiVersion: gpuslice.io/v1alpha1
@@ -48,7 +52,7 @@ kind: GpuPool
 metadata: {name: bench-shared}
 spec:
   nodeSelector: {matchLabels: {gpuslice.io/pool: bench}}
-  gpuSelector: {indices: [7]}
+  gpuSelector: {indices: [6, 7]}
   layout: {software: {slices: 4, memory: 20Gi, compute: 25}}
 ---
 apiVersion: gpuslice.io/v1alpha1
@@ -191,35 +195,30 @@ async fn place(
     (admitted, bound)
 }
 
-/// Where the slices landed: (shared GPUs with nothing allocated, shared GPUs, devices given,
-/// allocations).
+/// Where the pods landed: (GPUs with nothing allocated, GPUs, devices given, allocations).
 async fn landing(client: &kube::Client) -> Result<(usize, usize, usize, usize), kube::Error> {
-    // Device (pool, name) → (node, GPU index) for the shared pool's slices.
+    // Device (pool, name) → (node, GPU index).
     let mut gpu_of: BTreeMap<(String, String), (String, i64)> = BTreeMap::new();
-    let mut shared_gpus: BTreeSet<(String, i64)> = BTreeSet::new();
     for s in Api::<ResourceSlice>::all(client.clone())
         .list(&ListParams::default())
         .await?
     {
         let node = s.spec.node_name.clone().unwrap_or_default();
         for d in s.spec.devices.iter().flatten() {
-            let attribute = |n: &str| d.attributes.as_ref().and_then(|a| a.get(n));
-            let shared = attribute(gpuslice_api::dra::attribute::POOL)
-                .and_then(|a| a.string.as_deref())
-                == Some("bench-shared");
-            let gpu = attribute(gpuslice_api::dra::attribute::GPU_INDEX)
+            let gpu = d
+                .attributes
+                .as_ref()
+                .and_then(|a| a.get(gpuslice_api::dra::attribute::GPU_INDEX))
                 .and_then(|a| a.int)
                 .unwrap_or(-1);
-            if shared {
-                shared_gpus.insert((node.clone(), gpu));
-                gpu_of.insert(
-                    (s.spec.pool.name.clone(), d.name.clone()),
-                    (node.clone(), gpu),
-                );
-            }
+            gpu_of.insert(
+                (s.spec.pool.name.clone(), d.name.clone()),
+                (node.clone(), gpu),
+            );
         }
     }
-    let mut used: BTreeSet<(String, i64)> = BTreeSet::new();
+    let gpus: BTreeSet<&(String, i64)> = gpu_of.values().collect();
+    let mut used: BTreeSet<&(String, i64)> = BTreeSet::new();
     let mut given = BTreeSet::new();
     let mut results = 0;
     for c in Api::<ResourceClaim>::namespaced(client.clone(), "default")
@@ -236,17 +235,12 @@ async fn landing(client: &kube::Client) -> Result<(usize, usize, usize, usize), 
             results += 1;
             let key = (r.pool, r.device);
             if let Some(gpu) = gpu_of.get(&key) {
-                used.insert(gpu.clone());
+                used.insert(gpu);
             }
             given.insert(key);
         }
     }
-    Ok((
-        shared_gpus.len() - used.len(),
-        shared_gpus.len(),
-        given.len(),
-        results,
-    ))
+    Ok((gpus.len() - used.len(), gpus.len(), given.len(), results))
 }
 
 /// What a row of the table must show.
@@ -280,6 +274,18 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         m
     });
     eprintln!("pods by policy: {wanted:?}");
+    for (policy, capacity) in [
+        ("whole", nodes * WHOLE_GPUS),
+        ("quarter", nodes * SHARED_GPUS * 4),
+    ] {
+        let count = wanted.get(policy).copied().unwrap_or(0);
+        if count > capacity {
+            return Err(format!(
+                "{count} pods take policy {policy} but {nodes} nodes have {capacity} such devices: add --nodes"
+            )
+            .into());
+        }
+    }
 
     let cluster = ControlPlane::start(Components {
         api_qps: Some(500),
@@ -344,7 +350,7 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
             .await
             .ok_or("unknown kind")??;
     }
-    let devices = nodes * (7 + 4);
+    let devices = nodes * (WHOLE_GPUS + SHARED_GPUS * 4);
     let published = Instant::now();
     loop {
         let count: usize = Api::<ResourceSlice>::all(client.clone())
@@ -373,20 +379,20 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
 
     let limit = Duration::from_secs(2400);
     let (_, alone) = place(&client, "alone", &policies, false, limit).await;
-    let (alone_free, shared, alone_given, alone_results) = landing(&client).await?;
-    eprintln!("kube-scheduler alone: {alone:?}, {alone_free}/{shared} shared GPUs untouched");
+    let (alone_free, gpus, alone_given, alone_results) = landing(&client).await?;
+    eprintln!("kube-scheduler alone: {alone:?}, {alone_free}/{gpus} GPUs untouched");
     remove(&client, "alone").await?;
     let (admitted, queued) = place(&client, "queued", &policies, true, limit).await;
     let (queued_free, _, queued_given, queued_results) = landing(&client).await?;
-    eprintln!("queued: admitted {admitted:?}, bound {queued:?}, {queued_free}/{shared} untouched");
+    eprintln!("queued: admitted {admitted:?}, bound {queued:?}, {queued_free}/{gpus} untouched");
     let operator_memory = peak_memory_mib(operator_process.0.id());
     drop(operator_process);
     agents.abort();
 
     let secs = |d: Option<Duration>| d.map_or(f64::INFINITY, |d| d.as_secs_f64());
-    let percent = |free: usize| 100.0 * free as f64 / shared.max(1) as f64;
+    let percent = |free: usize| 100.0 * free as f64 / gpus.max(1) as f64;
     println!(
-        "the admission queue: {nodes} nodes × {GPUS} A100 (7 whole, 1 × 4 slices), {pod_count} pods of the Alibaba trace's GPU mix ({wanted:?})"
+        "the admission queue: {nodes} nodes × {GPUS} A100 ({WHOLE_GPUS} whole, {SHARED_GPUS} × 4 slices), {pod_count} pods of the Alibaba trace's GPU mix ({wanted:?})"
     );
     println!("{:<62} {:>10} {:>12}", "", "measured", "target");
     let rows: [(&str, f64, Option<Target>); 6] = [
@@ -406,12 +412,12 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
             Some(Target::AtMost(secs(alone) * 2.0)),
         ),
         (
-            "shared GPUs left untouched, kube-scheduler alone (%)",
+            "GPUs with nothing allocated, kube-scheduler alone (%)",
             percent(alone_free),
             None,
         ),
         (
-            "shared GPUs left untouched, through the queue (%)",
+            "GPUs with nothing allocated, through the queue (%)",
             percent(queued_free),
             Some(Target::AtLeast(percent(alone_free))),
         ),
