@@ -131,10 +131,24 @@ async fn states(client: &Client) -> Vec<(String, Option<String>, bool, Option<(S
 /// `pool`, its agent, and the operator, on a clock started at `clock`.
 struct Harness {
     _agent: KillOnDrop,
-    _operator: KillOnDrop,
+    operator: KillOnDrop,
+    clock: String,
     client: Client,
-    _cluster: ControlPlane,
+    cluster: ControlPlane,
     _dir: tempfile::TempDir,
+}
+
+fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .arg("operator")
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("GPUSLICE_CLOCK_START", clock)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    )
 }
 
 impl Harness {
@@ -214,23 +228,20 @@ impl Harness {
                 .spawn()
                 .unwrap(),
         );
-        let operator = KillOnDrop(
-            Command::new(bin)
-                .arg("operator")
-                .env("KUBECONFIG", cluster.kubeconfig_path())
-                .env("GPUSLICE_CLOCK_START", clock)
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap(),
-        );
+        let operator = spawn_operator(&cluster, clock);
         Some(Harness {
             _agent: agent,
-            _operator: operator,
+            operator,
+            clock: clock.to_string(),
             client,
-            _cluster: cluster,
+            cluster,
             _dir: dir,
         })
+    }
+
+    /// Stops the operator and starts a new one.
+    fn restart_operator(&mut self) {
+        self.operator = spawn_operator(&self.cluster, &self.clock);
     }
 
     /// Applies `docs`, then waits until the operator has written `classes` DeviceClasses.
@@ -679,6 +690,58 @@ spec: {pool: teams, memory: 8Gi}
     // Slice-time used, alpha to beta: 2:1 within 10 %.
     let ratio = f64::from(held.0) / f64::from(held.1.max(1));
     assert!((1.8..=2.2).contains(&ratio), "alpha:beta = {held:?}");
+
+    // The pool's status records each namespace's use; a restarted operator carries on from it
+    // (a new one counting from zero would record at most ~12 s × 4 slices for alpha).
+    let before = eventually("the pool records alpha's use", || {
+        let client = client.clone();
+        async move {
+            let (at, alpha) = recorded_use(&client, "alpha").await?;
+            (alpha >= 100)
+                .then_some((at, alpha))
+                .ok_or_else(|| format!("alpha {alpha}"))
+        }
+    })
+    .await;
+    let mut h = h;
+    h.restart_operator();
+    let after = eventually("the restarted operator records alpha's use", || {
+        let client = client.clone();
+        async move {
+            let (at, alpha) = recorded_use(&client, "alpha").await?;
+            (at > before.0)
+                .then_some(alpha)
+                .ok_or_else(|| format!("recorded at {at}"))
+        }
+    })
+    .await;
+    assert!(
+        after >= before.1,
+        "alpha's use was {} slice-seconds before the restart, {after} after",
+        before.1
+    );
+}
+
+/// When the pool `teams` last recorded its namespaces' use, and `namespace`'s slice-seconds.
+async fn recorded_use(
+    client: &Client,
+    namespace: &str,
+) -> Result<(k8s_openapi::jiff::Timestamp, i64), String> {
+    let pool = Api::<gpuslice_api::GpuPool>::all(client.clone())
+        .get("teams")
+        .await
+        .map_err(|e| e.to_string())?;
+    let recorded = pool
+        .status
+        .and_then(|s| s.fair_share)
+        .ok_or("no status.fairShare")?;
+    let used = recorded
+        .namespaces
+        .iter()
+        .find(|n| n.namespace == namespace)
+        .map(|n| n.slice_seconds)
+        .ok_or_else(|| format!("{namespace} not recorded"))?;
+    Ok((recorded.at.0, used))
 }
 
 #[tokio::test]

@@ -7,11 +7,48 @@ use crate::{CheckpointPolicy, GpuNode, GpuPool, GpuSlicePolicy, Kind};
 
 /// The CRD of one kind.
 pub fn crd(kind: Kind) -> CustomResourceDefinition {
-    match kind {
+    let derived = match kind {
         Kind::GpuPool => GpuPool::crd(),
         Kind::GpuSlicePolicy => GpuSlicePolicy::crd(),
         Kind::CheckpointPolicy => CheckpointPolicy::crd(),
         Kind::GpuNode => GpuNode::crd(),
+    };
+    let mut value = serde_json::to_value(&derived).expect("a CRD always serializes to JSON");
+    kubernetes_formats(&mut value);
+    serde_json::from_value(value).expect("only formats changed")
+}
+
+/// Formats the API server knows for numbers; the schema generator also writes Rust's (`uint32`,
+/// `uint64`, …), which make `kubectl apply` warn `unrecognized format`.
+const NUMBER_FORMATS: [&str; 4] = ["int32", "int64", "float", "double"];
+
+/// Rewrites Rust's integer formats as Kubernetes' (`uintN` → `int64` with `minimum: 0` unless
+/// the schema has one; `int8`/`int16` → `int32`), everywhere in a schema.
+fn kubernetes_formats(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            let format = map
+                .get("format")
+                .and_then(|f| f.as_str())
+                .map(str::to_string);
+            let integer = map.get("type").and_then(|t| t.as_str()) == Some("integer");
+            if let Some(format) =
+                format.filter(|f| integer && !NUMBER_FORMATS.contains(&f.as_str()))
+            {
+                let unsigned = format.starts_with('u');
+                let wide = matches!(
+                    format.as_str(),
+                    "int" | "uint" | "uint32" | "uint64" | "uint128" | "int128"
+                );
+                map.insert("format".into(), if wide { "int64" } else { "int32" }.into());
+                if unsigned {
+                    map.entry("minimum").or_insert(0.into());
+                }
+            }
+            map.values_mut().for_each(kubernetes_formats);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(kubernetes_formats),
+        _ => {}
     }
 }
 
@@ -41,6 +78,48 @@ pub fn schema(kind: Kind) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn formats(schema: &serde_json::Value, out: &mut Vec<String>) {
+        match schema {
+            serde_json::Value::Object(map) => {
+                if let (Some(serde_json::Value::String(f)), Some(serde_json::Value::String(t))) =
+                    (map.get("format"), map.get("type"))
+                {
+                    out.push(format!("{t}/{f}"));
+                }
+                map.values().for_each(|v| formats(v, out));
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| formats(v, out)),
+            _ => {}
+        }
+    }
+
+    #[test]
+    fn schemas_carry_only_formats_the_api_server_knows() {
+        for kind in Kind::ALL {
+            let mut found = Vec::new();
+            formats(&schema(kind), &mut found);
+            let unknown: Vec<&String> = found
+                .iter()
+                .filter(|f| {
+                    ![
+                        "integer/int32",
+                        "integer/int64",
+                        "number/double",
+                        "number/float",
+                        "string/date-time",
+                    ]
+                    .contains(&f.as_str())
+                })
+                .collect();
+            assert!(unknown.is_empty(), "{kind:?}: {unknown:?}");
+        }
+        // A u32 field keeps its lower bound.
+        let pool = schema(Kind::GpuPool);
+        let nodes = &pool["properties"]["status"]["properties"]["nodes"];
+        assert_eq!(nodes["format"], "int64");
+        assert_eq!(nodes["minimum"], 0.0);
+    }
 
     fn undescribed(path: &str, schema: &serde_json::Value, out: &mut Vec<String>) {
         let Some(props) = schema.get("properties").and_then(|p| p.as_object()) else {

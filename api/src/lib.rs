@@ -30,8 +30,8 @@ pub use node::{
 };
 pub use policy::{ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus};
 pub use pool::{
-    Compaction, FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits,
-    LocalCache, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,
+    Compaction, FairShareStatus, FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector,
+    IoLimits, LocalCache, NamespaceUsage, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,
 };
 pub use quantity::{QuantityError, Size, bytes_of};
 pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};

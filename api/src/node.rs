@@ -27,8 +27,10 @@ use crate::layout::Layout;
     category = "gpuslice",
     status = "GpuNodeStatus",
     printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.inventory.gpus[*].index"}"#,
-    printcolumn = r#"{"name":"Applied","type":"integer","jsonPath":".status.appliedGeneration"}"#,
+    printcolumn = r#"{"name":"Desired","type":"integer","jsonPath":".metadata.generation","description":"Generation of the layout the operator wants"}"#,
+    printcolumn = r#"{"name":"Applied","type":"integer","jsonPath":".status.appliedGeneration","description":"Generation of the layout the agent has applied"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Blocked","type":"string","jsonPath":".status.conditions[?(@.type==\"Blocked\")].message","description":"What keeps the agent from applying the layout (busy slices), if anything"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]

@@ -231,6 +231,40 @@ pub struct GpuPoolStatus {
     /// Slices in the pool and how many are in use.
     #[serde(default)]
     pub slices: SliceCounts,
+    /// Each namespace's recent use of the pool, which `FairShare` and `PriorityFair` scheduling
+    /// order by; written by the admission queue (about every 10 s) so that a restarted or new
+    /// leader carries on from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fair_share: Option<FairShareStatus>,
+}
+
+/// Namespaces' decayed use of a pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FairShareStatus {
+    /// When the figures were taken.
+    pub at: Time,
+    /// Use per namespace.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["namespace"]))]
+    pub namespaces: Vec<NamespaceUsage>,
+}
+
+/// One namespace's use of a pool.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NamespaceUsage {
+    /// The namespace.
+    pub namespace: String,
+    /// Slice-seconds used, each second counting less as it ages (halved every
+    /// `spec.scheduling.halfLife`).
+    pub slice_seconds: i64,
+    /// Slices its pods hold now.
+    #[serde(default)]
+    pub holding: u32,
+    /// Its weight (`spec.scheduling.weights`, 1 when not named).
+    #[serde(default)]
+    pub weight: u32,
 }
 
 /// Slice totals of a pool.

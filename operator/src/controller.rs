@@ -92,6 +92,35 @@ where
     reader
 }
 
+/// Of a ResourceClaim, the operator reads its requests' names and classes and which devices were
+/// allocated for which request; the selectors, the allocation's node selector (one per claim),
+/// the devices' status and the consumers are dropped.
+fn trim_claim(claim: &mut ResourceClaim) {
+    claim.metadata.annotations = None;
+    if let Some(devices) = &mut claim.spec.devices {
+        devices.constraints = None;
+        devices.config = None;
+        for request in devices.requests.iter_mut().flatten() {
+            if let Some(exactly) = &mut request.exactly {
+                exactly.selectors = None;
+            }
+            for sub in request.first_available.iter_mut().flatten() {
+                sub.selectors = None;
+            }
+        }
+    }
+    if let Some(status) = &mut claim.status {
+        status.devices = None;
+        status.reserved_for = None;
+        if let Some(allocation) = &mut status.allocation {
+            allocation.node_selector = None;
+            if let Some(devices) = &mut allocation.devices {
+                devices.config = None;
+            }
+        }
+    }
+}
+
 /// The operator's metrics.
 #[derive(Clone)]
 pub struct Metrics {
@@ -204,10 +233,11 @@ pub async fn run(
         all().fields(&format!("spec.driver={}", dra::DRIVER)),
         changed.clone(),
     );
-    let claims = cache(
+    let claims = trimmed_cache(
         Api::<ResourceClaim>::all(client.clone()),
         all(),
         changed.clone(),
+        trim_claim,
     );
     // Only with admission parameters to write: which namespaces each policy's selector matches.
     let namespaces = admission.as_ref().map(|_| {
@@ -557,7 +587,12 @@ impl Writer {
                 .and_then(|p| p.status.clone())
                 .unwrap_or_default();
             let status = with_transition_times(status, &old);
-            if status == old {
+            // The namespaces' use is the queue's to write (its own field manager).
+            let unchanged = GpuPoolStatus {
+                fair_share: old.fair_share.clone(),
+                ..status.clone()
+            } == old;
+            if unchanged {
                 continue;
             }
             if let Some(pool) = &current {

@@ -254,6 +254,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                     total: slices,
                     allocated,
                 },
+                fair_share: None,
             },
         );
     }

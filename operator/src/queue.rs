@@ -13,14 +13,17 @@
 //! (`queue::preempt`): the choices go to `GpuNode.spec.preemptions` under this module's own field
 //! manager, and the node's agent drains those slices as their CheckpointPolicy says.
 //!
-//! Not here yet: usage that survives an operator restart (the decayed usage is kept in memory;
-//! queue order itself depends only on the pods, so a restart loses no place).
+//! Namespaces' decayed use goes to each pool's `status.fairShare` every few seconds (under this
+//! module's field manager); a restarted or new leader starts from it. Queue order otherwise
+//! depends only on the pods and what they hold, so a restart loses no place.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy, Preemption, dra};
+use gpuslice_api::{
+    FairShareStatus, GpuNode, GpuPool, GpuSlicePolicy, NamespaceUsage, Preemption, dra,
+};
 use gpuslice_planning::clock::Clock;
 use gpuslice_planning::queue::{
     self, Decision, EnginePlacer, FreeDevice, Need, Reason, Running, Share, Waiting,
@@ -354,6 +357,43 @@ pub struct Plan {
     pub waiting: BTreeMap<(String, String), i64>,
     /// The pool of each pod admitted.
     pub admitted_pool: BTreeMap<String, String>,
+    /// Pool → namespaces' use to record in its status (when the recorded one is stale).
+    pub fair_share: BTreeMap<String, FairShareStatus>,
+}
+
+/// How often each pool's `status.fairShare` is written: a new leader carries on from it, so at
+/// most this much of accounting is lost.
+const FAIR_SHARE_EVERY_SECONDS: i64 = 10;
+
+/// The use each pool's status records, decayed to `wall` (a new leader starts from it).
+fn recorded_usage(
+    pools: &[Arc<GpuPool>],
+    wall: chrono::DateTime<chrono::Utc>,
+) -> BTreeMap<(String, String), f64> {
+    let mut out = BTreeMap::new();
+    for pool in pools {
+        let Some(recorded) = pool.status.as_ref().and_then(|s| s.fair_share.as_ref()) else {
+            continue;
+        };
+        let half_life = pool
+            .spec
+            .scheduling
+            .as_ref()
+            .and_then(|s| s.half_life)
+            .map_or(DEFAULT_HALF_LIFE_SECONDS, |d| {
+                std::time::Duration::from(d).as_secs_f64()
+            });
+        let age = gpuslice_api::chrono_of(&recorded.at).map_or(0.0, |at| {
+            (wall - at).num_milliseconds().max(0) as f64 / 1000.0
+        });
+        for n in &recorded.namespaces {
+            out.insert(
+                (pool.name_any(), n.namespace.clone()),
+                queue::decay(n.slice_seconds.max(0) as f64, 0, age, half_life),
+            );
+        }
+    }
+    out
 }
 
 fn ordinal(n: usize) -> String {
@@ -414,6 +454,9 @@ impl Queue {
                     draining.insert(claim.clone(), d.clone());
                 }
             }
+        }
+        if self.last.is_none() {
+            self.usage = recorded_usage(&pools, wall);
         }
         let mut free = free_devices(&devices, &allocated);
         let elapsed = self
@@ -497,6 +540,13 @@ impl Queue {
                         .map(|(_, ns)| ns.clone()),
                 )
                 .chain(scheduling.weights.keys().cloned())
+                // Past use keeps decaying while a namespace neither holds nor waits.
+                .chain(
+                    self.usage
+                        .keys()
+                        .filter(|(p, _)| *p == pool_name)
+                        .map(|(_, ns)| ns.clone()),
+                )
                 .collect();
             let mut shares = BTreeMap::new();
             for ns in namespaces {
@@ -515,6 +565,41 @@ impl Queue {
                         weight: f64::from(scheduling.weights.get(&ns).copied().unwrap_or(1)),
                         holding: held,
                         usage: *usage,
+                    },
+                );
+            }
+            // Forgotten once it has decayed below a slice-second and the namespace is idle.
+            self.usage.retain(|(p, ns), u| {
+                *p != pool_name
+                    || *u >= 1.0
+                    || shares.get(ns).is_some_and(|s: &Share| s.holding > 0)
+                    || scheduling.weights.contains_key(ns)
+                    || waiting.iter().any(|w| w.namespace == *ns)
+            });
+            let recorded = pool
+                .status
+                .as_ref()
+                .and_then(|s| s.fair_share.as_ref())
+                .and_then(|f| gpuslice_api::chrono_of(&f.at));
+            let stale =
+                recorded.is_none_or(|at| (wall - at).num_seconds() >= FAIR_SHARE_EVERY_SECONDS);
+            if stale
+                && !shares.is_empty()
+                && let Some(at) = gpuslice_api::time_of(wall)
+            {
+                plan.fair_share.insert(
+                    pool_name.clone(),
+                    FairShareStatus {
+                        at,
+                        namespaces: shares
+                            .iter()
+                            .map(|(ns, share)| NamespaceUsage {
+                                namespace: ns.clone(),
+                                slice_seconds: share.usage.round() as i64,
+                                holding: share.holding,
+                                weight: share.weight as u32,
+                            })
+                            .collect(),
                     },
                 );
             }
@@ -718,6 +803,28 @@ async fn take_back(
     Ok(())
 }
 
+/// Records the namespaces' use of a pool (its own field manager on the pool's status).
+async fn record_fair_share(
+    client: &Client,
+    pool: &str,
+    fair_share: &FairShareStatus,
+) -> Result<(), kube::Error> {
+    let body = gpuslice_runtime::apply_body(
+        "GpuPool",
+        pool,
+        "status",
+        &serde_json::json!({ "fairShare": fair_share }),
+    );
+    Api::<GpuPool>::all(client.clone())
+        .patch_status(
+            pool,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+    Ok(())
+}
+
 async fn tell(
     client: &Client,
     namespace: &str,
@@ -763,13 +870,9 @@ pub async fn run(
                     })
                     .set(*n);
             }
-            let pods = caches.pods.state();
             let find = |key: &str| {
-                pods.iter()
-                    .find(|p| {
-                        format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()) == key
-                    })
-                    .cloned()
+                let (namespace, name) = key.split_once('/')?;
+                caches.pods.get(&ObjectRef::new(name).within(namespace))
             };
             for (key, node) in &plan.admit {
                 let Some(pod) = find(key) else { continue };
@@ -802,17 +905,7 @@ pub async fn run(
                 match take_back(&client, node, preemptions).await {
                     Ok(()) => {
                         for p in preemptions.iter().filter(|p| !before.contains(p)) {
-                            let pool = caches
-                                .pods
-                                .state()
-                                .iter()
-                                .find(|x| {
-                                    format!(
-                                        "{}/{}",
-                                        x.namespace().unwrap_or_default(),
-                                        x.name_any()
-                                    ) == p.for_pod
-                                })
+                            let pool = find(&p.for_pod)
                                 .and_then(|x| x.labels().get(POLICY_LABEL).cloned())
                                 .and_then(|policy| {
                                     caches
@@ -844,6 +937,11 @@ pub async fn run(
                     Err(e) => tracing::warn!("GpuNode/{node}: writing preemptions: {e}"),
                 }
             }
+            for (pool, fair_share) in &plan.fair_share {
+                if let Err(e) = record_fair_share(&client, pool, fair_share).await {
+                    tracing::warn!("GpuPool/{pool}: recording namespaces' use: {e}");
+                }
+            }
             for (key, reason, message) in plan.tell {
                 let Some((namespace, name)) = key.split_once('/') else {
                     continue;
@@ -855,7 +953,9 @@ pub async fn run(
                     Err(e) => tracing::debug!("pod {key}: its queue condition: {e}"),
                 }
             }
-            let waiting: BTreeSet<String> = pods
+            let waiting: BTreeSet<String> = caches
+                .pods
+                .state()
                 .iter()
                 .filter(|p| gated(p))
                 .map(|p| format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()))
