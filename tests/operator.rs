@@ -7,7 +7,11 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use gpuslice_api::{GpuNode, GpuPool, NodeInventory};
-use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
+use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually, free_port};
+
+fn http_get(port: u16, path: &str) -> (String, String) {
+    gpuslice_testcluster::local_get(port, path).unwrap()
+}
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
@@ -288,35 +292,9 @@ async fn pools_become_node_layouts_and_status() {
     .await;
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `GET path` on a local port: (status line, body).
-fn http_get(port: u16, path: &str) -> (String, String) {
-    use std::io::{Read as _, Write as _};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    (
-        head.lines().next().unwrap_or_default().to_string(),
-        body.to_string(),
-    )
-}
-
 #[tokio::test]
 async fn the_operator_and_agents_converge_emulated_nodes() {
-    let (operator_port, agent_port) = (free_port(), free_port());
+    let (operator_port, agent_port) = (free_port().unwrap(), free_port().unwrap());
     let Some((cluster, client)) = cluster_with_crds().await else {
         return;
     };
@@ -711,7 +689,7 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
     )
     .unwrap();
     let state = dir.path().join("gpu-s");
-    let metrics_port = free_port();
+    let metrics_port = free_port().unwrap();
     let spawn = |args: &[&str], clock: Option<&str>| {
         let mut command = Command::new(env!("CARGO_BIN_EXE_gpuslice"));
         command

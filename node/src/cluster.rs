@@ -208,6 +208,30 @@ pub struct Metrics {
     slice_limit: Family<SliceLabel, Gauge>,
     slice_guarantee: Family<SliceLabel, Gauge>,
     evictions: Family<EvictionLabel, Counter>,
+    blocked: Gauge,
+    gpu_memory_total: Family<GpuLabel, Gauge>,
+    slice_memory: Family<SliceMemoryLabel, Gauge>,
+    slice_memory_used: Family<SliceMemoryLabel, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabel {
+    gpu: String,
+    model: String,
+    /// The pool the GPU is in now (empty: none).
+    pool: String,
+}
+
+/// A software slice, and who holds it (empty while free). One series per slice in force: at
+/// most a GPU's slice count (≤ 64) × its GPUs per node.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SliceMemoryLabel {
+    gpu: String,
+    slice: String,
+    pool: String,
+    policy: String,
+    namespace: String,
+    pod: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -235,8 +259,32 @@ impl Metrics {
             slice_limit: Family::default(),
             slice_guarantee: Family::default(),
             evictions: Family::default(),
+            blocked: Gauge::default(),
+            gpu_memory_total: Family::default(),
+            slice_memory: Family::default(),
+            slice_memory_used: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuslice_agent");
+        r.register(
+            "transition_blocked",
+            "1 while a layout change waits for busy slices (their pods draining), else 0",
+            m.blocked.clone(),
+        );
+        r.register(
+            "gpu_memory_bytes",
+            "Memory of each GPU, as NVML reports it",
+            m.gpu_memory_total.clone(),
+        );
+        r.register(
+            "slice_memory_bytes",
+            "Memory of a software slice (the most its workload may hold, before the policy's headroom)",
+            m.slice_memory.clone(),
+        );
+        r.register(
+            "slice_memory_used_bytes",
+            "Device memory the workload of a software slice holds now (the shim's ledger)",
+            m.slice_memory_used.clone(),
+        );
         r.register("passes", "Reconcile passes", m.passes.clone());
         r.register(
             "errors",
@@ -279,9 +327,12 @@ impl Metrics {
     fn record(
         &self,
         pass: &Pass,
+        state: &gpuslice_contract::paths::StateDir,
         started: std::time::Instant,
         blocked_since: &mut Option<std::time::Instant>,
     ) {
+        self.blocked.set(i64::from(pass.blocked()));
+        self.record_memory(pass, state);
         self.passes.inc();
         self.errors
             .inc_by(pass.outcomes.iter().filter(|o| o.error.is_some()).count() as u64);
@@ -310,6 +361,69 @@ impl Metrics {
                 .set(i64::from(share.guarantee));
         }
         self.duration.observe(started.elapsed().as_secs_f64());
+    }
+
+    /// GPU memory, and each software slice's size and what its workload holds (its ledger).
+    fn record_memory(&self, pass: &Pass, state: &gpuslice_contract::paths::StateDir) {
+        self.gpu_memory_total.clear();
+        self.slice_memory.clear();
+        self.slice_memory_used.clear();
+        let pool_of = |index: u32| {
+            pass.plan
+                .nodes
+                .iter()
+                .flat_map(|n| &n.gpus)
+                .find(|g| g.index == index)
+                .and_then(|g| g.pool.clone())
+                .unwrap_or_default()
+        };
+        for gpu in &pass.inventory.gpus {
+            let pool = pool_of(gpu.index);
+            if let Some(bytes) = gpu
+                .memory
+                .as_ref()
+                .and_then(|m| gpuslice_api::bytes_of(&m.0).ok())
+            {
+                self.gpu_memory_total
+                    .get_or_create(&GpuLabel {
+                        gpu: gpu.index.to_string(),
+                        model: gpu.model.clone(),
+                        pool: pool.clone(),
+                    })
+                    .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+            }
+            for slice in &gpu.slices {
+                let claim = pass.claims.iter().find(|c| c.slice == slice.id);
+                let (namespace, pod) = claim
+                    .and_then(|c| c.pod_names.first())
+                    .and_then(|p| p.split_once('/'))
+                    .map_or((String::new(), String::new()), |(ns, name)| {
+                        (ns.to_string(), name.to_string())
+                    });
+                let label = SliceMemoryLabel {
+                    gpu: gpu.index.to_string(),
+                    slice: slice.id.clone(),
+                    pool: pool.clone(),
+                    policy: claim.and_then(|c| c.policy.clone()).unwrap_or_default(),
+                    namespace,
+                    pod,
+                };
+                let size = gpuslice_api::bytes_of(&slice.memory.0).unwrap_or(0);
+                self.slice_memory
+                    .get_or_create(&label)
+                    .set(i64::try_from(size).unwrap_or(i64::MAX));
+                // Opened only if there (opening makes one); a slice without one holds nothing.
+                let ledger = state.slice_ledger(&slice.id);
+                let used = if ledger.exists() {
+                    gpuslice_shm::Ledger::open(&ledger).map_or(0, |l| l.total())
+                } else {
+                    0
+                };
+                self.slice_memory_used
+                    .get_or_create(&label)
+                    .set(i64::try_from(used).unwrap_or(i64::MAX));
+            }
+        }
     }
 }
 
@@ -538,7 +652,7 @@ pub async fn run(
         })?;
         let refused = evict(&client, &recorder, &metrics, &pass.evictions, &mut evicted).await;
         pass.drain_errors.extend(refused);
-        metrics.record(&pass, started, &mut blocked_since);
+        metrics.record(&pass, agent.state(), started, &mut blocked_since);
         if let Some(t) = &telemetry {
             t.pass_done();
         }

@@ -130,11 +130,36 @@ pub struct Metrics {
     pool_nodes: Family<PoolLabel, Gauge>,
     pool_gpus: Family<PoolLabel, Gauge>,
     pool_slices: Family<PoolLabel, Gauge>,
+    pool_allocated: Family<PoolLabel, Gauge>,
+    pool_condition: Family<ConditionLabel, Gauge>,
+    pool_window: Family<WindowLabel, Gauge>,
+    policy_allocated: Family<PolicyLabel, Gauge>,
+    policy_waiting: Family<PolicyLabel, Gauge>,
     queue: crate::queue::QueueMetrics,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PoolLabel {
+    pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConditionLabel {
+    pool: String,
+    /// `Ready`, `Progressing` or `Degraded`.
+    condition: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WindowLabel {
+    pool: String,
+    /// The window in force, `default` outside every window.
+    window: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabel {
+    policy: String,
     pool: String,
 }
 
@@ -148,6 +173,11 @@ impl Metrics {
             pool_nodes: Family::default(),
             pool_gpus: Family::default(),
             pool_slices: Family::default(),
+            pool_allocated: Family::default(),
+            pool_condition: Family::default(),
+            pool_window: Family::default(),
+            policy_allocated: Family::default(),
+            policy_waiting: Family::default(),
             queue: crate::queue::QueueMetrics::register(registry),
         };
         let r = registry.sub_registry_with_prefix("gpuslice");
@@ -169,7 +199,92 @@ impl Metrics {
         r.register("pool_nodes", "Nodes a pool selects", m.pool_nodes.clone());
         r.register("pool_gpus", "GPUs in a pool", m.pool_gpus.clone());
         r.register("pool_slices", "Slices in a pool", m.pool_slices.clone());
+        r.register(
+            "pool_slices_allocated",
+            "Slices of a pool allocated to pods (ResourceClaims)",
+            m.pool_allocated.clone(),
+        );
+        r.register(
+            "pool_condition",
+            "1 while the pool's condition is True, else 0 (Ready, Progressing: nodes converging or a transition blocked, Degraded)",
+            m.pool_condition.clone(),
+        );
+        r.register(
+            "pool_window",
+            "1 for the window in force in each pool (window=\"default\" outside every window)",
+            m.pool_window.clone(),
+        );
+        r.register(
+            "policy_slices_allocated",
+            "Slices allocated to pods through a policy's DeviceClass",
+            m.policy_allocated.clone(),
+        );
+        r.register(
+            "policy_pods_waiting",
+            "Pods naming a policy that wait at the queue's gate",
+            m.policy_waiting.clone(),
+        );
         m
+    }
+
+    /// Sets the per-pool and per-policy gauges from the statuses a pass wants.
+    fn record_state(
+        &self,
+        want: &crate::desired::DesiredState,
+        pool_of_policy: &BTreeMap<String, String>,
+    ) {
+        for family in [
+            &self.pool_nodes,
+            &self.pool_gpus,
+            &self.pool_slices,
+            &self.pool_allocated,
+        ] {
+            family.clear();
+        }
+        self.pool_condition.clear();
+        self.pool_window.clear();
+        self.policy_allocated.clear();
+        self.policy_waiting.clear();
+        for (pool, status) in &want.pool_status {
+            let label = PoolLabel { pool: pool.clone() };
+            for (family, value) in [
+                (&self.pool_nodes, status.nodes),
+                (&self.pool_gpus, status.gpus),
+                (&self.pool_slices, status.slices.total),
+                (&self.pool_allocated, status.slices.allocated),
+            ] {
+                family.get_or_create(&label).set(i64::from(value));
+            }
+            for c in &status.conditions {
+                self.pool_condition
+                    .get_or_create(&ConditionLabel {
+                        pool: pool.clone(),
+                        condition: c.type_.clone(),
+                    })
+                    .set(i64::from(c.status == "True"));
+            }
+            self.pool_window
+                .get_or_create(&WindowLabel {
+                    pool: pool.clone(),
+                    window: status
+                        .active_window
+                        .clone()
+                        .unwrap_or_else(|| "default".into()),
+                })
+                .set(1);
+        }
+        for (policy, status) in &want.policy_status {
+            let label = PolicyLabel {
+                policy: policy.clone(),
+                pool: pool_of_policy.get(policy).cloned().unwrap_or_default(),
+            };
+            self.policy_allocated
+                .get_or_create(&label)
+                .set(i64::from(status.allocated));
+            self.policy_waiting
+                .get_or_create(&label)
+                .set(i64::from(status.waiting));
+        }
     }
 }
 
@@ -380,24 +495,12 @@ pub async fn run(
             metrics.reconciles.inc();
             metrics.errors.inc_by(failed);
             metrics.duration.observe(started.elapsed().as_secs_f64());
-            metrics.pool_nodes.clear();
-            metrics.pool_gpus.clear();
-            metrics.pool_slices.clear();
-            for (pool, status) in &want.pool_status {
-                let label = PoolLabel { pool: pool.clone() };
-                metrics
-                    .pool_nodes
-                    .get_or_create(&label)
-                    .set(i64::from(status.nodes));
-                metrics
-                    .pool_gpus
-                    .get_or_create(&label)
-                    .set(i64::from(status.gpus));
-                metrics
-                    .pool_slices
-                    .get_or_create(&label)
-                    .set(i64::from(status.slices.total));
-            }
+            let pool_of_policy: BTreeMap<String, String> = policies
+                .state()
+                .iter()
+                .map(|p| (p.name_any(), p.spec.pool.clone()))
+                .collect();
+            metrics.record_state(&want, &pool_of_policy);
             if let Some(t) = &telemetry {
                 t.pass_done();
             }

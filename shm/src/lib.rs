@@ -186,13 +186,22 @@ impl Ledger {
         })
     }
 
+    /// Bytes held on every device by every process in the ledger.
+    pub fn total(&self) -> u64 {
+        self.sum(|_| true)
+    }
+
     /// Bytes held on `device` by every process in the ledger.
     pub fn used(&self, device: u32) -> u64 {
+        self.sum(|d| d == device)
+    }
+
+    fn sum(&self, on_device: impl Fn(u32) -> bool) -> u64 {
         let mut total = 0u64;
         for i in 0..self.used_rows() {
             let row = self.row(i);
             let owner = row.owner.load(Ordering::Acquire);
-            if owner != 0 && owner != RECLAIMING && row.device.load(Ordering::Acquire) == device {
+            if owner != 0 && owner != RECLAIMING && on_device(row.device.load(Ordering::Acquire)) {
                 total = total.saturating_add(row.bytes.load(Ordering::SeqCst));
             }
         }

@@ -203,7 +203,8 @@ fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-fn free_port() -> Result<u16, Error> {
+/// A local TCP port free a moment ago (for a process to listen on).
+pub fn free_port() -> Result<u16, Error> {
     let listener =
         TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(io("choosing a free port"))?;
     Ok(listener
@@ -838,6 +839,20 @@ where
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
+}
+
+/// `GET path` on a local port: (status line, body). HTTP/1.0, so that no server answers in chunks.
+pub fn local_get(port: u16, path: &str) -> std::io::Result<(String, String)> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text)?;
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    Ok((
+        head.lines().next().unwrap_or_default().to_string(),
+        body.to_string(),
+    ))
 }
 
 /// A child process (an operator, an agent) killed when the test ends, also when it panics.

@@ -1,0 +1,431 @@
+//! The chart's dashboard and alerts against a real Prometheus (built by
+//! `tests/prometheus/build.sh`) scraping the real operator and agent: a private control plane with
+//! the chart's admission policies, a kwok node with two emulated A100s, a pool of software slices
+//! and pods on them through the queue. Every dashboard query and every alert evaluates without
+//! error, the ones that describe what runs return series, `promtool` accepts the rules, and the
+//! alerts fire when a pool is Degraded and when the agent is down.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use gpuslice_testcluster::{
+    Components, ControlPlane, KillOnDrop, eventually, free_port, local_get,
+};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::{Api, PostParams};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tool(env: &str, hint: &str) -> Option<PathBuf> {
+    match std::env::var_os(env) {
+        Some(p) => Some(PathBuf::from(p)),
+        None => {
+            assert!(std::env::var_os("CI").is_none(), "{env} unset: {hint}");
+            eprintln!("SKIPPED: {env} unset ({hint})");
+            None
+        }
+    }
+}
+
+fn documents(text: &str) -> Vec<serde_json::Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .filter(|d: &serde_json::Value| !d.is_null())
+        .collect()
+}
+
+async fn apply(client: &Client, docs: &[serde_json::Value]) {
+    let discovery = kube::discovery::Discovery::new(client.clone())
+        .run()
+        .await
+        .unwrap();
+    for doc in docs {
+        gpuslice_testcluster::apply_document(client, &discovery, doc, false)
+            .await
+            .expect("a known kind")
+            .unwrap();
+    }
+}
+
+/// `GET /api/v1/<path>?query=<promql>` on Prometheus: the `data` of a successful answer, or why not.
+fn prometheus_api(port: u16, path: &str, query: Option<&str>) -> Result<serde_json::Value, String> {
+    let url = match query {
+        Some(q) => format!(
+            "/api/v1/{path}?{}",
+            form_urlencoded::Serializer::new(String::new())
+                .append_pair("query", q)
+                .finish()
+        ),
+        None => format!("/api/v1/{path}"),
+    };
+    let (status, body) = local_get(port, &url).map_err(|e| e.to_string())?;
+    let answer: serde_json::Value =
+        serde_json::from_str(&body).map_err(|e| format!("{status}: {e}: {body}"))?;
+    if answer["status"] != "success" {
+        return Err(format!("{status}: {body}"));
+    }
+    Ok(answer["data"].clone())
+}
+
+const POOL: &str = "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: watched}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: watched}}
+  layout: {software: {slices: 2, memory: 38Gi, compute: 50}}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: inference}
+spec: {pool: watched, memory: 16Gi, compute: {limit: 50, guarantee: 25}}
+";
+
+/// Panels whose queries may rightly return nothing here: no preemption, no eviction, no
+/// workload that registered a policy with the agent's socket (pods under kwok never start), and
+/// a wait histogram that may have had its only admissions before the first scrape.
+const MAY_BE_EMPTY: [&str; 3] = [
+    "Preemptions and checkpoints",
+    "Wait before admission (p90)",
+    "Held by policy (training vs inference)",
+];
+
+#[tokio::test]
+async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
+    let Some(prometheus) = tool(
+        "GPUSLICE_PROMETHEUS_DIR",
+        "bash tests/prometheus/build.sh builds Prometheus and promtool",
+    ) else {
+        return;
+    };
+    let Some(helm) = tool("GPUSLICE_HELM", "bash tests/helm/build.sh builds helm") else {
+        return;
+    };
+    let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
+        return;
+    };
+    let client = cluster.client().await.unwrap();
+    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+        .await
+        .unwrap();
+    // The chart, rendered with the alerts as a rule file and the dashboard; alerts fire at once.
+    let rendered = Command::new(&helm)
+        .args(["template", "gs", "--namespace", "gpuslice-system"])
+        .args(["--set", "metrics.alertsConfigMap=true"])
+        .args(["--set", "metrics.dashboard.enabled=true"])
+        .args(["--set", "metrics.prometheusRule.degradedFor=0s"])
+        .args(["--set", "metrics.prometheusRule.agentDownFor=0s"])
+        .arg(root().join("charts/gpuslice"))
+        .output()
+        .unwrap();
+    assert!(
+        rendered.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rendered.stderr)
+    );
+    let chart = documents(&String::from_utf8(rendered.stdout).unwrap());
+    let config_map = |name: &str| {
+        chart
+            .iter()
+            .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("the chart renders ConfigMap {name}"))
+            .clone()
+    };
+    let rules = config_map("gs-alerts")["data"]["gpuslice.rules.yaml"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let dashboard: serde_json::Value = serde_json::from_str(
+        config_map("gs-dashboard")["data"]["gpuslice.json"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let admission: Vec<serde_json::Value> = chart
+        .iter()
+        .filter(|d| {
+            d["kind"]
+                .as_str()
+                .is_some_and(|k| k.starts_with("MutatingAdmissionPolicy") || k == "PriorityClass")
+        })
+        .cloned()
+        .collect();
+    apply(&client, &admission).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let rules_file = dir.path().join("gpuslice.rules.yaml");
+    std::fs::write(&rules_file, &rules).unwrap();
+    let checked = Command::new(prometheus.join("promtool"))
+        .args(["check", "rules"])
+        .arg(&rules_file)
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "promtool check rules: {}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+
+    // The node, its agent and the operator, each serving /metrics.
+    cluster
+        .create_node(
+            "a100-m",
+            &[("gpuslice.io/pool", "watched")],
+            &[("cpu", "8")],
+        )
+        .await
+        .unwrap();
+    let node_file = dir.path().join("node.yaml");
+    std::fs::write(
+        &node_file,
+        "name: a100-m\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB}\n- {index: 1, model: NVIDIA A100-SXM4-80GB}\n",
+    )
+    .unwrap();
+    let (agent_port, operator_port, prometheus_port) = (
+        free_port().unwrap(),
+        free_port().unwrap(),
+        free_port().unwrap(),
+    );
+    let bin = env!("CARGO_BIN_EXE_gpuslice");
+    let agent = KillOnDrop(
+        Command::new(bin)
+            .args([
+                "agent",
+                "--kube",
+                "--apply",
+                "--interval",
+                "1s",
+                "--emulate",
+            ])
+            .arg(&node_file)
+            .arg("--state")
+            .arg(dir.path().join("state"))
+            .arg("--kubelet-dir")
+            .arg(dir.path().join("kubelet"))
+            .arg("--cdi-dir")
+            .arg(dir.path().join("cdi"))
+            .args(["--metrics-addr", &format!("127.0.0.1:{agent_port}")])
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let _operator = KillOnDrop(
+        Command::new(bin)
+            .arg("operator")
+            .args(["--metrics-addr", &format!("127.0.0.1:{operator_port}")])
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    apply(&client, &documents(POOL)).await;
+    // Five pods for four slices: four are admitted, one waits in the queue.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    for i in 0..5 {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("serve-{i}"), "labels": {"gpuslice.io/policy": "inference"}},
+            "spec": {
+                "containers": [{"name": "main", "image": "example.com/serve:1"}],
+                "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+            }
+        }))
+        .unwrap();
+        eventually("a labelled pod is stored gated", || {
+            let (pods, pod) = (pods.clone(), pod.clone());
+            async move {
+                let stored = pods
+                    .create(&PostParams::default(), &pod)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let gated = stored
+                    .spec
+                    .and_then(|s| s.scheduling_gates)
+                    .is_some_and(|g| !g.is_empty());
+                if gated {
+                    return Ok(());
+                }
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                pods.delete(&name, &kube::api::DeleteParams::default().grace_period(0))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Err("stored without the gate".into())
+            }
+        })
+        .await;
+    }
+
+    // Prometheus scrapes both as the chart's Services and ServiceMonitors name them.
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n\
+             rule_files: [{rules}]\n\
+             scrape_configs:\n\
+             - job_name: gs-agent-metrics\n  static_configs: [{{targets: ['127.0.0.1:{agent_port}']}}]\n\
+             - job_name: gs-operator-metrics\n  static_configs: [{{targets: ['127.0.0.1:{operator_port}']}}]\n",
+            rules = rules_file.display()
+        ),
+    )
+    .unwrap();
+    let checked = Command::new(prometheus.join("promtool"))
+        .args(["check", "config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "promtool check config: {}",
+        String::from_utf8_lossy(&checked.stdout)
+    );
+    let _prometheus = KillOnDrop(
+        Command::new(prometheus.join("prometheus"))
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prometheus_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let scalar = |query: &'static str| async move {
+        let data = prometheus_api(prometheus_port, "query", Some(query))?;
+        data["result"][0]["value"][1]
+            .as_str()
+            .and_then(|v| v.parse::<f64>().ok())
+            .ok_or_else(|| format!("{query}: {data}"))
+    };
+    eventually(
+        "Prometheus sees four slices allocated and one pod waiting",
+        || async move {
+            let allocated = scalar("sum(gpuslice_pool_slices_allocated{pool=\"watched\"})").await?;
+            let waiting = scalar("sum(gpuslice_queue_waiting_pods{pool=\"watched\"})").await?;
+            let slices = scalar("count(gpuslice_agent_slice_memory_bytes)").await?;
+            (allocated == 4.0 && waiting == 1.0 && slices == 4.0)
+                .then_some(())
+                .ok_or(format!(
+                    "allocated {allocated}, waiting {waiting}, slices {slices}"
+                ))
+        },
+    )
+    .await;
+    // A few more scrapes, so that rates over the range have two samples.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+
+    // Every panel's query evaluates; those about what runs here return series.
+    let mut empty = Vec::new();
+    let mut checked = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        let title = panel["title"].as_str().unwrap_or_default();
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().unwrap();
+            let data = prometheus_api(prometheus_port, "query", Some(expr))
+                .unwrap_or_else(|e| panic!("panel {title}: {expr}: {e}"));
+            checked += 1;
+            if data["result"].as_array().is_none_or(|r| r.is_empty())
+                && !MAY_BE_EMPTY.contains(&title)
+            {
+                empty.push(format!("{title}: {expr}"));
+            }
+        }
+    }
+    assert!(checked >= 20, "{checked} queries");
+    assert!(empty.is_empty(), "panels without series: {empty:#?}");
+
+    // Every rule evaluated without error; nothing fires yet but the waiting pod's nothing.
+    let rules_seen = eventually("every alert rule evaluated", || async move {
+        let data = prometheus_api(prometheus_port, "rules", None)?;
+        let rules: Vec<serde_json::Value> = data["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+            .collect();
+        let pending: Vec<String> = rules
+            .iter()
+            .filter(|r| r["health"] != "ok")
+            .map(|r| format!("{}: {} {}", r["name"], r["health"], r["lastError"]))
+            .collect();
+        (rules.len() >= 6 && pending.is_empty())
+            .then_some(rules.len())
+            .ok_or(format!("{} rules, not ok: {pending:?}", rules.len()))
+    })
+    .await;
+    assert_eq!(rules_seen, 6);
+    let firing = || async move {
+        let data = prometheus_api(prometheus_port, "alerts", None)?;
+        Ok::<Vec<(String, String)>, String>(
+            data["alerts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|a| a["state"] == "firing")
+                .map(|a| {
+                    (
+                        a["labels"]["alertname"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_string(),
+                        a["labels"]["pool"].as_str().unwrap_or_default().to_string(),
+                    )
+                })
+                .collect(),
+        )
+    };
+    assert_eq!(firing().await.unwrap(), Vec::new(), "nothing is wrong yet");
+
+    // A second pool over the same GPUs: both are Degraded, and the alert names them.
+    apply(
+        &client,
+        &documents(
+            "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: clash}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: watched}}
+  layout: {exclusive: {}}
+",
+        ),
+    )
+    .await;
+    eventually(
+        "GpuSlicePoolDegraded fires for the clashing pools",
+        || async move {
+            let alerts = firing().await?;
+            let degraded = |pool: &str| {
+                alerts
+                    .iter()
+                    .any(|(name, p)| name == "GpuSlicePoolDegraded" && p == pool)
+            };
+            (degraded("clash") && degraded("watched"))
+                .then_some(())
+                .ok_or(format!("{alerts:?}"))
+        },
+    )
+    .await;
+
+    // The agent stops: its target goes down and the alert says so.
+    drop(agent);
+    eventually("GpuSliceAgentDown fires", || async move {
+        let alerts = firing().await?;
+        alerts
+            .iter()
+            .any(|(name, _)| name == "GpuSliceAgentDown")
+            .then_some(())
+            .ok_or(format!("{alerts:?}"))
+    })
+    .await;
+}
