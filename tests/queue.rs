@@ -826,3 +826,92 @@ spec: {pool: lab, memory: 8Gi, priority: low}
         ]
     );
 }
+
+#[tokio::test]
+async fn a_pod_is_not_put_on_a_slice_a_window_change_recuts_before_it_ends() {
+    // 10:00 UTC; at 10:30 the window "batch" re-cuts the GPU (2 × 40 GiB → 4 × 20 GiB).
+    let Some(h) = Harness::start(CLOCK, "a100-r", "recut", "64", 1).await else {
+        return;
+    };
+    let client = h.client.clone();
+    let docs = documents(
+        "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: recut}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: recut}}
+  layout: {software: {slices: 2, memory: 40Gi, compute: 50}}
+  windows:
+  - {name: batch, timeZone: UTC, start: '10:30', end: '11:30', layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: job}
+spec: {pool: recut, memory: 8Gi}
+",
+    );
+    h.apply_and_wait(&docs, 1).await;
+    let with_run_time = |name: &str, run_time: &str| {
+        let mut p = pod(name, "default", "job");
+        p.metadata.annotations = Some(
+            [(
+                "gpuslice.io/expected-run-time".to_string(),
+                run_time.to_string(),
+            )]
+            .into(),
+        );
+        p
+    };
+    h.create_gated(&with_run_time("long", "2h")).await;
+    h.create_gated(&with_run_time("typo", "soon")).await;
+    h.create_gated(&with_run_time("short", "20m")).await;
+    h.create_gated(&pod("plain", "default", "job")).await;
+    let told = |name: &'static str| {
+        let client = client.clone();
+        async move {
+            let p = Api::<Pod>::namespaced(client, "default")
+                .get(name)
+                .await
+                .map_err(|e| e.to_string())?;
+            p.status
+                .and_then(|s| s.conditions)
+                .into_iter()
+                .flatten()
+                .find(|c| c.type_ == "gpuslice.io/Queued")
+                .map(|c| (c.reason.unwrap_or_default(), c.message.unwrap_or_default()))
+                .ok_or_else(|| format!("{name} not told yet"))
+        }
+    };
+    // Both slices are free, but the long job would still run at 10:30.
+    eventually("the long job waits for the window change", || async {
+        let (reason, message) = told("long").await?;
+        (reason == "WindowChangeAhead" && message.contains("expected run time"))
+            .then_some(())
+            .ok_or(format!("{reason}: {message}"))
+    })
+    .await;
+    eventually(
+        "a run time that is not a duration is refused by name",
+        || async {
+            let (reason, message) = told("typo").await?;
+            (reason == "InvalidExpectedRunTime"
+                && message.contains("\"soon\" is not a positive duration"))
+            .then_some(())
+            .ok_or(format!("{reason}: {message}"))
+        },
+    )
+    .await;
+    // The short job and the one that declares nothing take the two slices.
+    eventually("the short and the plain job are bound", || {
+        let client = client.clone();
+        async move {
+            let b = bound(&client, &["default"]).await;
+            let names: Vec<&str> = b.iter().map(|(_, n)| n.as_str()).collect();
+            (names == ["plain", "short"])
+                .then_some(())
+                .ok_or(format!("{names:?}"))
+        }
+    })
+    .await;
+}

@@ -95,6 +95,30 @@ pub fn trim_pod(pod: &mut Pod) {
     }
 }
 
+/// How long a pod means to run once admitted (`gpuslice.io/expected-run-time`, a duration such
+/// as `90m` or `2h`): the queue does not put it on a slice a window change re-cuts before then.
+pub const RUN_TIME_ANNOTATION: &str = "gpuslice.io/expected-run-time";
+
+/// The pod's declared expected run time, if any; a message naming the fix if unreadable.
+fn expected_run_time(pod: &Pod) -> Result<Option<chrono::Duration>, String> {
+    let Some(value) = pod.annotations().get(RUN_TIME_ANNOTATION) else {
+        return Ok(None);
+    };
+    let refused = || {
+        format!(
+            "annotation {RUN_TIME_ANNOTATION}: {value:?} is not a positive duration such as 90m or 2h: fix it, or remove it; the pod waits until then"
+        )
+    };
+    let declared: kube::core::Duration = value.parse().map_err(|_| refused())?;
+    let duration = std::time::Duration::from(declared);
+    if declared.is_negative() || duration.is_zero() {
+        return Err(refused());
+    }
+    chrono::Duration::from_std(duration)
+        .map(Some)
+        .map_err(|_| refused())
+}
+
 fn gated(pod: &Pod) -> bool {
     pod.spec
         .as_ref()
@@ -110,7 +134,19 @@ struct Published {
 }
 
 /// Every gpuslice device published, by (ResourceSlice pool, device name).
-fn published(slices: &Store<ResourceSlice>) -> BTreeMap<(String, String), Published> {
+fn published(
+    slices: &Store<ResourceSlice>,
+    gpu_nodes: &Store<GpuNode>,
+) -> BTreeMap<(String, String), Published> {
+    // When a window change next re-cuts each GPU (the operator's desired layout says).
+    let mut recut_at: BTreeMap<(String, i64), chrono::DateTime<chrono::Utc>> = BTreeMap::new();
+    for node in gpu_nodes.state() {
+        for gpu in &node.spec.gpus {
+            if let Some(at) = gpu.recut_at.as_ref().and_then(gpuslice_api::chrono_of) {
+                recut_at.insert((node.name_any(), i64::from(gpu.index)), at);
+            }
+        }
+    }
     let mut software_on_gpu: BTreeMap<(String, i64), u32> = BTreeMap::new();
     let mut out: BTreeMap<(String, String), (Published, i64)> = BTreeMap::new();
     for slice in slices.state() {
@@ -149,6 +185,7 @@ fn published(slices: &Store<ResourceSlice>) -> BTreeMap<(String, String), Publis
                             memory_bytes: capacity(dra::capacity::MEMORY),
                             compute: u32::try_from(capacity(dra::capacity::COMPUTE)).unwrap_or(0),
                             slices_on_gpu: 0,
+                            recut_at: recut_at.get(&(node.clone(), gpu)).copied(),
                         },
                         tainted: device.taints.as_ref().is_some_and(|t| !t.is_empty()),
                     },
@@ -419,7 +456,7 @@ impl Queue {
         let pools: Vec<Arc<GpuPool>> = caches.pools.state();
         let policies: Vec<Arc<GpuSlicePolicy>> = caches.policies.state();
         let pool_list: Vec<GpuPool> = pools.iter().map(|p| (**p).clone()).collect();
-        let devices = published(&caches.slices);
+        let devices = published(&caches.slices, &caches.gpu_nodes);
         let (allocated, holding, held) = allocations(&devices, &caches.claims);
         let gpu_nodes = caches.gpu_nodes.state();
         let classes: BTreeMap<String, i64> = caches
@@ -503,6 +540,7 @@ impl Queue {
                     )
                 })
                 .collect();
+            let mut unreadable: Vec<(String, String)> = Vec::new();
             let waiting: Vec<Waiting> = pods
                 .iter()
                 .filter(|p| gated(p))
@@ -516,6 +554,15 @@ impl Queue {
                     }) {
                         return None;
                     }
+                    let key = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+                    let runs_until = match expected_run_time(p) {
+                        Ok(run_time) => run_time.map(|d| now + d),
+                        Err(message) => {
+                            // It waits, out of line, until its annotation is fixed.
+                            unreadable.push((key, message));
+                            return None;
+                        }
+                    };
                     Some(Waiting {
                         namespace: p.namespace().unwrap_or_default(),
                         name: p.name_any(),
@@ -527,9 +574,14 @@ impl Queue {
                             .creation_timestamp()
                             .and_then(|t| gpuslice_api::chrono_of(&t))
                             .unwrap_or(now),
+                        runs_until,
                     })
                 })
                 .collect();
+            for (pod, message) in unreadable.drain(..) {
+                plan.tell
+                    .push((pod, "InvalidExpectedRunTime".into(), message));
+            }
             let namespaces: BTreeSet<String> = waiting
                 .iter()
                 .map(|w| w.namespace.clone())
@@ -632,7 +684,7 @@ impl Queue {
             let preempted = if scheduling.preemption {
                 let unfit: Vec<&Waiting> = wait
                     .iter()
-                    .filter(|(_, _, r)| *r == Reason::NoSliceFits)
+                    .filter(|(_, _, r)| *r != Reason::UnknownPolicy)
                     .filter_map(|(k, _, _)| waiting.iter().find(|w| w.key() == *k))
                     .collect();
                 let running: Vec<Running> = held
@@ -690,7 +742,7 @@ impl Queue {
                     .map(|w| w.policy.clone())
                     .unwrap_or_default();
                 let (reason, why) = match (reason, taking) {
-                    (Reason::NoSliceFits, Some(p)) => (
+                    (Reason::NoSliceFits | Reason::WindowChangeAhead, Some(p)) => (
                         "Preempting",
                         format!(
                             "taking back the slice of ResourceClaim {} ({}): {}",
@@ -704,6 +756,12 @@ impl Queue {
                     (Reason::NoSliceFits, None) => (
                         "NoSliceFits",
                         format!("no free slice of pool {pool_name} fits policy {policy}"),
+                    ),
+                    (Reason::WindowChangeAhead, None) => (
+                        "WindowChangeAhead",
+                        format!(
+                            "every free slice of pool {pool_name} that fits policy {policy} is re-cut by a window change before the pod's expected run time ({RUN_TIME_ANNOTATION}) ends"
+                        ),
                     ),
                     (Reason::UnknownPolicy, _) => (
                         "UnknownPolicy",

@@ -57,11 +57,22 @@ pub struct Waiting {
     /// Larger goes first.
     pub priority: i64,
     pub created: DateTime<Utc>,
+    /// When it would end if admitted now (its declared expected run time), if it declares one.
+    pub runs_until: Option<DateTime<Utc>>,
 }
 
 impl Waiting {
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// Whether `d` stays as it is for as long as the pod means to run on it: a device whose GPU
+    /// a window change re-cuts before then is no place for it.
+    pub fn outlived_by(&self, d: &FreeDevice) -> bool {
+        match (self.runs_until, d.recut_at) {
+            (Some(until), Some(recut)) => until <= recut,
+            _ => true,
+        }
     }
 }
 
@@ -86,6 +97,8 @@ pub struct FreeDevice {
     pub compute: u32,
     /// Software slices on its GPU (0 for a MIG instance or a whole GPU).
     pub slices_on_gpu: u32,
+    /// When a window change next re-cuts its GPU, if one does.
+    pub recut_at: Option<DateTime<Utc>>,
 }
 
 /// What a policy's pod needs of a device.
@@ -106,6 +119,9 @@ impl Need {
 pub enum Reason {
     /// No free slice of the pool fits its policy.
     NoSliceFits,
+    /// Free slices fit, but a window change re-cuts each of them before its expected run time
+    /// ends.
+    WindowChangeAhead,
     /// Its policy is unknown or names no pool.
     UnknownPolicy,
 }
@@ -291,8 +307,9 @@ pub fn decide(
                 .push((pod.key(), place, Reason::UnknownPolicy));
             continue;
         };
+        let usable = |d: &FreeDevice| need.fits(d) && pod.outlived_by(d);
         let mut candidates: BTreeMap<String, Vec<FreeDevice>> = BTreeMap::new();
-        for d in free.iter().filter(|d| need.fits(d)) {
+        for d in free.iter().filter(|d| usable(d)) {
             candidates
                 .entry(d.node.clone())
                 .or_default()
@@ -300,15 +317,20 @@ pub fn decide(
         }
         if candidates.is_empty() {
             place += 1;
-            decision.wait.push((pod.key(), place, Reason::NoSliceFits));
+            let reason = if free.iter().any(|d| need.fits(d)) {
+                Reason::WindowChangeAhead
+            } else {
+                Reason::NoSliceFits
+            };
+            decision.wait.push((pod.key(), place, reason));
             continue;
         }
         let node = placer.pick(&candidates);
-        // The smallest fitting device of that node is the one the allocator will take.
+        // The smallest usable device of that node is the one the allocator will take.
         let taken = free
             .iter()
             .enumerate()
-            .filter(|(_, d)| d.node == node && need.fits(d))
+            .filter(|(_, d)| d.node == node && usable(d))
             .min_by_key(|(_, d)| (d.memory_bytes, d.compute, d.device.clone()))
             .map(|(i, _)| i);
         if let Some(t) = taken {
@@ -399,6 +421,7 @@ pub fn preempt(
         let best = running
             .iter()
             .filter(|r| r.preemptible && r.taken_for.is_none() && need.fits(&r.device))
+            .filter(|r| pod.outlived_by(&r.device))
             .filter(|r| !out.iter().any(|p| p.claim == r.claim))
             .filter_map(|r| {
                 if by_priority && r.priority < pod.priority {
@@ -467,6 +490,7 @@ mod tests {
             policy: "notebook".into(),
             priority,
             created: at(second),
+            runs_until: None,
         }
     }
 
@@ -582,7 +606,55 @@ mod tests {
             memory_bytes: gib << 30,
             compute: 25,
             slices_on_gpu: 4,
+            recut_at: None,
         }
+    }
+
+    #[test]
+    fn a_pod_that_would_outlive_a_slice_is_not_put_on_it() {
+        let recut_soon = FreeDevice {
+            recut_at: Some(at(1800)),
+            ..device("a", 0, "a-0", 20)
+        };
+        let steady = device("b", 0, "b-0", 20);
+        let needs = BTreeMap::from([(
+            "notebook".to_string(),
+            Need {
+                memory_bytes: 8 << 30,
+                compute: 0,
+            },
+        )]);
+        let long = Waiting {
+            runs_until: Some(at(7200)),
+            ..pod("ns", "long", 0, 0)
+        };
+        let short = Waiting {
+            runs_until: Some(at(600)),
+            ..pod("ns", "short", 0, 1)
+        };
+        // Only the slice that is re-cut soon is free: the long job waits, the short one goes.
+        let pods = [long.clone(), short.clone()];
+        let d = decide(
+            &pods,
+            &[0, 1],
+            &needs,
+            std::slice::from_ref(&recut_soon),
+            &mut First,
+        );
+        assert_eq!(d.admit, [("ns/short".to_string(), "a".to_string())]);
+        assert_eq!(
+            d.wait,
+            [("ns/long".to_string(), 1, Reason::WindowChangeAhead)]
+        );
+        // With a steady slice too, the long job takes that one.
+        let d = decide(&pods, &[0, 1], &needs, &[recut_soon, steady], &mut First);
+        assert_eq!(
+            d.admit,
+            [
+                ("ns/long".to_string(), "b".to_string()),
+                ("ns/short".to_string(), "a".to_string())
+            ]
+        );
     }
 
     #[test]
@@ -660,6 +732,7 @@ mod tests {
                 memory_bytes: 20 << 30,
                 compute: 100,
                 slices_on_gpu: 4,
+                recut_at: None,
             },
             priority,
             preemptible: true,
