@@ -687,6 +687,48 @@ spec: {pool: teams, memory: 8Gi}
             .await
             .unwrap();
     }
+    // A waiting pod is told where its namespace stands.
+    let waiting_pod = Api::<Pod>::namespaced(client.clone(), "beta")
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
+        .expect("beta has pods still waiting");
+    let told = waiting_pod
+        .status
+        .and_then(|s| s.conditions)
+        .into_iter()
+        .flatten()
+        .find(|c| c.type_ == "gpuslice.io/Queued")
+        .and_then(|c| c.message)
+        .unwrap_or_default();
+    assert!(
+        told.contains("by fair share, namespace beta holds") && told.contains("at weight 1"),
+        "{told}"
+    );
+    // A waiting pod is told where its namespace stands.
+    let waiting_pod = Api::<Pod>::namespaced(client.clone(), "beta")
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
+        .expect("beta has pods still waiting");
+    let told = waiting_pod
+        .status
+        .and_then(|s| s.conditions)
+        .into_iter()
+        .flatten()
+        .find(|c| c.type_ == "gpuslice.io/Queued")
+        .and_then(|c| c.message)
+        .unwrap_or_default();
+    assert!(
+        told.contains("by fair share, namespace beta holds") && told.contains("at weight 1"),
+        "{told}"
+    );
     // Slice-time used, alpha to beta: 2:1 within 10 %.
     let ratio = f64::from(held.0) / f64::from(held.1.max(1));
     assert!((1.8..=2.2).contains(&ratio), "alpha:beta = {held:?}");

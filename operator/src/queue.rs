@@ -22,7 +22,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuslice_api::{
-    FairShareStatus, GpuNode, GpuPool, GpuSlicePolicy, NamespaceUsage, Preemption, dra,
+    FairShareStatus, GpuNode, GpuPool, GpuSlicePolicy, NamespaceUsage, Preemption,
+    SchedulingPolicy, dra,
 };
 use gpuslice_planning::clock::Clock;
 use gpuslice_planning::queue::{
@@ -318,7 +319,7 @@ fn admitted_to(pod: &Pod) -> Option<String> {
 #[derive(Clone)]
 pub struct QueueMetrics {
     waiting: Family<PoolNamespace, Gauge>,
-    wait: Family<PoolLabel, Histogram>,
+    wait: Family<PoolNamespace, Histogram>,
     preemptions: Family<PreemptionLabel, Counter>,
 }
 
@@ -326,11 +327,6 @@ pub struct QueueMetrics {
 struct PoolNamespace {
     pool: String,
     namespace: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct PoolLabel {
-    pool: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -755,7 +751,16 @@ impl Queue {
                     ),
                     (Reason::NoSliceFits, None) => (
                         "NoSliceFits",
-                        format!("no free slice of pool {pool_name} fits policy {policy}"),
+                        format!(
+                            "no free slice of pool {pool_name} fits policy {policy}{}",
+                            // Beyond the exact places it would rewrite every pod at each
+                            // admission.
+                            if place <= EXACT_PLACES {
+                                standing(scheduling.policy, &shares, pod_namespace(&pod))
+                            } else {
+                                String::new()
+                            }
+                        ),
                     ),
                     (Reason::WindowChangeAhead, None) => (
                         "WindowChangeAhead",
@@ -861,6 +866,27 @@ async fn take_back(
     Ok(())
 }
 
+fn pod_namespace(key: &str) -> &str {
+    key.split_once('/').map_or("", |(ns, _)| ns)
+}
+
+/// Under fair share, where the pod's namespace stands: what decides its turn when a slice frees.
+fn standing(policy: SchedulingPolicy, shares: &BTreeMap<String, Share>, namespace: &str) -> String {
+    if !matches!(
+        policy,
+        SchedulingPolicy::Fair | SchedulingPolicy::PriorityFair
+    ) {
+        return String::new();
+    }
+    let Some(share) = shares.get(namespace) else {
+        return String::new();
+    };
+    format!(
+        "; by fair share, namespace {namespace} holds {} slice(s) at weight {} (the namespace holding the fewest per weight goes first)",
+        share.holding, share.weight
+    )
+}
+
 /// Records the namespaces' use of a pool (its own field manager on the pool's status).
 async fn record_fair_share(
     client: &Client,
@@ -944,8 +970,9 @@ pub async fn run(
                             .unwrap_or(wall);
                         metrics
                             .wait
-                            .get_or_create(&PoolLabel {
+                            .get_or_create(&PoolNamespace {
                                 pool: plan.admitted_pool.get(key).cloned().unwrap_or_default(),
+                                namespace: pod.namespace().unwrap_or_default(),
                             })
                             .observe((wall - created).num_milliseconds().max(0) as f64 / 1000.0);
                     }
