@@ -26,7 +26,7 @@ use crate::time::{ClockTime, DailyWindow, Weekday, utc};
     printcolumn = r#"{"name":"Nodes","type":"integer","jsonPath":".status.nodes"}"#,
     printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.gpus"}"#,
     printcolumn = r#"{"name":"Slices","type":"integer","jsonPath":".status.slices.total"}"#,
-    printcolumn = r#"{"name":"Allocated","type":"integer","jsonPath":".status.slices.allocated"}"#,
+    printcolumn = r#"{"name":"Free","type":"integer","jsonPath":".status.slices.free"}"#,
     printcolumn = r#"{"name":"Window","type":"string","jsonPath":".status.activeWindow"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
@@ -277,4 +277,7 @@ pub struct SliceCounts {
     /// Slices held by a workload.
     #[serde(default)]
     pub allocated: u32,
+    /// Slices no workload holds (`total - allocated`).
+    #[serde(default)]
+    pub free: u32,
 }

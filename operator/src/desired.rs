@@ -253,6 +253,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                 slices: SliceCounts {
                     total: slices,
                     allocated,
+                    free: slices.saturating_sub(allocated),
                 },
                 fair_share: None,
             },
