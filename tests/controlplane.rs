@@ -124,7 +124,10 @@ async fn crds_are_established_and_every_example_is_accepted() {
             }
         }
     }
-    assert_eq!(applied, 10, "6 gpuslice objects, 2 namespaces and 2 workloads");
+    assert_eq!(
+        applied, 10,
+        "6 gpuslice objects, 2 namespaces and 2 workloads"
+    );
     let pools: Api<DynamicObject> = Api::all_with(
         client.clone(),
         &ApiResource::erase::<gpuslice_api::GpuPool>(&()),

@@ -1,7 +1,25 @@
-//! An emulated `libnvidia-ml.so.1`: the NVML C functions gpuslice's agent uses, with NVML's
-//! documented semantics and return codes, backed by the shared device model in the state file
-//! named by `GPUSLICE_EMULATOR_STATE`. Load it with nvml-wrapper's `lib_path` (or as
+//! An emulated `libnvidia-ml.so.1`: the NVML C functions gpuslice's agent uses and those common
+//! monitoring tools (nvidia-ml-py scripts in the style of nvidia-smi and gpustat, exporters) ask,
+//! with NVML's documented semantics and return codes, backed by the shared device model in the
+//! state file named by `GPUSLICE_EMULATOR_STATE`. Load it with nvml-wrapper's `lib_path` (or as
 //! `libnvidia-ml.so.1` on the library path) and the agent's real NVML code runs without a GPU.
+//!
+//! What it emulates:
+//! - discovery and identity: init/shutdown, versions (driver, NVML, CUDA), count, handles by
+//!   index, UUID and PCI bus id, name, UUID, index, PCI info, serial, minor number, brand,
+//!   architecture, compute capability, VBIOS version;
+//! - memory from the model and the CUDA emulator's allocations (whole GPU, or a MIG device's
+//!   instance), BAR1, compute processes (graphics and MPS lists are empty: nothing else runs);
+//! - utilisation from the kernels the GPU timeline recorded in the last second
+//!   ([`monitor`]), and temperature, power, energy, clocks as functions of it within the board's
+//!   real ranges ([`board`]); modes (compute, persistence, ECC, display), P-state, ECC counts;
+//! - MIG: mode, GPU- and compute-instance profiles, placements, creation and destruction, MIG
+//!   device handles, their ids and UUIDs.
+//!
+//! Board-level queries answer `NVML_ERROR_NOT_SUPPORTED` where the real board does (fan speed on
+//! passively cooled data-centre boards; temperature, power, clocks and utilisation on MIG device
+//! handles and utilisation of a GPU in MIG mode), and the queries that need board facts (power,
+//! clocks, architecture, ECC, BAR1) for models outside the board table.
 //!
 //! Every export runs under `catch_unwind`: a panic becomes `NVML_ERROR_UNKNOWN`, never an unwind
 //! across the C boundary. Handles are opaque integers cast to pointers: a device is its index + 1,
@@ -16,6 +34,9 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+mod board;
+mod monitor;
+
 use gpuslice_emulator::{Machine, NvmlError, Store};
 use gpuslice_planning::catalog;
 use nvml_wrapper_sys::bindings::{
@@ -27,6 +48,8 @@ use nvml_wrapper_sys::bindings::{
 const SUCCESS: nvmlReturn_t = 0;
 const UNINITIALIZED: nvmlReturn_t = 1;
 const INVALID_ARGUMENT: nvmlReturn_t = 2;
+const NOT_SUPPORTED: nvmlReturn_t = 3;
+const NOT_FOUND: nvmlReturn_t = 6;
 const INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 const UNKNOWN: nvmlReturn_t = 999;
 
@@ -207,8 +230,8 @@ pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
         SUCCESS => c"Success",
         UNINITIALIZED => c"Uninitialized",
         INVALID_ARGUMENT => c"Invalid Argument",
-        3 => c"Not Supported",
-        6 => c"Not Found",
+        NOT_SUPPORTED => c"Not Supported",
+        NOT_FOUND => c"Not Found",
         INSUFFICIENT_SIZE => c"Insufficient Size",
         19 => c"In use by another client",
         23 => c"Insufficient Resources",
@@ -261,8 +284,20 @@ pub extern "C" fn nvmlDeviceGetName(
     length: c_uint,
 ) -> nvmlReturn_t {
     guard(|| {
-        let i = device_index(device)?;
-        put_str(name, length, &read(|m| Ok(m.gpu(i)?.model.clone()))?)
+        let text = match mig_device_parts(device) {
+            // As NVML names a MIG device: the GPU's name, "MIG" and the profile.
+            Some((i, gi)) => read(|m| {
+                let gpu = m.gpu(i)?;
+                let instance = gpu.instances.iter().find(|x| x.id == gi);
+                let p = profile(m, i, instance.ok_or(NvmlError::NotFound)?.profile)?;
+                Ok(format!("{} MIG {}", gpu.model, p.name))
+            })?,
+            None => {
+                let i = device_index(device)?;
+                read(|m| Ok(m.gpu(i)?.model.clone()))?
+            }
+        };
+        put_str(name, length, &text)
     })
 }
 
@@ -273,6 +308,14 @@ fn mig_device_parts(device: nvmlDevice_t) -> Option<(u32, u32)> {
     (raw & MIG_DEVICE_BIT != 0)
         .then(|| gpu_instance_parts((raw & !MIG_DEVICE_BIT) as nvmlGpuInstance_t).ok())
         .flatten()
+}
+
+/// The GPU a handle is on, and the GPU instance when it is a MIG device.
+fn gpu_and_instance(device: nvmlDevice_t) -> Result<(u32, Option<u32>), nvmlReturn_t> {
+    match mig_device_parts(device) {
+        Some((i, gi)) => Ok((i, Some(gi))),
+        None => Ok((device_index(device)?, None)),
+    }
 }
 
 #[unsafe(no_mangle)]
@@ -365,10 +408,27 @@ pub extern "C" fn nvmlDeviceGetComputeInstanceId(
     })
 }
 
-fn used_memory(m: &Machine, index: u32) -> Result<(u64, u64), NvmlError> {
-    let gpu = m.gpu(index)?;
-    let used: u64 = gpu.processes.iter().map(|p| p.memory).sum();
-    Ok((gpu.memory_total, used.min(gpu.memory_total)))
+/// (total, used) memory of a whole GPU, or of a MIG device: its instance's memory and what the
+/// processes in it hold.
+fn memory_of(device: nvmlDevice_t) -> Result<(u64, u64), nvmlReturn_t> {
+    let (i, mig) = gpu_and_instance(device)?;
+    read(|m| {
+        let gpu = m.gpu(i)?;
+        let total = match mig {
+            Some(gi) => {
+                let instance = gpu.instances.iter().find(|x| x.id == gi);
+                profile(m, i, instance.ok_or(NvmlError::NotFound)?.profile)?.memory_mib << 20
+            }
+            None => gpu.memory_total,
+        };
+        let used: u64 = gpu
+            .processes
+            .iter()
+            .filter(|p| mig.is_none_or(|gi| p.gpu_instance == Some(gi)))
+            .map(|p| p.memory)
+            .sum();
+        Ok((total, used.min(total)))
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -377,8 +437,7 @@ pub extern "C" fn nvmlDeviceGetMemoryInfo(
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
     guard(|| {
-        let i = device_index(device)?;
-        let (total, used) = read(|m| used_memory(m, i))?;
+        let (total, used) = memory_of(device)?;
         put(
             memory,
             nvmlMemory_t {
@@ -396,8 +455,7 @@ pub extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
     guard(|| {
-        let i = device_index(device)?;
-        let (total, used) = read(|m| used_memory(m, i))?;
+        let (total, used) = memory_of(device)?;
         let version = (std::mem::size_of::<nvmlMemory_v2_t>() | (2 << 24)) as c_uint;
         put(
             memory,
@@ -692,11 +750,13 @@ pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     infos: *mut nvmlProcessInfo_t,
 ) -> nvmlReturn_t {
     guard(|| {
-        let i = device_index(device)?;
+        // A MIG device lists the processes in its instance; a whole GPU lists them all.
+        let (i, mig) = gpu_and_instance(device)?;
         let procs = read(|m| {
             Ok(m.gpu(i)?
                 .processes
                 .iter()
+                .filter(|p| mig.is_none_or(|gi| p.gpu_instance == Some(gi)))
                 .map(|p| nvmlProcessInfo_t {
                     pid: p.pid,
                     usedGpuMemory: p.memory as c_ulonglong,
