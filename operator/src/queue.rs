@@ -756,7 +756,7 @@ impl Queue {
                             // Beyond the exact places it would rewrite every pod at each
                             // admission.
                             if place <= EXACT_PLACES {
-                                standing(scheduling.policy, &shares, pod_namespace(&pod))
+                                standing(scheduling.policy, &shares, &waiting, pod_namespace(&pod))
                             } else {
                                 String::new()
                             }
@@ -871,11 +871,24 @@ fn pod_namespace(key: &str) -> &str {
 }
 
 /// Under fair share, where the pod's namespace stands: what decides its turn when a slice frees.
-fn standing(policy: SchedulingPolicy, shares: &BTreeMap<String, Share>, namespace: &str) -> String {
+fn standing(
+    policy: SchedulingPolicy,
+    shares: &BTreeMap<String, Share>,
+    waiting: &[Waiting],
+    namespace: &str,
+) -> String {
+    // Fair share decides something only between namespaces that hold or want slices.
+    let contenders: BTreeSet<&str> = shares
+        .iter()
+        .filter(|(_, s)| s.holding > 0)
+        .map(|(ns, _)| ns.as_str())
+        .chain(waiting.iter().map(|w| w.namespace.as_str()))
+        .collect();
     if !matches!(
         policy,
         SchedulingPolicy::Fair | SchedulingPolicy::PriorityFair
-    ) {
+    ) || contenders.len() < 2
+    {
         return String::new();
     }
     let Some(share) = shares.get(namespace) else {
