@@ -14,7 +14,6 @@ use gpuslice_testcluster::{
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
-use kube::api::{Api, PostParams};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -228,7 +227,6 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
     );
     apply(&client, &documents(POOL)).await;
     // Five pods for four slices: four are admitted, one waits in the queue.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     for i in 0..5 {
         let pod: Pod = serde_json::from_value(serde_json::json!({
             "apiVersion": "v1", "kind": "Pod",
@@ -239,28 +237,7 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
             }
         }))
         .unwrap();
-        eventually("a labelled pod is stored gated", || {
-            let (pods, pod) = (pods.clone(), pod.clone());
-            async move {
-                let stored = pods
-                    .create(&PostParams::default(), &pod)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let gated = stored
-                    .spec
-                    .and_then(|s| s.scheduling_gates)
-                    .is_some_and(|g| !g.is_empty());
-                if gated {
-                    return Ok(());
-                }
-                let name = pod.metadata.name.clone().unwrap_or_default();
-                pods.delete(&name, &kube::api::DeleteParams::default().grace_period(0))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Err("stored without the gate".into())
-            }
-        })
-        .await;
+        gpuslice_testcluster::create_gated(&client, &pod).await;
     }
 
     // Prometheus scrapes both as the chart's Services and ServiceMonitors name them.

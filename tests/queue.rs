@@ -265,33 +265,9 @@ impl Harness {
         .await;
     }
 
-    /// Creates a labelled pod, again until the API server (which loads new admission policies
-    /// a moment after they are made) stores it gated.
+    /// Creates a labelled pod, stored gated (see `gpuslice_testcluster::create_gated`).
     async fn create_gated(&self, pod: &Pod) {
-        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
-        eventually("a labelled pod is stored gated", || {
-            let (api, name) = (api.clone(), name.clone());
-            async move {
-                let stored = api
-                    .create(&PostParams::default(), pod)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let gated = stored
-                    .spec
-                    .and_then(|s| s.scheduling_gates)
-                    .is_some_and(|g| g.iter().any(|g| g.name == "gpuslice.io/queue"));
-                if gated {
-                    return Ok(());
-                }
-                api.delete(&name, &DeleteParams::default().grace_period(0))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Err("stored without the gate".to_string())
-            }
-        })
-        .await;
+        gpuslice_testcluster::create_gated(&self.client, pod).await;
     }
 }
 
@@ -695,36 +671,9 @@ spec: {pool: teams, memory: 8Gi}
         .items
         .into_iter()
         .find(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
+        .and_then(|p| p.metadata.name)
         .expect("beta has pods still waiting");
-    let told = waiting_pod
-        .status
-        .and_then(|s| s.conditions)
-        .into_iter()
-        .flatten()
-        .find(|c| c.type_ == "gpuslice.io/Queued")
-        .and_then(|c| c.message)
-        .unwrap_or_default();
-    assert!(
-        told.contains("by fair share, namespace beta holds") && told.contains("at weight 1"),
-        "{told}"
-    );
-    // A waiting pod is told where its namespace stands.
-    let waiting_pod = Api::<Pod>::namespaced(client.clone(), "beta")
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .find(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
-        .expect("beta has pods still waiting");
-    let told = waiting_pod
-        .status
-        .and_then(|s| s.conditions)
-        .into_iter()
-        .flatten()
-        .find(|c| c.type_ == "gpuslice.io/Queued")
-        .and_then(|c| c.message)
-        .unwrap_or_default();
+    let (_, told) = queued(&client, "beta", &waiting_pod).await.unwrap();
     assert!(
         told.contains("by fair share, namespace beta holds") && told.contains("at weight 1"),
         "{told}"
@@ -762,6 +711,21 @@ spec: {pool: teams, memory: 8Gi}
         after >= before,
         "alpha's use was {before} slice-seconds before the restart, {after} after"
     );
+}
+
+/// The reason and message of a pod's `gpuslice.io/Queued` condition, once it has one.
+async fn queued(client: &Client, namespace: &str, name: &str) -> Result<(String, String), String> {
+    let p = Api::<Pod>::namespaced(client.clone(), namespace)
+        .get(name)
+        .await
+        .map_err(|e| e.to_string())?;
+    p.status
+        .and_then(|s| s.conditions)
+        .into_iter()
+        .flatten()
+        .find(|c| c.type_ == "gpuslice.io/Queued")
+        .map(|c| (c.reason.unwrap_or_default(), c.message.unwrap_or_default()))
+        .ok_or_else(|| format!("{namespace}/{name} not told yet"))
 }
 
 /// When the pool `teams` last recorded its namespaces' use, and `namespace`'s slice-seconds.
@@ -829,19 +793,7 @@ spec: {pool: lab, memory: 8Gi, priority: low}
     h.create_gated(&pod("lab-y", "default", "lab-job")).await;
     let place = |name: &'static str| {
         let client = client.clone();
-        async move {
-            let p = Api::<Pod>::namespaced(client, "default")
-                .get(name)
-                .await
-                .map_err(|e| e.to_string())?;
-            p.status
-                .and_then(|s| s.conditions)
-                .into_iter()
-                .flatten()
-                .find(|c| c.type_ == "gpuslice.io/Queued")
-                .and_then(|c| c.message)
-                .ok_or_else(|| format!("{name} not told yet"))
-        }
+        async move { Ok::<String, String>(queued(&client, "default", name).await?.1) }
     };
     // In the window the lab job, though it came last, is first in line.
     eventually("the lab job is first while the window is open", || async {
@@ -911,19 +863,7 @@ spec: {pool: recut, memory: 8Gi}
     h.create_gated(&pod("plain", "default", "job")).await;
     let told = |name: &'static str| {
         let client = client.clone();
-        async move {
-            let p = Api::<Pod>::namespaced(client, "default")
-                .get(name)
-                .await
-                .map_err(|e| e.to_string())?;
-            p.status
-                .and_then(|s| s.conditions)
-                .into_iter()
-                .flatten()
-                .find(|c| c.type_ == "gpuslice.io/Queued")
-                .map(|c| (c.reason.unwrap_or_default(), c.message.unwrap_or_default()))
-                .ok_or_else(|| format!("{name} not told yet"))
-        }
+        async move { queued(&client, "default", name).await }
     };
     // Both slices are free, but the long job would still run at 10:30.
     eventually("the long job waits for the window change", || async {

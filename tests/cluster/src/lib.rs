@@ -855,6 +855,36 @@ pub fn local_get(port: u16, path: &str) -> std::io::Result<(String, String)> {
     ))
 }
 
+/// Creates a pod labelled `gpuslice.io/policy`, again until the API server (which loads new
+/// admission policies a moment after they are made) stores it with the queue's gate.
+pub async fn create_gated(client: &Client, pod: &k8s_openapi::api::core::v1::Pod) {
+    use kube::api::{DeleteParams, PostParams};
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
+    eventually("a labelled pod is stored gated", || {
+        let (api, name) = (api.clone(), name.clone());
+        async move {
+            let stored = api
+                .create(&PostParams::default(), pod)
+                .await
+                .map_err(|e| e.to_string())?;
+            let gated = stored
+                .spec
+                .and_then(|s| s.scheduling_gates)
+                .is_some_and(|g| g.iter().any(|g| g.name == "gpuslice.io/queue"));
+            if gated {
+                return Ok(());
+            }
+            api.delete(&name, &DeleteParams::default().grace_period(0))
+                .await
+                .map_err(|e| e.to_string())?;
+            Err("stored without the gate".to_string())
+        }
+    })
+    .await;
+}
+
 /// A child process (an operator, an agent) killed when the test ends, also when it panics.
 pub struct KillOnDrop(pub Child);
 
