@@ -1,10 +1,15 @@
 //! `gpuslice plan`: what every GPU of an inventory should look like now, the operations that get
-//! it there, and when each pool changes next.
+//! it there, and when each pool changes next; with `--against`, what a change to the pools does
+//! (for a pull request).
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use gpuslice_api::NodeInventory;
+use gpuslice_api::{GpuNode, NodeInventory, SliceClaim};
+use gpuslice_contract::slice::{gpu_slice_id, mig_slice_id};
 use gpuslice_planning::cluster::ClusterPlan;
+use gpuslice_planning::diff::{GpuChange, GpuSide, PlanDiff, PoolChangeKind};
+use gpuslice_planning::transition::Blocker;
 
 /// Why an inventory file cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -17,8 +22,17 @@ pub enum InventoryError {
     },
 }
 
-/// Reads a YAML list of nodes, or a single node.
-pub fn parse_inventory(file: &str, text: &str) -> Result<Vec<NodeInventory>, InventoryError> {
+/// The nodes to plan, and who holds their slices when the inventory came from a cluster.
+#[derive(Debug, Default)]
+pub struct Inventory {
+    pub nodes: Vec<NodeInventory>,
+    /// Node name → the slices held there (`GpuNode.status.claims`).
+    pub claims: BTreeMap<String, Vec<SliceClaim>>,
+}
+
+/// Reads a node (NodeInventory), a YAML list of them, or GpuNodes as
+/// `kubectl get gpunodes -o yaml` prints them (their reported inventory and claims).
+pub fn parse_inventory(file: &str, text: &str) -> Result<Inventory, InventoryError> {
     let invalid = |path: String, message: String| InventoryError::Invalid {
         file: file.to_string(),
         path,
@@ -26,16 +40,51 @@ pub fn parse_inventory(file: &str, text: &str) -> Result<Vec<NodeInventory>, Inv
     };
     let value: serde_yaml::Value =
         serde_yaml::from_str(text).map_err(|e| invalid(".".into(), e.to_string()))?;
-    let by_path = |e: serde_path_to_error::Error<serde_yaml::Error>| {
-        invalid(e.path().to_string(), e.into_inner().to_string())
+    let by_path = |prefix: &str, e: serde_path_to_error::Error<serde_yaml::Error>| {
+        invalid(format!("{prefix}{}", e.path()), e.into_inner().to_string())
     };
-    if value.is_sequence() {
-        serde_path_to_error::deserialize(value).map_err(by_path)
-    } else {
-        serde_path_to_error::deserialize(value)
-            .map(|node| vec![node])
-            .map_err(by_path)
+    let kind = |v: &serde_yaml::Value| v.get("kind").and_then(|k| k.as_str()).map(str::to_string);
+    let (items, prefix): (Vec<serde_yaml::Value>, &str) = match (&value, kind(&value).as_deref()) {
+        (serde_yaml::Value::Sequence(items), _) => (items.clone(), ""),
+        (_, Some("List" | "GpuNodeList")) => (
+            value
+                .get("items")
+                .and_then(|i| i.as_sequence())
+                .cloned()
+                .unwrap_or_default(),
+            "items",
+        ),
+        _ => (vec![value], "single"),
+    };
+    let mut out = Inventory::default();
+    for (i, item) in items.into_iter().enumerate() {
+        let at = match prefix {
+            "single" => String::new(),
+            _ => format!("{prefix}[{i}]."),
+        };
+        if kind(&item).as_deref() == Some("GpuNode") {
+            let node: GpuNode =
+                serde_path_to_error::deserialize(item).map_err(|e| by_path(&at, e))?;
+            let name = node.metadata.name.clone().unwrap_or_default();
+            let status = node.status.unwrap_or_default();
+            let Some(mut inventory) = status.inventory else {
+                return Err(invalid(
+                    format!("{at}status.inventory"),
+                    format!(
+                        "GpuNode {name} has no inventory yet: its agent has not reported; wait for it or leave the node out"
+                    ),
+                ));
+            };
+            inventory.name = name.clone();
+            out.claims.insert(name, status.claims);
+            out.nodes.push(inventory);
+        } else {
+            let node: NodeInventory =
+                serde_path_to_error::deserialize(item).map_err(|e| by_path(&at, e))?;
+            out.nodes.push(node);
+        }
     }
+    Ok(out)
 }
 
 /// The plan for people.
@@ -111,4 +160,264 @@ pub fn has_errors(plan: &ClusterPlan) -> bool {
         .iter()
         .flat_map(|n| &n.gpus)
         .any(|g| g.error.is_some())
+}
+
+/// Who runs on the slices that block a GPU's change: the pods of a ResourceClaim or the
+/// `gpuslice run` process (from the GpuNode's claims), else the processes the inventory lists.
+pub fn blocking_workloads(change: &GpuChange, inventory: &Inventory) -> Vec<String> {
+    let node = inventory.nodes.iter().find(|n| n.name == change.node);
+    let gpu = node.and_then(|n| n.gpus.iter().find(|g| g.index == change.index));
+    let claims = inventory
+        .claims
+        .get(&change.node)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for blocker in &change.blocked_by {
+        let (slices, processes): (Vec<String>, Vec<&gpuslice_api::GpuProcess>) = match blocker {
+            Blocker::Instance {
+                profile, placement, ..
+            } => (
+                vec![mig_slice_id(change.index, placement.start, profile)],
+                gpu.and_then(|g| g.mig.as_ref())
+                    .into_iter()
+                    .flat_map(|m| &m.instances)
+                    .filter(|i| i.placement == *placement)
+                    .flat_map(|i| &i.processes)
+                    .collect(),
+            ),
+            Blocker::Slices { ids } => (
+                ids.clone(),
+                gpu.into_iter()
+                    .flat_map(|g| &g.slices)
+                    .filter(|s| ids.contains(&s.id))
+                    .flat_map(|s| &s.processes)
+                    .collect(),
+            ),
+            Blocker::Gpu => (
+                vec![gpu_slice_id(change.index)],
+                gpu.into_iter().flat_map(|g| &g.processes).collect(),
+            ),
+        };
+        let held: Vec<&SliceClaim> = claims
+            .iter()
+            .filter(|c| slices.contains(&c.slice))
+            .collect();
+        if held.is_empty() {
+            out.extend(processes.iter().map(|p| match &p.name {
+                Some(name) => format!("pid {} ({name})", p.pid),
+                None => format!("pid {}", p.pid),
+            }));
+        }
+        for c in held {
+            let who = if !c.pods.is_empty() {
+                format!("pod {}", c.pods.join(", pod "))
+            } else if let Some(claim) = &c.resource_claim {
+                format!("ResourceClaim {claim}")
+            } else {
+                format!("pid {}", c.pid.unwrap_or_default())
+            };
+            let policy = c
+                .policy
+                .as_ref()
+                .map(|p| format!(", policy {p}"))
+                .unwrap_or_default();
+            out.push(format!("{who} on {}{policy}", c.slice));
+        }
+    }
+    out.dedup();
+    out
+}
+
+fn side(s: &GpuSide) -> String {
+    if let Some(e) = &s.error {
+        return format!("ERROR: {e}");
+    }
+    let Some(pool) = &s.pool else {
+        return "no pool".to_string();
+    };
+    let window = s
+        .window
+        .as_ref()
+        .map(|w| format!(" ({w})"))
+        .unwrap_or_default();
+    match &s.desired {
+        Some(d) => format!("{pool}{window}: {d}"),
+        None => format!("{pool}{window}"),
+    }
+}
+
+fn time(t: &Option<chrono::DateTime<chrono::Utc>>) -> String {
+    t.map_or_else(
+        || "no change ahead".to_string(),
+        |t| t.format("%Y-%m-%d %H:%M UTC").to_string(),
+    )
+}
+
+fn window_now(w: &Option<String>) -> String {
+    w.as_ref()
+        .map_or_else(|| "default layout".to_string(), |w| format!("window {w:?}"))
+}
+
+/// One line per pool change: added/removed, layout, windows, the layout in force now.
+fn pool_lines(diff: &PlanDiff) -> Vec<String> {
+    diff.pools
+        .iter()
+        .map(|p| {
+            let mut what = Vec::new();
+            match p.change {
+                PoolChangeKind::Added => what.push("added".to_string()),
+                PoolChangeKind::Removed => what.push("removed".to_string()),
+                PoolChangeKind::Changed => {}
+            }
+            if p.layout_changed {
+                what.push("default layout changed".into());
+            }
+            if p.settings_changed {
+                what.push("selectors or settings changed".into());
+            }
+            for (label, names) in [
+                ("window added", &p.windows_added),
+                ("window removed", &p.windows_removed),
+                ("window changed", &p.windows_changed),
+            ] {
+                if !names.is_empty() {
+                    what.push(format!("{label}: {}", names.join(", ")));
+                }
+            }
+            if p.window_now.0 != p.window_now.1 {
+                what.push(format!(
+                    "in force now: {} → {}",
+                    window_now(&p.window_now.0),
+                    window_now(&p.window_now.1)
+                ));
+            }
+            if p.next_change.0 != p.next_change.1 {
+                what.push(format!(
+                    "next change: {} → {}",
+                    time(&p.next_change.0),
+                    time(&p.next_change.1)
+                ));
+            }
+            format!("pool {}: {}", p.pool, what.join("; "))
+        })
+        .collect()
+}
+
+fn summary(diff: &PlanDiff) -> String {
+    let blocked = diff
+        .gpus
+        .iter()
+        .filter(|g| !g.blocked_by.is_empty())
+        .count();
+    let errors = diff.head_errors().count();
+    format!(
+        "{} of {} GPUs change, {blocked} of them blocked by running work, {errors} with errors",
+        diff.gpus.len(),
+        diff.gpus_planned
+    )
+}
+
+/// What a change does, for people at a terminal.
+pub fn render_diff(diff: &PlanDiff, inventory: &Inventory, base: &str, head: &str) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "plan {head} against {base} at {}",
+        diff.at.format("%Y-%m-%d %H:%M UTC")
+    );
+    for line in pool_lines(diff) {
+        let _ = writeln!(out, "{line}");
+    }
+    if diff.pools.is_empty() {
+        let _ = writeln!(out, "no pool changes");
+    }
+    for g in &diff.gpus {
+        let _ = writeln!(
+            out,
+            "\nnode {} GPU {} {}: {} → {}",
+            g.node,
+            g.index,
+            g.model,
+            side(&g.base),
+            side(&g.head)
+        );
+        if !g.blocked_by.is_empty() {
+            let what: Vec<String> = g.blocked_by.iter().map(ToString::to_string).collect();
+            let _ = writeln!(
+                out,
+                "  BLOCKED by {}: drained per the CheckpointPolicy first",
+                what.join(", ")
+            );
+            for w in blocking_workloads(g, inventory) {
+                let _ = writeln!(out, "    - {w}");
+            }
+        }
+        for op in &g.ops {
+            let _ = writeln!(out, "  - {op}");
+        }
+    }
+    let _ = writeln!(out, "\n{}", summary(diff));
+    out
+}
+
+/// What a change does, as Markdown for a pull-request comment.
+pub fn render_diff_markdown(
+    diff: &PlanDiff,
+    inventory: &Inventory,
+    base: &str,
+    head: &str,
+) -> String {
+    let cell = |s: &str| s.replace('|', "\\|").replace('\n', " ");
+    let mut out = String::new();
+    let verdict = if diff.head_errors().next().is_some() {
+        "❌ cannot be planned"
+    } else if diff.blocks_on_running_work() {
+        "⚠️ waits for running work to drain"
+    } else if diff.gpus.is_empty() {
+        "✅ changes no GPU now"
+    } else {
+        "✅ applies without draining"
+    };
+    let _ = writeln!(
+        out,
+        "### gpuslice plan: `{}` against `{}` — {verdict}\n",
+        cell(head),
+        cell(base)
+    );
+    let _ = writeln!(
+        out,
+        "Planned at {}. {}.\n",
+        diff.at.format("%Y-%m-%d %H:%M UTC"),
+        summary(diff)
+    );
+    if !diff.pools.is_empty() {
+        let _ = writeln!(out, "**Pools**\n");
+        for line in pool_lines(diff) {
+            let _ = writeln!(out, "- {}", cell(&line));
+        }
+        let _ = writeln!(out);
+    }
+    if !diff.gpus.is_empty() {
+        let _ = writeln!(
+            out,
+            "| Node | GPU | Before | After | Operations | Blocked by |\n|---|---|---|---|---|---|"
+        );
+        for g in &diff.gpus {
+            let mut blocked: Vec<String> = g.blocked_by.iter().map(ToString::to_string).collect();
+            blocked.extend(blocking_workloads(g, inventory));
+            let _ = writeln!(
+                out,
+                "| {} | {} {} | {} | {} | {} | {} |",
+                cell(&g.node),
+                g.index,
+                cell(&g.model),
+                cell(&side(&g.base)),
+                cell(&side(&g.head)),
+                g.ops.len(),
+                cell(&blocked.join("<br>"))
+            );
+        }
+    }
+    out
 }

@@ -3,7 +3,7 @@
 //! the chart's own ServiceAccounts — which proves the roles it grants are enough — until a pool
 //! is Ready on an emulated node.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -20,20 +20,6 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn helm() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("GPUSLICE_HELM") {
-        return Some(PathBuf::from(path));
-    }
-    let out = Command::new("bash")
-        .arg(root().join("tests/helm/build.sh"))
-        .arg("--find")
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-}
-
 struct Reaper(Vec<Child>);
 
 impl Drop for Reaper {
@@ -47,12 +33,7 @@ impl Drop for Reaper {
 
 #[tokio::test]
 async fn the_chart_installs_and_its_roles_are_enough() {
-    let Some(helm) = helm() else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "no helm: run tests/helm/build.sh"
-        );
-        eprintln!("SKIPPED: no helm binary (bash tests/helm/build.sh builds one)");
+    let Some(helm) = gpuslice_testcluster::built_tool("GPUSLICE_HELM", "helm", "") else {
         return;
     };
     let chart = root().join("charts/gpuslice");

@@ -174,3 +174,178 @@ fn a_single_node_file_is_an_inventory_of_one() {
     assert_eq!(gpu0["pool"], "h200-mig");
     assert!(!gpu0["ops"].as_array().unwrap().is_empty(), "{gpu0}");
 }
+
+/// Commits everything in the work tree of `repo` on top of HEAD (if any).
+fn commit_all(repo: &git2::Repository, message: &str) {
+    let mut index = repo.index().unwrap();
+    index
+        .add_all(["*"], git2::IndexAddOption::DEFAULT, None)
+        .unwrap();
+    index.write().unwrap();
+    let tree = repo.find_tree(index.write_tree().unwrap()).unwrap();
+    let sig = git2::Signature::now("platform team", "platform@example.com").unwrap();
+    let parent = repo.head().ok().map(|h| h.peel_to_commit().unwrap());
+    repo.commit(
+        Some("HEAD"),
+        &sig,
+        &sig,
+        message,
+        &tree,
+        &parent.iter().collect::<Vec<_>>(),
+    )
+    .unwrap();
+}
+
+/// The cluster's GpuNodes as `kubectl get gpunodes -o yaml` prints them: node h200-a, MIG in the
+/// day layout of the example pool on both GPUs; a pod's claim holds GPU 0's 3g.71gb.
+const GPUNODES: &str = "
+apiVersion: v1
+kind: List
+items:
+- apiVersion: gpuslice.io/v1alpha1
+  kind: GpuNode
+  metadata: {name: h200-a, generation: 4}
+  spec: {}
+  status:
+    appliedGeneration: 4
+    inventory:
+      name: h200-a
+      labels: {gpuslice.io/pool: h200-mig}
+      gpus:
+      - index: 0
+        model: NVIDIA H200
+        mig:
+          enabled: true
+          instances:
+          - {profile: 3g.71gb, placement: {start: 0, size: 4}, processes: [{pid: 0, name: claim on gpu0-mig0-3g.71gb}]}
+          - {profile: 2g.35gb, placement: {start: 4, size: 2}}
+          - {profile: 1g.18gb, placement: {start: 6, size: 1}}
+          - {profile: 1g.18gb, placement: {start: 7, size: 1}}
+      - index: 1
+        model: NVIDIA H200
+        mig:
+          enabled: true
+          instances:
+          - {profile: 3g.71gb, placement: {start: 0, size: 4}}
+          - {profile: 2g.35gb, placement: {start: 4, size: 2}}
+          - {profile: 1g.18gb, placement: {start: 6, size: 1}}
+          - {profile: 1g.18gb, placement: {start: 7, size: 1}}
+    claims:
+    - {slice: gpu0-mig0-3g.71gb, resourceClaim: serving/llm-0-gpu, pods: [serving/llm-0], policy: llm-inference}
+";
+
+fn plan_against(repo: &Path, nodes: &Path, extra: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(BIN)
+        .arg("plan")
+        .arg(repo)
+        .args(["--path", "gitops", "--nodes"])
+        .arg(nodes)
+        .args(["--at", "2026-12-04T12:00:00Z"])
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_pull_request_is_planned_against_its_base_naming_the_gpus_it_recuts_and_the_pods_in_the_way() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo_dir = dir.path().join("gpu-config");
+    let repo = git2::Repository::init(&repo_dir).unwrap();
+    gpuslice_testcluster::copy_dir(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gitops"),
+        &repo_dir.join("gitops"),
+    );
+    commit_all(&repo, "base");
+    let nodes = dir.path().join("gpunodes.yaml");
+    std::fs::write(&nodes, GPUNODES).unwrap();
+
+    // The same revision changes nothing.
+    let (code, text, err) = plan_against(&repo_dir, &nodes, &["--against", "HEAD"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        text.contains("no pool changes") && text.contains("0 of 2 GPUs change"),
+        "{text}"
+    );
+
+    // The pull request opens the weekday night window (whole GPUs) at 11:00 Berlin instead of 22:00:
+    // at 13:00 Berlin both GPUs are re-cut now, and GPU 0's 3g.71gb is held by a pod.
+    let pool = repo_dir.join("gitops/pools/h200-mig.yaml");
+    let text = std::fs::read_to_string(&pool).unwrap();
+    std::fs::write(
+        &pool,
+        text.replacen("start: \"22:00\"", "start: \"11:00\"", 1),
+    )
+    .unwrap();
+    let (code, md, err) = plan_against(&repo_dir, &nodes, &["--against", "HEAD", "-o", "markdown"]);
+    assert_eq!(
+        code,
+        Some(2),
+        "exit 2: it would wait for running work\n{md}{err}"
+    );
+    for expected in [
+        "waits for running work to drain",
+        "window changed: night",
+        "in force now: default layout → window \"night\"",
+        "| h200-a | 0 NVIDIA H200 | h200-mig: MIG 2 × 1g.18gb + 1 × 2g.35gb + 1 × 3g.71gb | h200-mig (night): MIG 1 × 7g.141gb | 5 | busy 3g.71gb at slices 0-3<br>pod serving/llm-0 on gpu0-mig0-3g.71gb, policy llm-inference |",
+        "| h200-a | 1 NVIDIA H200 |",
+        "2 of 2 GPUs change, 1 of them blocked by running work, 0 with errors",
+    ] {
+        assert!(md.contains(expected), "missing {expected:?} in\n{md}");
+    }
+    let (_, json, _) = plan_against(&repo_dir, &nodes, &["--against", "HEAD", "-o", "json"]);
+    let diff: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(diff["gpus"].as_array().unwrap().len(), 2);
+    assert_eq!(diff["gpus"][1]["head"]["window"], "night");
+    assert_eq!(diff["gpus"][1]["blockedBy"], Value::Array(vec![]));
+
+    // Committed, the head can be named as a revision too; with the pod gone it applies at once.
+    commit_all(&repo, "night from 11:00");
+    let idle = dir.path().join("idle.yaml");
+    std::fs::write(
+        &idle,
+        GPUNODES
+            .replace(", processes: [{pid: 0, name: claim on gpu0-mig0-3g.71gb}]", "")
+            .replace(
+                "    claims:\n    - {slice: gpu0-mig0-3g.71gb, resourceClaim: serving/llm-0-gpu, pods: [serving/llm-0], policy: llm-inference}\n",
+                "",
+            ),
+    )
+    .unwrap();
+    let (code, text, err) =
+        plan_against(&repo_dir, &idle, &["--ref", "HEAD", "--against", "HEAD~1"]);
+    assert_eq!(code, Some(0), "{text}{err}");
+    assert!(text.contains("plan HEAD against HEAD~1"), "{text}");
+    assert!(
+        text.contains("2 of 2 GPUs change, 0 of them blocked"),
+        "{text}"
+    );
+
+    // A head that does not validate is not planned; the error names the file and field.
+    let text = std::fs::read_to_string(&pool).unwrap();
+    std::fs::write(&pool, text.replacen("3g.71gb: 1", "3g.71gb: 0", 1)).unwrap();
+    let (code, _, err) = plan_against(&repo_dir, &idle, &["--against", "HEAD"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("h200-mig.yaml:") && err.contains("spec.layout.mig.profiles"),
+        "{err}"
+    );
+
+    // A GpuNode whose agent has not reported cannot be planned; the error says which and why.
+    std::fs::write(
+        &idle,
+        "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: gpuslice.io/v1alpha1, kind: GpuNode, metadata: {name: new-node}, spec: {}}\n",
+    )
+    .unwrap();
+    let (code, _, err) = plan_against(&repo_dir, &idle, &["--against", "HEAD~1"]);
+    assert_ne!(code, Some(0));
+    assert!(
+        err.contains("items[0].status.inventory")
+            && err.contains("GpuNode new-node has no inventory yet"),
+        "{err}"
+    );
+}

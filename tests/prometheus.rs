@@ -5,29 +5,18 @@
 //! error, the ones that describe what runs return series, `promtool` accepts the rules, and the
 //! alerts fire when a pool is Degraded and when the agent is down.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use gpuslice_testcluster::{
-    Components, ControlPlane, KillOnDrop, eventually, free_port, local_get,
+    Components, ControlPlane, KillOnDrop, built_tool, eventually, free_port, local_get,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn tool(env: &str, hint: &str) -> Option<PathBuf> {
-    match std::env::var_os(env) {
-        Some(p) => Some(PathBuf::from(p)),
-        None => {
-            assert!(std::env::var_os("CI").is_none(), "{env} unset: {hint}");
-            eprintln!("SKIPPED: {env} unset ({hint})");
-            None
-        }
-    }
 }
 
 fn documents(text: &str) -> Vec<serde_json::Value> {
@@ -95,13 +84,10 @@ const MAY_BE_EMPTY: [&str; 3] = [
 
 #[tokio::test]
 async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
-    let Some(prometheus) = tool(
-        "GPUSLICE_PROMETHEUS_DIR",
-        "bash tests/prometheus/build.sh builds Prometheus and promtool",
-    ) else {
+    let Some(prometheus) = built_tool("GPUSLICE_PROMETHEUS_DIR", "prometheus", "") else {
         return;
     };
-    let Some(helm) = tool("GPUSLICE_HELM", "bash tests/helm/build.sh builds helm") else {
+    let Some(helm) = built_tool("GPUSLICE_HELM", "helm", "") else {
         return;
     };
     let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {

@@ -5,7 +5,7 @@
 //! free slices, in the pool's order (priority first), each onto the node its placement engine
 //! picks, and tells the others their place and why they wait.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
@@ -17,20 +17,6 @@ const CLOCK: &str = "2026-12-02T10:00:00Z";
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn helm() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("GPUSLICE_HELM") {
-        return Some(PathBuf::from(path));
-    }
-    let out = Command::new("bash")
-        .arg(root().join("tests/helm/build.sh"))
-        .arg("--find")
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
 async fn apply(client: &Client, docs: &[serde_json::Value]) {
@@ -153,14 +139,7 @@ fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
 
 impl Harness {
     async fn start(clock: &str, node: &str, pool: &str, cpu: &str, gpus: u32) -> Option<Harness> {
-        let Some(helm) = helm() else {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "no helm: run tests/helm/build.sh"
-            );
-            eprintln!("SKIPPED: no helm binary (bash tests/helm/build.sh builds one)");
-            return None;
-        };
+        let helm = gpuslice_testcluster::built_tool("GPUSLICE_HELM", "helm", "")?;
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
         let client = cluster.client().await.unwrap();
         gpuslice_testcluster::install_crds(&client, &root().join("crds"))
@@ -859,8 +838,6 @@ spec: {pool: recut, memory: 8Gi}
     };
     h.create_gated(&with_run_time("long", "2h")).await;
     h.create_gated(&with_run_time("typo", "soon")).await;
-    h.create_gated(&with_run_time("short", "20m")).await;
-    h.create_gated(&pod("plain", "default", "job")).await;
     let told = |name: &'static str| {
         let client = client.clone();
         async move { queued(&client, "default", name).await }
@@ -884,7 +861,10 @@ spec: {pool: recut, memory: 8Gi}
         },
     )
     .await;
-    // The short job and the one that declares nothing take the two slices.
+    // The short job and the one that declares nothing take the two slices. They come after the
+    // checks above: once they hold both slices, the long job waits for a free slice (NoSliceFits).
+    h.create_gated(&with_run_time("short", "20m")).await;
+    h.create_gated(&pod("plain", "default", "job")).await;
     eventually("the short and the plain job are bound", || {
         let client = client.clone();
         async move {

@@ -58,22 +58,9 @@ fn the_examples_pass_warning_only_about_fields_not_enforced_yet() {
 /// Copies the examples and one broken file into a fresh folder.
 fn with_examples(broken: &Path) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
-    copy_dir(&repo_path("examples/gitops"), &tmp.path().join("gitops"));
+    gpuslice_testcluster::copy_dir(&repo_path("examples/gitops"), &tmp.path().join("gitops"));
     std::fs::copy(broken, tmp.path().join(broken.file_name().unwrap())).unwrap();
     tmp
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
 }
 
 /// `# expect: <field path> | <text in the message>` lines at the top of a corpus file.
@@ -187,7 +174,7 @@ fn every_broken_document_fails_with_its_field_and_reason() {
 #[test]
 fn all_problems_of_a_repository_are_reported_in_one_run() {
     let tmp = tempfile::tempdir().unwrap();
-    copy_dir(&repo_path("examples/gitops"), &tmp.path().join("gitops"));
+    gpuslice_testcluster::copy_dir(&repo_path("examples/gitops"), &tmp.path().join("gitops"));
     let corpus = repo_path("tests/corpus/invalid");
     for name in [
         "pool-unknown-time-zone.yaml",
@@ -242,7 +229,7 @@ fn git(dir: &Path, args: &[&str]) {
 fn reads_a_ref_and_sub_folder_of_a_git_repository_locally_and_by_url() {
     let tmp = tempfile::tempdir().unwrap();
     let repo = tmp.path().join("config");
-    copy_dir(&repo_path("examples/gitops"), &repo.join("clusters/prod"));
+    gpuslice_testcluster::copy_dir(&repo_path("examples/gitops"), &repo.join("clusters/prod"));
     std::fs::write(repo.join("README.md"), "not yaml\n").unwrap();
     git(&repo, &["init", "-q"]);
     git(&repo, &["add", "."]);

@@ -117,6 +117,46 @@ pub fn locate_binaries() -> Result<PathBuf, Error> {
     }
 }
 
+/// A tool that one of `tests/<dir>/build.sh` builds and caches: `name` in the folder (or the file,
+/// when `name` is empty) that `env` names or the build script prints. `None` (the test skips) when it is not built; under CI that is a
+/// failure, so that a missing tool never passes silently.
+pub fn built_tool(env: &str, dir: &str, name: &str) -> Option<PathBuf> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../{dir}/build.sh"));
+    let found = std::env::var_os(env).map(PathBuf::from).or_else(|| {
+        Command::new("bash")
+            .arg(&script)
+            .arg("--find")
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    });
+    let hint = format!("run `bash tests/{dir}/build.sh` once or set {env}");
+    match found {
+        Some(dir) if name.is_empty() => Some(dir),
+        Some(dir) => Some(dir.join(name)),
+        None => {
+            assert!(std::env::var_os("CI").is_none(), "{env} unset: {hint}");
+            eprintln!("SKIPPED: {env} unset ({hint})");
+            None
+        }
+    }
+}
+
+/// Copies a folder tree (a test's own copy of the examples).
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
 struct Process {
     name: &'static str,
     child: Child,
