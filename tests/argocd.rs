@@ -3,10 +3,14 @@
 //! `tests/argocd/build.sh`) on a status fixture for every condition combination the operator and
 //! the agent write; and the example GitOps folder's sync waves.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
-use gpuslice_testcluster::built_tool;
+use gpuslice_api::GpuNode;
+use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, built_tool, free_port};
+use kube::Client;
+use kube::api::{Api, ApiResource, DynamicObject};
 
 const KINDS: [&str; 3] = ["GpuPool", "GpuSlicePolicy", "GpuNode"];
 
@@ -129,4 +133,568 @@ fn argo_cd_shows_the_health_the_operator_reports_for_each_of_our_kinds() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert!(checked >= 20, "only {checked} fixtures");
+}
+
+/// A process whose output goes to `<dir>/<name>.log` (shown when the test fails).
+fn spawn_logged(dir: &Path, name: &str, command: &mut Command) -> KillOnDrop {
+    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+    KillOnDrop(
+        command
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}")),
+    )
+}
+
+fn tail_logs(dir: &Path) -> String {
+    let mut out = String::new();
+    for name in [
+        "git-daemon",
+        "redis",
+        "repo-server",
+        "application-controller",
+        "operator",
+        "agent-h200",
+        "agent-a100",
+    ] {
+        let text = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        out.push_str(&format!("----- {name} -----\n"));
+        for l in &lines[lines.len().saturating_sub(25)..] {
+            out.push_str(l);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+fn wait_port(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "nothing listens on port {port}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The Application's sync status, health status and health message of `kind/name` among its
+/// resources, and the last operation's phase and message.
+#[derive(Clone, Debug, Default)]
+struct AppState {
+    sync: String,
+    health: String,
+    revision: String,
+    operation: String,
+    operation_revision: String,
+    operation_message: String,
+    resources: Vec<(String, String, String, String)>,
+}
+
+async fn app_state(apps: &Api<DynamicObject>) -> Result<AppState, String> {
+    let app = apps
+        .get("gpuslice-config")
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = &app.data["status"];
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+    Ok(AppState {
+        sync: text(&status["sync"]["status"]),
+        health: text(&status["health"]["status"]),
+        revision: text(&status["sync"]["revision"]),
+        operation: text(&status["operationState"]["phase"]),
+        operation_revision: text(&status["operationState"]["syncResult"]["revision"]),
+        operation_message: text(&status["operationState"]["message"]),
+        resources: status["resources"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                (
+                    text(&r["kind"]),
+                    text(&r["name"]),
+                    text(&r["health"]["status"]),
+                    text(&r["health"]["message"]),
+                )
+            })
+            .collect(),
+    })
+}
+
+fn head_of(repo: &git2::Repository) -> String {
+    repo.head()
+        .unwrap()
+        .peel_to_commit()
+        .unwrap()
+        .id()
+        .to_string()
+}
+
+/// Commits the work tree of the served repository (what a merged pull request pushes).
+fn push(repo: &git2::Repository, message: &str) -> String {
+    let mut index = repo.index().unwrap();
+    index
+        .add_all(["*"], git2::IndexAddOption::DEFAULT, None)
+        .unwrap();
+    index.write().unwrap();
+    let tree = repo.find_tree(index.write_tree().unwrap()).unwrap();
+    let sig = git2::Signature::now("platform team", "platform@example.com").unwrap();
+    let parent = repo.head().ok().map(|h| h.peel_to_commit().unwrap());
+    repo.commit(
+        Some("HEAD"),
+        &sig,
+        &sig,
+        message,
+        &tree,
+        &parent.iter().collect::<Vec<_>>(),
+    )
+    .unwrap()
+    .to_string()
+}
+
+const CLOCK: &str = "2026-12-02T10:00:00Z";
+
+#[tokio::test]
+async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
+    let Some(argocd) = built_tool("GPUSLICE_ARGOCD_DIR", "argocd", "") else {
+        return;
+    };
+    let Some(helm) = built_tool("GPUSLICE_HELM", "helm", "") else {
+        return;
+    };
+    let Some(redis) = which("redis-server") else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no redis-server (Debian: apt-get install redis-server)"
+        );
+        eprintln!("SKIPPED: no redis-server");
+        return;
+    };
+    let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
+        return;
+    };
+    let client = cluster.client().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
+        .await
+        .unwrap();
+    gpuslice_testcluster::install_crds(&client, &argocd.join("crds"))
+        .await
+        .unwrap();
+    gpuslice_testcluster::ensure_namespace(&client, "argocd")
+        .await
+        .unwrap();
+
+    // The repository a platform team keeps: a copy of examples/gitops, served by git daemon.
+    let served = dir.path().join("git");
+    let repo_dir = served.join("gpu-config");
+    let repo = git2::Repository::init(&repo_dir).unwrap();
+    repo.set_head("refs/heads/main").unwrap();
+    gpuslice_testcluster::copy_dir(&root().join("examples/gitops"), &repo_dir.join("gitops"));
+    push(&repo, "gpu pools");
+    let git_port = free_port().unwrap();
+    let _git = spawn_logged(
+        &logs,
+        "git-daemon",
+        Command::new("git")
+            .args([
+                "daemon",
+                "--reuseaddr",
+                "--export-all",
+                "--listen=127.0.0.1",
+            ])
+            .arg(format!("--port={git_port}"))
+            .arg(format!("--base-path={}", served.display()))
+            .arg(&served),
+    );
+    wait_port(git_port);
+
+    // Argo CD: redis, the repo server and the application controller, against the test API
+    // server (ARGOCD_FAKE_IN_CLUSTER: the in-cluster destination is the kubeconfig's).
+    let redis_port = free_port().unwrap();
+    let _redis = spawn_logged(
+        &logs,
+        "redis",
+        Command::new(redis)
+            .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+            .args(["--port", &redis_port.to_string()])
+            .arg("--dir")
+            .arg(dir.path()),
+    );
+    wait_port(redis_port);
+    let rendered = Command::new(&helm)
+        .args(["template", "gpuslice"])
+        .arg(root().join("charts/gpuslice"))
+        .args([
+            "--set",
+            "argocd.healthChecks.enabled=true",
+            "--show-only",
+            "templates/argocd-health.yaml",
+        ])
+        .output()
+        .unwrap();
+    assert!(rendered.status.success());
+    let mut argocd_cm: serde_json::Value = serde_yaml::from_slice(&rendered.stdout).unwrap();
+    // Argo CD's own settings of a test install: our health checks merged in as a platform team
+    // would (see the chart's values).
+    argocd_cm["data"]["timeout.reconciliation"] = "5s".into();
+    let setup: Vec<serde_json::Value> = vec![
+        argocd_cm,
+        serde_json::json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "argocd-secret", "namespace": "argocd",
+                "labels": {"app.kubernetes.io/part-of": "argocd"}},
+            "stringData": {"server.secretkey": "gpuslice-test"}}),
+        serde_json::json!({"apiVersion": "argoproj.io/v1alpha1", "kind": "AppProject",
+            "metadata": {"name": "default", "namespace": "argocd"},
+            "spec": {"sourceRepos": ["*"],
+                "destinations": [{"server": "*", "namespace": "*"}],
+                "clusterResourceWhitelist": [{"group": "*", "kind": "*"}]}}),
+    ];
+    apply(&client, &setup).await;
+    let repo_port = free_port().unwrap();
+    let argocd_env = |c: &mut Command| {
+        c.env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("ARGOCD_FAKE_IN_CLUSTER", "true")
+            .env("ARGOCD_GPG_ENABLED", "false")
+            .env("HOME", dir.path())
+            .env("TMPDIR", dir.path());
+    };
+    let mut repo_server = Command::new(argocd.join("argocd-repo-server"));
+    argocd_env(&mut repo_server);
+    let _repo_server = spawn_logged(
+        &logs,
+        "repo-server",
+        repo_server
+            .args(["--disable-tls", "--address", "127.0.0.1"])
+            .args(["--port", &repo_port.to_string()])
+            .args(["--metrics-port", &free_port().unwrap().to_string()])
+            .args(["--redis", &format!("127.0.0.1:{redis_port}")])
+            .args(["--revision-cache-expiration", "1s"]),
+    );
+    wait_port(repo_port);
+    let mut controller = Command::new(argocd.join("argocd-application-controller"));
+    argocd_env(&mut controller);
+    let _controller = spawn_logged(
+        &logs,
+        "application-controller",
+        controller
+            .arg("--kubeconfig")
+            .arg(cluster.kubeconfig_path())
+            .args(["--namespace", "argocd", "--repo-server-plaintext"])
+            .args(["--repo-server", &format!("127.0.0.1:{repo_port}")])
+            .args(["--redis", &format!("127.0.0.1:{redis_port}")])
+            .args(["--metrics-port", &free_port().unwrap().to_string()])
+            .args(["--app-resync", "5", "--app-resync-jitter", "0"])
+            .args(["--self-heal-timeout-seconds", "1"])
+            // Argo CD 3 keeps resource health out of the Application unless asked.
+            .arg("--persist-resource-health"),
+    );
+
+    // gpuslice: the operator and one agent per kwok node with emulated GPUs.
+    let bin = env!("CARGO_BIN_EXE_gpuslice");
+    let mut gpuslice = Vec::new();
+    let mut operator = Command::new(bin);
+    operator
+        .arg("operator")
+        .env("KUBECONFIG", cluster.kubeconfig_path())
+        .env("GPUSLICE_CLOCK_START", CLOCK);
+    gpuslice.push(spawn_logged(&logs, "operator", &mut operator));
+    for (node, pool, model) in [
+        ("h200", "h200-mig", "NVIDIA H200"),
+        ("a100", "shared-a100", "NVIDIA A100-SXM4-80GB"),
+    ] {
+        cluster
+            .create_node(node, &[("gpuslice.io/pool", pool)], &[])
+            .await
+            .unwrap();
+        let node_file = dir.path().join(format!("{node}.yaml"));
+        std::fs::write(
+            &node_file,
+            format!("name: {node}\ngpus:\n- {{index: 0, model: {model}}}\n"),
+        )
+        .unwrap();
+        let mut agent = Command::new(bin);
+        agent
+            .args([
+                "agent",
+                "--kube",
+                "--apply",
+                "--interval",
+                "2s",
+                "--emulate",
+            ])
+            .arg(&node_file)
+            .arg("--state")
+            .arg(dir.path().join(format!("state-{node}")))
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("GPUSLICE_CLOCK_START", CLOCK);
+        gpuslice.push(spawn_logged(&logs, &format!("agent-{node}"), &mut agent));
+    }
+
+    // The Application, automated, as examples/gitops/argocd/application.yaml declares it, with
+    // the served repository. The workloads stay out: their pods need the chart's admission
+    // policies and DRA, which tests/dra.rs covers.
+    let mut application: serde_json::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(root().join("examples/gitops/argocd/application.yaml")).unwrap(),
+    )
+    .unwrap();
+    application["spec"]["source"]["repoURL"] =
+        format!("git://127.0.0.1:{git_port}/gpu-config").into();
+    application["spec"]["source"]["path"] = "gitops".into();
+    application["spec"]["source"]["directory"]["exclude"] = "{argocd/*,workloads/*}".into();
+    let applications = ApiResource {
+        group: "argoproj.io".into(),
+        version: "v1alpha1".into(),
+        api_version: "argoproj.io/v1alpha1".into(),
+        kind: "Application".into(),
+        plural: "applications".into(),
+    };
+    let apps: Api<DynamicObject> = Api::namespaced_with(client.clone(), "argocd", &applications);
+    let started = Instant::now();
+    apply(&client, &[application]).await;
+    let first = head_of(&repo);
+    let state = poll(Duration::from_secs(240), || {
+        healthy_at(&apps, first.clone())
+    })
+    .await
+    .unwrap_or_else(|last| {
+        panic!(
+            "the first sync did not turn Healthy; last: {last}\n{}",
+            tail_logs(&logs)
+        )
+    });
+    let first_sync = started.elapsed();
+    // Waves: the policies (wave 3) were applied once the pools (wave 2) were Healthy, that is,
+    // once the agents had cut the GPUs; every object of the folder synced on the first try.
+    assert_eq!(state.operation, "Succeeded", "{state:?}");
+    let health_of = |s: &AppState, kind: &str, name: &str| {
+        s.resources
+            .iter()
+            .find(|r| r.0 == kind && r.1 == name)
+            .map(|r| (r.2.clone(), r.3.clone()))
+            .unwrap_or_default()
+    };
+    for (kind, name) in [
+        ("GpuPool", "h200-mig"),
+        ("GpuPool", "shared-a100"),
+        ("GpuSlicePolicy", "llm-inference"),
+        ("GpuSlicePolicy", "bert-finetune"),
+        ("GpuSlicePolicy", "notebook"),
+    ] {
+        assert_eq!(
+            health_of(&state, kind, name).0,
+            "Healthy",
+            "{kind} {name}: {state:?}"
+        );
+    }
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    let slices_on = |node: &'static str| {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let n = gpu_nodes.get(node).await.map_err(|e| e.to_string())?;
+            let gpu = n
+                .status
+                .and_then(|s| s.inventory)
+                .and_then(|i| i.gpus.into_iter().next())
+                .ok_or("no inventory")?;
+            let mut cut: Vec<String> = gpu
+                .slices
+                .iter()
+                .map(|s| format!("{}@{}%", s.memory.0, s.compute))
+                .chain(
+                    gpu.mig
+                        .iter()
+                        .flat_map(|m| &m.instances)
+                        .map(|i| i.profile.clone()),
+                )
+                .collect();
+            cut.sort();
+            Ok::<_, String>(cut)
+        }
+    };
+    assert_eq!(
+        slices_on("a100").await.unwrap(),
+        ["20Gi@25%", "20Gi@25%", "20Gi@25%", "20Gi@25%"]
+    );
+    let h200_day = slices_on("h200").await.unwrap();
+    assert_eq!(h200_day, ["1g.18gb", "1g.18gb", "2g.35gb", "3g.71gb"]);
+
+    // A merged change: the A100 pool goes to two slices. Push → Argo CD syncs → the operator →
+    // the agent re-cuts → the pool and the Application are Healthy again.
+    let pool_file = repo_dir.join("gitops/pools/shared-a100.yaml");
+    let original = std::fs::read_to_string(&pool_file).unwrap();
+    let edit = |from: &str, to: &str| {
+        let text = std::fs::read_to_string(&pool_file).unwrap();
+        assert!(text.contains(from), "{from}");
+        std::fs::write(&pool_file, text.replacen(from, to, 1)).unwrap();
+    };
+    edit(
+        "software: {slices: 4, memory: 20Gi, compute: 25}",
+        "software: {slices: 2, memory: 40Gi, compute: 50}",
+    );
+    let pushed = Instant::now();
+    let change = push(&repo, "shared-a100: two slices by day");
+    poll(Duration::from_secs(180), || {
+        healthy_at(&apps, change.clone())
+    })
+    .await
+    .unwrap_or_else(|last| {
+        panic!(
+            "the change did not turn Healthy; last: {last}\n{}",
+            tail_logs(&logs)
+        )
+    });
+    let push_to_healthy = pushed.elapsed();
+    // Healthy means done: the agent has already re-cut the GPU.
+    assert_eq!(slices_on("a100").await.unwrap(), ["40Gi@50%", "40Gi@50%"]);
+
+    // A commit the operator marks Degraded (a layout no A100 can hold): the Application shows
+    // Degraded with the operator's message, and the GPU keeps the layout it had.
+    edit(
+        "software: {slices: 2, memory: 40Gi, compute: 50}",
+        "software: {slices: 2, memory: 60Gi, compute: 50}",
+    );
+    let pushed = Instant::now();
+    let broken = push(&repo, "shared-a100: slices too big");
+    let degraded = poll(Duration::from_secs(180), || {
+        let apps = apps.clone();
+        let broken = broken.clone();
+        async move {
+            let s = app_state(&apps).await?;
+            (s.revision == broken && s.health == "Degraded")
+                .then_some(s.clone())
+                .ok_or(format!("{s:?}"))
+        }
+    })
+    .await
+    .unwrap_or_else(|last| {
+        panic!(
+            "the bad layout did not show Degraded; last: {last}\n{}",
+            tail_logs(&logs)
+        )
+    });
+    let broken_to_degraded = pushed.elapsed();
+    let (health, message) = health_of(&degraded, "GpuPool", "shared-a100");
+    assert_eq!(health, "Degraded", "{degraded:?}");
+    assert!(
+        message.contains("GPU 0") && message.contains("60Gi"),
+        "{message}"
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(slices_on("a100").await.unwrap(), ["40Gi@50%", "40Gi@50%"]);
+
+    // A commit the API server refuses (two layouts at once): the sync fails naming the rule;
+    // the live pool and the GPU stay as they were.
+    edit(
+        "software: {slices: 2, memory: 60Gi, compute: 50}",
+        "software: {slices: 2, memory: 40Gi, compute: 50}\n    exclusive: {}",
+    );
+    let pushed = Instant::now();
+    let refused = push(&repo, "shared-a100: two layouts");
+    let failed = poll(Duration::from_secs(180), || {
+        let apps = apps.clone();
+        let refused = refused.clone();
+        async move {
+            let s = app_state(&apps).await?;
+            // The first failed attempt (Argo CD retries twice, see application.yaml).
+            (s.operation_revision == refused
+                && s.operation_message
+                    .contains("set exactly one of mig, software or exclusive"))
+            .then_some(s.clone())
+            .ok_or(format!("{s:?}"))
+        }
+    })
+    .await
+    .unwrap_or_else(|last| {
+        panic!(
+            "the refused commit did not fail its sync; last: {last}\n{}",
+            tail_logs(&logs)
+        )
+    });
+    let refused_to_failed = pushed.elapsed();
+    assert_eq!(failed.sync, "OutOfSync", "{failed:?}");
+    assert_ne!(failed.operation, "Succeeded", "{failed:?}");
+    assert_eq!(slices_on("a100").await.unwrap(), ["40Gi@50%", "40Gi@50%"]);
+
+    // The revert heals it.
+    std::fs::write(&pool_file, &original).unwrap();
+    let pushed = Instant::now();
+    let revert = push(&repo, "revert shared-a100");
+    poll(Duration::from_secs(180), || {
+        healthy_at(&apps, revert.clone())
+    })
+    .await
+    .unwrap_or_else(|last| {
+        panic!(
+            "the revert did not turn Healthy; last: {last}\n{}",
+            tail_logs(&logs)
+        )
+    });
+    let revert_to_healthy = pushed.elapsed();
+    assert_eq!(
+        slices_on("a100").await.unwrap(),
+        ["20Gi@25%", "20Gi@25%", "20Gi@25%", "20Gi@25%"]
+    );
+    assert_eq!(
+        slices_on("h200").await.unwrap(),
+        h200_day,
+        "the other pool never moved"
+    );
+    eprintln!(
+        "Argo CD timings: first sync → Healthy {:.1} s; push → Healthy {:.1} s; \
+         bad layout → Degraded {:.1} s; refused commit → sync Failed {:.1} s; revert → Healthy {:.1} s",
+        first_sync.as_secs_f64(),
+        push_to_healthy.as_secs_f64(),
+        broken_to_degraded.as_secs_f64(),
+        refused_to_failed.as_secs_f64(),
+        revert_to_healthy.as_secs_f64()
+    );
+}
+
+/// The Application once it is Synced to `revision` and Healthy; else its state, as the error.
+async fn healthy_at(apps: &Api<DynamicObject>, revision: String) -> Result<AppState, String> {
+    let s = app_state(apps).await?;
+    if s.sync == "Synced" && s.health == "Healthy" && s.revision == revision {
+        Ok(s)
+    } else {
+        Err(format!("{s:?}"))
+    }
+}
+
+/// Calls `check` every 250 ms until it returns `Ok` or `timeout` passes (then the last `Err`).
+async fn poll<T, F, Fut>(timeout: Duration, mut check: F) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        match check().await {
+            Ok(v) => return Ok(v),
+            Err(last) if Instant::now() > deadline => return Err(last),
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(program))
+            .find(|p| p.is_file())
+    })
+}
+
+async fn apply(client: &Client, docs: &[serde_json::Value]) {
+    let discovery = kube::discovery::Discovery::new(client.clone())
+        .run()
+        .await
+        .unwrap();
+    for doc in docs {
+        gpuslice_testcluster::apply_document(client, &discovery, doc, false)
+            .await
+            .unwrap_or_else(|| panic!("no such kind: {doc}"))
+            .unwrap_or_else(|e| panic!("{}: {e}", doc["metadata"]["name"]));
+    }
 }

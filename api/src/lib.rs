@@ -33,7 +33,7 @@ pub use pool::{
     Compaction, FairShareStatus, FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector,
     IoLimits, LocalCache, NamespaceUsage, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,
 };
-pub use quantity::{QuantityError, Size, bytes_of};
+pub use quantity::{QuantityError, Size, bytes_of, format_bytes};
 pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};
 
 /// The API group of every gpuslice kind.

@@ -269,6 +269,13 @@ pub fn plan_assigned(gpu: &GpuInventory, assignment: Assignment<'_>) -> GpuPlan 
         error: None,
     };
     let model = catalog::model(&gpu.model).ok();
+    if let Some(message) = software_overflow(assignment.layout, model, gpu) {
+        out.error = Some(GpuPlanError::Layout {
+            pool: assignment.pool.to_string(),
+            message,
+        });
+        return out;
+    }
     let result = Desired::of(assignment.layout, model, &gpu.model).and_then(|desired| {
         let p = transition::plan(model, &GpuState::from_inventory(gpu), &desired)?;
         Ok((desired, p))
@@ -287,6 +294,37 @@ pub fn plan_assigned(gpu: &GpuInventory, assignment: Assignment<'_>) -> GpuPlan 
         }
     }
     out
+}
+
+/// Why software slices cannot be cut on a GPU: together they would cap more memory than it has
+/// (the catalog's figure for its model, as `validate` checks, else what NVML reported).
+fn software_overflow(
+    layout: &Layout,
+    model: Option<&catalog::GpuModel>,
+    gpu: &GpuInventory,
+) -> Option<String> {
+    let gpuslice_api::LayoutKind::Software(s) = layout.kind()? else {
+        return None;
+    };
+    let memory = s.memory.bytes().ok()?;
+    let capacity = model.map(|m| m.memory_bytes()).or_else(|| {
+        gpu.memory
+            .as_ref()
+            .and_then(|m| gpuslice_api::bytes_of(&m.0).ok())
+    })?;
+    let total = memory.saturating_mul(u64::from(s.slices));
+    (total > capacity).then(|| {
+        use gpuslice_api::format_bytes;
+        format!(
+            "{} slices × {} = {} exceed the {} of GPU {} ({}); use fewer or smaller slices",
+            s.slices,
+            format_bytes(memory),
+            format_bytes(total),
+            format_bytes(capacity),
+            gpu.index,
+            gpu.model
+        )
+    })
 }
 
 #[cfg(test)]
@@ -362,5 +400,43 @@ mod tests {
             }),
             &gpu
         ));
+    }
+
+    #[test]
+    fn software_slices_that_together_exceed_the_gpu_are_an_error_naming_the_sizes() {
+        let layout: Layout =
+            serde_yaml::from_str("software: {slices: 2, memory: 60Gi, compute: 50}").unwrap();
+        let gpu = GpuInventory {
+            index: 0,
+            model: "NVIDIA A100-SXM4-80GB".into(),
+            ..Default::default()
+        };
+        let assignment = Assignment {
+            pool: "shared",
+            window: None,
+            layout: &layout,
+            time_slice: None,
+            checkpoint_policy: None,
+        };
+        let plan = plan_assigned(&gpu, assignment);
+        let error = plan.error.expect("an error").to_string();
+        assert_eq!(
+            error,
+            "2 slices × 60Gi = 120Gi exceed the 80Gi of GPU 0 (NVIDIA A100-SXM4-80GB); use fewer or smaller slices"
+        );
+        assert!(plan.ops.is_empty());
+        let fits: Layout =
+            serde_yaml::from_str("software: {slices: 2, memory: 40Gi, compute: 50}").unwrap();
+        assert!(
+            plan_assigned(
+                &gpu,
+                Assignment {
+                    layout: &fits,
+                    ..assignment
+                }
+            )
+            .error
+            .is_none()
+        );
     }
 }
