@@ -45,7 +45,7 @@ fn the_examples_pass_warning_only_about_fields_not_enforced_yet() {
         "{warnings:#?}"
     );
     for field in [
-        "pools/shared-a100.yaml:34: GpuPool/shared-a100: spec.io.bandwidthPerSlice: warning: declared but not enforced yet",
+        "pools/shared-a100.yaml:35: GpuPool/shared-a100: spec.io.bandwidthPerSlice: warning: declared but not enforced yet",
         "GpuPool/h200-mig: spec.faultIsolation: warning: declared but not enforced yet",
     ] {
         assert!(

@@ -245,6 +245,20 @@ fn tail(path: &Path, lines: usize) -> String {
 
 /// A local TCP port free a moment ago (for a process to listen on).
 pub fn free_port() -> Result<u16, Error> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // Below the kernel's ephemeral range (32768–60999 by default): a port the kernel handed out
+    // for a moment can be taken as the source port of some outgoing connection before the
+    // component binds it, which fails the component with "address already in use".
+    const FIRST: u32 = 20000;
+    const COUNT: u32 = 12000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let offset = std::process::id().wrapping_mul(7919) % COUNT;
+    for _ in 0..COUNT {
+        let port = FIRST + (offset + NEXT.fetch_add(1, Ordering::Relaxed)) % COUNT;
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port as u16)).is_ok() {
+            return Ok(port as u16);
+        }
+    }
     let listener =
         TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(io("choosing a free port"))?;
     Ok(listener
