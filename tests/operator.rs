@@ -290,6 +290,25 @@ async fn pools_become_node_layouts_and_status() {
         }
     })
     .await;
+
+    // The label removed again: the node leaves the pool and its GpuNode assigns nothing.
+    let leave = serde_json::json!({"metadata": {"labels": {"gpuslice.io/pool": null}}});
+    nodes
+        .patch("h200-c", &PatchParams::default(), &Patch::Merge(&leave))
+        .await
+        .unwrap();
+    eventually("h200-c leaves the pool", || {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let n = gpu_nodes.get("h200-c").await.map_err(|e| e.to_string())?;
+            n.spec
+                .gpus
+                .is_empty()
+                .then_some(())
+                .ok_or_else(|| format!("{:?}", n.spec))
+        }
+    })
+    .await;
 }
 
 #[tokio::test]

@@ -566,6 +566,7 @@ fn observe(
             generation: gpu_node.metadata.generation,
             applied_generation: status.applied_generation,
             blocked,
+            assigned: gpu_node.spec.gpus.clone(),
         });
     }
     reports.sort_by(|a, b| a.inventory.name.cmp(&b.inventory.name));
@@ -666,10 +667,24 @@ impl Writer {
             }) {
                 return None;
             }
-            let patch = apply_body("GpuNode", name, "spec", spec);
+            // A node that leaves every pool: server-side apply of an empty spec would drop the
+            // (required) spec altogether, which the API server refuses; clear the list instead.
+            let patch = if spec.gpus.is_empty() && spec.source_revision.is_none() {
+                Patch::Merge(serde_json::json!({"spec": {"gpus": null}}))
+            } else {
+                Patch::Apply(apply_body("GpuNode", name, "spec", spec))
+            };
             let (api, params) = (&gpu_node_api, &params);
+            let merge_params = PatchParams {
+                field_manager: Some(MANAGER.to_string()),
+                ..PatchParams::default()
+            };
             Some(async move {
-                match api.patch(name, params, &Patch::Apply(&patch)).await {
+                let params = match patch {
+                    Patch::Merge(_) => &merge_params,
+                    _ => params,
+                };
+                match api.patch(name, params, &patch).await {
                     Ok(_) => 0,
                     Err(e) => {
                         tracing::warn!("GpuNode/{name}: writing the desired layout: {e}");

@@ -25,6 +25,8 @@ pub struct NodeReport {
     pub applied_generation: Option<i64>,
     /// The agent's Blocked condition message, when a transition waits for busy instances.
     pub blocked: Option<String>,
+    /// `GpuNode.spec.gpus` as written last: a GPU that cannot be planned now keeps it.
+    pub assigned: Vec<GpuAssignment>,
 }
 
 /// One device allocated to a workload, from a ResourceClaim's allocation.
@@ -88,11 +90,22 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
         let later_node = later
             .as_ref()
             .and_then(|(_, l)| l.nodes.iter().find(|n| n.node == node.node));
+        let assigned = observed
+            .nodes
+            .iter()
+            .find(|n| n.inventory.name == node.node)
+            .map(|n| n.assigned.as_slice())
+            .unwrap_or_default();
         let gpus: Vec<GpuAssignment> = node
             .gpus
             .iter()
-            .filter(|g| g.error.is_none())
             .filter_map(|g| {
+                // A GPU that cannot be planned now (pools overlap, a layout it cannot hold)
+                // keeps the layout it was last given: the last good state stays in force, and
+                // the pool says what is wrong.
+                if g.error.is_some() {
+                    return assigned.iter().find(|a| a.index == g.index).cloned();
+                }
                 let recut = later_node
                     .and_then(|n| n.gpus.iter().find(|x| x.index == g.index))
                     .is_some_and(|x| x.layout != g.layout || x.pool != g.pool);
@@ -399,6 +412,7 @@ mod tests {
             generation: Some(2),
             applied_generation: applied.then_some(2),
             blocked: None,
+            assigned: Vec::new(),
         }
     }
 
@@ -407,6 +421,45 @@ mod tests {
 
     fn at(text: &str) -> DateTime<Utc> {
         text.parse().unwrap()
+    }
+
+    #[test]
+    fn a_gpu_that_cannot_be_planned_keeps_the_layout_it_was_last_given() {
+        let noon = at("2026-12-02T12:00:00Z");
+        let good = Observed {
+            pools: vec![pool(SOFT)],
+            nodes: vec![node("b", &[("team", "b")], true)],
+            ..Observed::default()
+        };
+        let last_good = desired(&good, noon).node_specs["b"].gpus.clone();
+        assert_eq!(last_good.len(), 2);
+        // Two H200s cannot hold 4 × 60 GiB each; the node also matches a second pool that
+        // claims the same GPUs.
+        let mut broken = good.clone();
+        broken.pools = vec![pool(&SOFT.replace("memory: 30Gi", "memory: 60Gi"))];
+        broken.nodes[0].assigned = last_good.clone();
+        let out = desired(&broken, noon);
+        assert_eq!(out.node_specs["b"].gpus, last_good);
+        let degraded = out.pool_status["soft"]
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Degraded")
+            .unwrap();
+        assert_eq!(degraded.status, "True");
+        assert!(
+            degraded.message.contains("4 slices × 60Gi"),
+            "{}",
+            degraded.message
+        );
+        let mut overlap = good.clone();
+        overlap
+            .pools
+            .push(pool(&SOFT.replace("name: soft", "name: other")));
+        overlap.nodes[0].assigned = last_good.clone();
+        assert_eq!(desired(&overlap, noon).node_specs["b"].gpus, last_good);
+        // A node never given a layout gets none for such a GPU.
+        overlap.nodes[0].assigned.clear();
+        assert!(desired(&overlap, noon).node_specs["b"].gpus.is_empty());
     }
 
     #[test]
