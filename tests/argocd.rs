@@ -1,7 +1,9 @@
 //! gpuslice in Argo CD: the health checks of our kinds (`argocd/health/gpuslice.io/<Kind>`),
 //! rendered into `argocd-cm` by the chart, evaluated by Argo CD itself (built by
 //! `tests/argocd/build.sh`) on a status fixture for every condition combination the operator and
-//! the agent write; and the example GitOps folder's sync waves.
+//! the agent write; and a real Argo CD syncing the example GitOps folder (workloads included) in
+//! its sync waves, through a change, a layout the operator refuses, a commit the API server
+//! refuses and a revert.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -395,8 +397,15 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     let bin = env!("CARGO_BIN_EXE_gpuslice");
     let mut gpuslice = Vec::new();
     let mut operator = Command::new(bin);
+    gpuslice_testcluster::ensure_namespace(&client, "gpuslice-system")
+        .await
+        .unwrap();
     operator
-        .arg("operator")
+        .args([
+            "operator",
+            "--admission-params",
+            "gpuslice-system/gs-policies",
+        ])
         .env("KUBECONFIG", cluster.kubeconfig_path())
         .env("GPUSLICE_CLOCK_START", CLOCK);
     gpuslice.push(spawn_logged(&logs, "operator", &mut operator));
@@ -427,14 +436,37 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
             .arg(&node_file)
             .arg("--state")
             .arg(dir.path().join(format!("state-{node}")))
+            // The kubelet plugin publishes the node's slices as DRA devices.
+            .arg("--kubelet-dir")
+            .arg(dir.path().join(format!("kubelet-{node}")))
+            .arg("--cdi-dir")
+            .arg(dir.path().join(format!("cdi-{node}")))
             .env("KUBECONFIG", cluster.kubeconfig_path())
             .env("GPUSLICE_CLOCK_START", CLOCK);
         gpuslice.push(spawn_logged(&logs, &format!("agent-{node}"), &mut agent));
     }
 
+    // The chart's admission policies: a pod labelled with a policy gets its extended resource
+    // and the queue's gate, and one naming a policy it may not use is refused.
+    let chart = Command::new(&helm)
+        .args(["template", "gs", "--namespace", "gpuslice-system"])
+        .arg(root().join("charts/gpuslice"))
+        .output()
+        .unwrap();
+    assert!(chart.status.success());
+    let admission: Vec<serde_json::Value> = serde_yaml::Deserializer::from_slice(&chart.stdout)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .filter(|d: &serde_json::Value| {
+            let kind = d["kind"].as_str().unwrap_or_default();
+            let name = d["metadata"]["name"].as_str().unwrap_or_default();
+            (kind.contains("AdmissionPolicy") && !name.contains("agent-resourceslices"))
+                || kind == "PriorityClass"
+        })
+        .collect();
+    apply(&client, &admission).await;
+
     // The Application, automated, as examples/gitops/argocd/application.yaml declares it, with
-    // the served repository. The workloads stay out: their pods need the chart's admission
-    // policies and DRA, which tests/dra.rs covers.
+    // the served repository.
     let mut application: serde_json::Value = serde_yaml::from_str(
         &std::fs::read_to_string(root().join("examples/gitops/argocd/application.yaml")).unwrap(),
     )
@@ -442,7 +474,6 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     application["spec"]["source"]["repoURL"] =
         format!("git://127.0.0.1:{git_port}/gpu-config").into();
     application["spec"]["source"]["path"] = "gitops".into();
-    application["spec"]["source"]["directory"]["exclude"] = "{argocd/*,workloads/*}".into();
     let applications = ApiResource {
         group: "argoproj.io".into(),
         version: "v1alpha1".into(),
@@ -475,18 +506,34 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
             .map(|r| (r.2.clone(), r.3.clone()))
             .unwrap_or_default()
     };
+    // The workloads (wave 4) got their slices: the inference Deployment is available on the
+    // H200's MIG instances, the fine-tuning Job ran on an A100 slice.
     for (kind, name) in [
         ("GpuPool", "h200-mig"),
         ("GpuPool", "shared-a100"),
         ("GpuSlicePolicy", "llm-inference"),
         ("GpuSlicePolicy", "bert-finetune"),
         ("GpuSlicePolicy", "notebook"),
+        ("Deployment", "llm-inference"),
+        ("Job", "bert-finetune"),
     ] {
         assert_eq!(
             health_of(&state, kind, name).0,
             "Healthy",
             "{kind} {name}: {state:?}"
         );
+    }
+    for (namespace, node, count) in [("serving", "h200", 2), ("nlp", "a100", 1)] {
+        let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), namespace)
+            .list(&Default::default())
+            .await
+            .unwrap();
+        let on: Vec<Option<String>> = pods
+            .items
+            .iter()
+            .map(|p| p.spec.as_ref().and_then(|s| s.node_name.clone()))
+            .collect();
+        assert_eq!(on, vec![Some(node.to_string()); count], "{namespace}");
     }
     let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
     let slices_on = |node: &'static str| {

@@ -432,6 +432,10 @@ impl ControlPlane {
                 format!("--config={}", cp.stages.display()),
                 "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake".to_string(),
                 "--node-ip=10.0.0.1".to_string(),
+                // Renew each node's Lease (every 10 s): without it the node lifecycle controller
+                // finds the fake nodes silent after its grace period, marks them and their pods
+                // not Ready, and kwok never makes those pods Ready again.
+                "--node-lease-duration-seconds=40".to_string(),
                 "--cidr=10.0.0.0/16".to_string(),
                 format!("--server-address=127.0.0.1:{}", free_port()?),
             ];
