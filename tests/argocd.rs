@@ -231,28 +231,6 @@ fn head_of(repo: &git2::Repository) -> String {
         .to_string()
 }
 
-/// Commits the work tree of the served repository (what a merged pull request pushes).
-fn push(repo: &git2::Repository, message: &str) -> String {
-    let mut index = repo.index().unwrap();
-    index
-        .add_all(["*"], git2::IndexAddOption::DEFAULT, None)
-        .unwrap();
-    index.write().unwrap();
-    let tree = repo.find_tree(index.write_tree().unwrap()).unwrap();
-    let sig = git2::Signature::now("platform team", "platform@example.com").unwrap();
-    let parent = repo.head().ok().map(|h| h.peel_to_commit().unwrap());
-    repo.commit(
-        Some("HEAD"),
-        &sig,
-        &sig,
-        message,
-        &tree,
-        &parent.iter().collect::<Vec<_>>(),
-    )
-    .unwrap()
-    .to_string()
-}
-
 const CLOCK: &str = "2026-12-02T10:00:00Z";
 
 #[tokio::test]
@@ -294,7 +272,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     let repo = git2::Repository::init(&repo_dir).unwrap();
     repo.set_head("refs/heads/main").unwrap();
     gpuslice_testcluster::copy_dir(&root().join("examples/gitops"), &repo_dir.join("gitops"));
-    push(&repo, "gpu pools");
+    gpuslice_testcluster::commit_all(&repo, "gpu pools");
     let git_port = free_port().unwrap();
     let _git = spawn_logged(
         &logs,
@@ -485,16 +463,10 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     let started = Instant::now();
     apply(&client, &[application]).await;
     let first = head_of(&repo);
-    let state = poll(Duration::from_secs(240), || {
-        healthy_at(&apps, first.clone())
+    let state = app_until(&apps, &logs, 240, "the first sync turning Healthy", |s| {
+        healthy_at(s, &first)
     })
-    .await
-    .unwrap_or_else(|last| {
-        panic!(
-            "the first sync did not turn Healthy; last: {last}\n{}",
-            tail_logs(&logs)
-        )
-    });
+    .await;
     let first_sync = started.elapsed();
     // Waves: the policies (wave 3) were applied once the pools (wave 2) were Healthy, that is,
     // once the agents had cut the GPUs; every object of the folder synced on the first try.
@@ -581,17 +553,11 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
         "software: {slices: 2, memory: 40Gi, compute: 50}",
     );
     let pushed = Instant::now();
-    let change = push(&repo, "shared-a100: two slices by day");
-    poll(Duration::from_secs(180), || {
-        healthy_at(&apps, change.clone())
+    let change = gpuslice_testcluster::commit_all(&repo, "shared-a100: two slices by day");
+    app_until(&apps, &logs, 180, "the change turning Healthy", |s| {
+        healthy_at(s, &change)
     })
-    .await
-    .unwrap_or_else(|last| {
-        panic!(
-            "the change did not turn Healthy; last: {last}\n{}",
-            tail_logs(&logs)
-        )
-    });
+    .await;
     let push_to_healthy = pushed.elapsed();
     // Healthy means done: the agent has already re-cut the GPU.
     assert_eq!(slices_on("a100").await.unwrap(), ["40Gi@50%", "40Gi@50%"]);
@@ -603,24 +569,11 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
         "software: {slices: 2, memory: 60Gi, compute: 50}",
     );
     let pushed = Instant::now();
-    let broken = push(&repo, "shared-a100: slices too big");
-    let degraded = poll(Duration::from_secs(180), || {
-        let apps = apps.clone();
-        let broken = broken.clone();
-        async move {
-            let s = app_state(&apps).await?;
-            (s.revision == broken && s.health == "Degraded")
-                .then_some(s.clone())
-                .ok_or(format!("{s:?}"))
-        }
+    let broken = gpuslice_testcluster::commit_all(&repo, "shared-a100: slices too big");
+    let degraded = app_until(&apps, &logs, 180, "the bad layout showing Degraded", |s| {
+        s.revision == broken && s.health == "Degraded"
     })
-    .await
-    .unwrap_or_else(|last| {
-        panic!(
-            "the bad layout did not show Degraded; last: {last}\n{}",
-            tail_logs(&logs)
-        )
-    });
+    .await;
     let broken_to_degraded = pushed.elapsed();
     let (health, message) = health_of(&degraded, "GpuPool", "shared-a100");
     assert_eq!(health, "Degraded", "{degraded:?}");
@@ -638,27 +591,20 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
         "software: {slices: 2, memory: 40Gi, compute: 50}\n    exclusive: {}",
     );
     let pushed = Instant::now();
-    let refused = push(&repo, "shared-a100: two layouts");
-    let failed = poll(Duration::from_secs(180), || {
-        let apps = apps.clone();
-        let refused = refused.clone();
-        async move {
-            let s = app_state(&apps).await?;
-            // The first failed attempt (Argo CD retries twice, see application.yaml).
-            (s.operation_revision == refused
+    let refused = gpuslice_testcluster::commit_all(&repo, "shared-a100: two layouts");
+    // The first failed attempt (Argo CD retries twice, see application.yaml).
+    let failed = app_until(
+        &apps,
+        &logs,
+        180,
+        "the refused commit failing its sync",
+        |s| {
+            s.operation_revision == refused
                 && s.operation_message
-                    .contains("set exactly one of mig, software or exclusive"))
-            .then_some(s.clone())
-            .ok_or(format!("{s:?}"))
-        }
-    })
-    .await
-    .unwrap_or_else(|last| {
-        panic!(
-            "the refused commit did not fail its sync; last: {last}\n{}",
-            tail_logs(&logs)
-        )
-    });
+                    .contains("set exactly one of mig, software or exclusive")
+        },
+    )
+    .await;
     let refused_to_failed = pushed.elapsed();
     assert_eq!(failed.sync, "OutOfSync", "{failed:?}");
     assert_ne!(failed.operation, "Succeeded", "{failed:?}");
@@ -667,17 +613,11 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     // The revert heals it.
     std::fs::write(&pool_file, &original).unwrap();
     let pushed = Instant::now();
-    let revert = push(&repo, "revert shared-a100");
-    poll(Duration::from_secs(180), || {
-        healthy_at(&apps, revert.clone())
+    let revert = gpuslice_testcluster::commit_all(&repo, "revert shared-a100");
+    app_until(&apps, &logs, 180, "the revert turning Healthy", |s| {
+        healthy_at(s, &revert)
     })
-    .await
-    .unwrap_or_else(|last| {
-        panic!(
-            "the revert did not turn Healthy; last: {last}\n{}",
-            tail_logs(&logs)
-        )
-    });
+    .await;
     let revert_to_healthy = pushed.elapsed();
     assert_eq!(
         slices_on("a100").await.unwrap(),
@@ -699,30 +639,31 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     );
 }
 
-/// The Application once it is Synced to `revision` and Healthy; else its state, as the error.
-async fn healthy_at(apps: &Api<DynamicObject>, revision: String) -> Result<AppState, String> {
-    let s = app_state(apps).await?;
-    if s.sync == "Synced" && s.health == "Healthy" && s.revision == revision {
-        Ok(s)
-    } else {
-        Err(format!("{s:?}"))
+/// Polls the Application every 250 ms until `done` holds for its state (returned), for up to
+/// `seconds`; then panics with `what`, the last state and the components' logs.
+async fn app_until(
+    apps: &Api<DynamicObject>,
+    logs: &Path,
+    seconds: u64,
+    what: &str,
+    done: impl Fn(&AppState) -> bool,
+) -> AppState {
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    loop {
+        let state = app_state(apps).await;
+        match state {
+            Ok(s) if done(&s) => return s,
+            last if Instant::now() > deadline => {
+                panic!("{what} did not happen; last: {last:?}\n{}", tail_logs(logs))
+            }
+            _ => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
     }
 }
 
-/// Calls `check` every 250 ms until it returns `Ok` or `timeout` passes (then the last `Err`).
-async fn poll<T, F, Fut>(timeout: Duration, mut check: F) -> Result<T, String>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, String>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        match check().await {
-            Ok(v) => return Ok(v),
-            Err(last) if Instant::now() > deadline => return Err(last),
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
-        }
-    }
+/// Whether the Application is Synced to `revision` and Healthy.
+fn healthy_at(s: &AppState, revision: &str) -> bool {
+    s.sync == "Synced" && s.health == "Healthy" && s.revision == revision
 }
 
 fn which(program: &str) -> Option<PathBuf> {

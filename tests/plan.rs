@@ -175,27 +175,6 @@ fn a_single_node_file_is_an_inventory_of_one() {
     assert!(!gpu0["ops"].as_array().unwrap().is_empty(), "{gpu0}");
 }
 
-/// Commits everything in the work tree of `repo` on top of HEAD (if any).
-fn commit_all(repo: &git2::Repository, message: &str) {
-    let mut index = repo.index().unwrap();
-    index
-        .add_all(["*"], git2::IndexAddOption::DEFAULT, None)
-        .unwrap();
-    index.write().unwrap();
-    let tree = repo.find_tree(index.write_tree().unwrap()).unwrap();
-    let sig = git2::Signature::now("platform team", "platform@example.com").unwrap();
-    let parent = repo.head().ok().map(|h| h.peel_to_commit().unwrap());
-    repo.commit(
-        Some("HEAD"),
-        &sig,
-        &sig,
-        message,
-        &tree,
-        &parent.iter().collect::<Vec<_>>(),
-    )
-    .unwrap();
-}
-
 /// The cluster's GpuNodes as `kubectl get gpunodes -o yaml` prints them: node h200-a, MIG in the
 /// day layout of the example pool on both GPUs; a pod's claim holds GPU 0's 3g.71gb.
 const GPUNODES: &str = "
@@ -260,7 +239,7 @@ fn a_pull_request_is_planned_against_its_base_naming_the_gpus_it_recuts_and_the_
         &Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/gitops"),
         &repo_dir.join("gitops"),
     );
-    commit_all(&repo, "base");
+    gpuslice_testcluster::commit_all(&repo, "base");
     let nodes = dir.path().join("gpunodes.yaml");
     std::fs::write(&nodes, GPUNODES).unwrap();
 
@@ -304,7 +283,7 @@ fn a_pull_request_is_planned_against_its_base_naming_the_gpus_it_recuts_and_the_
     assert_eq!(diff["gpus"][1]["blockedBy"], Value::Array(vec![]));
 
     // Committed, the head can be named as a revision too; with the pod gone it applies at once.
-    commit_all(&repo, "night from 11:00");
+    gpuslice_testcluster::commit_all(&repo, "night from 11:00");
     let idle = dir.path().join("idle.yaml");
     std::fs::write(
         &idle,

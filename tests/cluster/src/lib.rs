@@ -143,6 +143,29 @@ pub fn built_tool(env: &str, dir: &str, name: &str) -> Option<PathBuf> {
     }
 }
 
+/// Commits everything in the work tree of `repo` on top of HEAD (if any) and moves HEAD there
+/// (what a merged pull request pushes); returns the commit id.
+pub fn commit_all(repo: &git2::Repository, message: &str) -> String {
+    let mut index = repo.index().unwrap();
+    index
+        .add_all(["*"], git2::IndexAddOption::DEFAULT, None)
+        .unwrap();
+    index.write().unwrap();
+    let tree = repo.find_tree(index.write_tree().unwrap()).unwrap();
+    let sig = git2::Signature::now("platform team", "platform@example.com").unwrap();
+    let parent = repo.head().ok().map(|h| h.peel_to_commit().unwrap());
+    repo.commit(
+        Some("HEAD"),
+        &sig,
+        &sig,
+        message,
+        &tree,
+        &parent.iter().collect::<Vec<_>>(),
+    )
+    .unwrap()
+    .to_string()
+}
+
 /// Copies a folder tree (a test's own copy of the examples).
 pub fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
