@@ -28,7 +28,9 @@ pub use node::{
     GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess, MigInstance,
     MigState, NodeInventory, Placement, Preemption, SliceClaim, SoftwareSliceState,
 };
-pub use policy::{ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus};
+pub use policy::{
+    ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus, WorkloadClass,
+};
 pub use pool::{
     Compaction, FairShareStatus, FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector,
     IoLimits, LocalCache, NamespaceUsage, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,

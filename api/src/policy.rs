@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
     category = "gpuslice",
     status = "GpuSlicePolicyStatus",
     printcolumn = r#"{"name":"Pool","type":"string","jsonPath":".spec.pool"}"#,
+    printcolumn = r#"{"name":"Class","type":"string","jsonPath":".spec.class","priority":1}"#,
     printcolumn = r#"{"name":"Memory","type":"string","jsonPath":".spec.memory"}"#,
     printcolumn = r#"{"name":"Limit","type":"integer","jsonPath":".spec.compute.limit"}"#,
     printcolumn = r#"{"name":"Guarantee","type":"integer","jsonPath":".spec.compute.guarantee"}"#,
@@ -55,6 +56,31 @@ pub struct GpuSlicePolicySpec {
     /// Namespaces whose workloads may use this policy; every namespace when omitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace_selector: Option<LabelSelector>,
+    /// What kind of work uses this policy: `training`, `inference` or `interactive`. It becomes
+    /// the `class` label of the policy's and its slices' metrics, so that dashboards can put
+    /// training beside inference; it changes no placement, limit or priority.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<WorkloadClass>,
+}
+
+/// The kind of work a policy is for (a metrics label only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkloadClass {
+    Training,
+    Inference,
+    Interactive,
+}
+
+impl WorkloadClass {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkloadClass::Training => "training",
+            WorkloadClass::Inference => "inference",
+            WorkloadClass::Interactive => "interactive",
+        }
+    }
 }
 
 fn one() -> u32 {

@@ -59,8 +59,13 @@ pub enum ArbiterError {
 pub struct Usage {
     /// GPU time held (ns).
     pub used: u64,
+    /// Time it had work (ns): holding the GPU or waiting for it. `used / busy` is the share it
+    /// got while it wanted the GPU, what its guarantee promises.
+    pub busy: u64,
     /// Grants.
     pub grants: u64,
+    /// Every process's time from asking to being granted, summed (ns).
+    pub waited: u64,
     /// Longest wait from asking to being granted (ns).
     pub max_wait: u64,
     /// Every wait from asking to being granted.
@@ -344,6 +349,7 @@ impl Arbiter {
             let waited = now.saturating_sub(c.waiting_since.take().unwrap_or(now));
             let slice = self.slices.get_mut(&c.slice).expect("a client's slice");
             slice.usage.grants += 1;
+            slice.usage.waited += waited;
             slice.usage.max_wait = slice.usage.max_wait.max(waited);
             slice.usage.waits.record(waited);
             self.holder = Some(Hold {
@@ -420,6 +426,12 @@ impl Arbiter {
         wake
     }
 
+    /// What each slice has had up to `now` (a holder's time so far counts).
+    pub fn usage_at(&mut self, now: u64) -> BTreeMap<String, Usage> {
+        self.advance(now);
+        self.usage()
+    }
+
     /// What each slice has had.
     pub fn usage(&self) -> BTreeMap<String, Usage> {
         self.slices
@@ -482,6 +494,9 @@ impl Arbiter {
         let wanting: Vec<bool> = self.slices.keys().map(|id| self.wants(id)).collect();
         for ((id, slice), wants) in self.slices.iter_mut().zip(wanting) {
             let holds = holding.as_deref() == Some(id.as_str());
+            if wants {
+                slice.usage.busy += dt as u64;
+            }
             slice.tokens += dt * i64::from(slice.share.limit);
             if holds {
                 slice.tokens -= dt * 100;
@@ -697,6 +712,15 @@ mod tests {
         );
         assert_eq!(usage["g"].waits.count(), usage["g"].grants);
         assert!(usage["g"].waits.percentile(99.0).unwrap() <= 11 * MS);
+        // Always busy: what each got while it wanted the GPU is its share, and a lone process's
+        // busy time is what it held plus what it waited.
+        for (id, want) in [("g", 0.5), ("x", 0.25), ("y", 0.25)] {
+            let u = usage[id];
+            let got = u.used as f64 / u.busy as f64;
+            assert!((got - want).abs() < 0.02, "{id}: {got:.3} of its busy time");
+            let unexplained = u.busy.abs_diff(u.used + u.waited) as f64 / u.busy as f64;
+            assert!(unexplained < 0.01, "{id}: {u:?}");
+        }
     }
 
     #[test]

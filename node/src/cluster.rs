@@ -6,6 +6,7 @@
 //! pass the slices in force are published as DRA devices ([`crate::dra`]) in ResourceSlices the
 //! Node owns, written only when a device changed.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -210,8 +211,22 @@ pub struct Metrics {
     evictions: Family<EvictionLabel, Counter>,
     blocked: Gauge,
     gpu_memory_total: Family<GpuLabel, Gauge>,
-    slice_memory: Family<SliceMemoryLabel, Gauge>,
-    slice_memory_used: Family<SliceMemoryLabel, Gauge>,
+    gpu_memory_used: Family<GpuLabel, Gauge>,
+    gpu_utilization: Family<GpuLabel, Gauge>,
+    gpu_temperature: Family<GpuLabel, Gauge>,
+    gpu_power: Family<GpuLabel, Gauge<f64, AtomicU64>>,
+    gpu_switches: Family<GpuLabel, Counter>,
+    slice_memory: Family<HolderLabel, Gauge>,
+    slice_memory_used: Family<HolderLabel, Gauge>,
+    slice_memory_peak: Family<HolderLabel, Gauge>,
+    slice_refusals: Family<HolderLabel, Counter>,
+    slice_compute_used: Family<HolderLabel, Counter<f64, AtomicU64>>,
+    slice_compute_busy: Family<HolderLabel, Counter<f64, AtomicU64>>,
+    slice_compute_wait: Family<HolderLabel, Counter<f64, AtomicU64>>,
+    slice_grants: Family<HolderLabel, Counter>,
+    /// Who held each slice at the last pass, to start its memory high-water mark again when
+    /// another workload takes it.
+    holders: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -222,14 +237,18 @@ struct GpuLabel {
     pool: String,
 }
 
-/// A software slice, and who holds it (empty while free). One series per slice in force: at
-/// most a GPU's slice count (≤ 64) × its GPUs per node.
+/// A slice, and who holds it (empty while free). One series per slice in force: at most a
+/// GPU's slice count (≤ 64 software slices, ≤ 7 MIG instances) × its GPUs per node.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct SliceMemoryLabel {
+struct HolderLabel {
     gpu: String,
     slice: String,
+    /// `software`, `mig` or `gpu`.
+    kind: String,
     pool: String,
     policy: String,
+    /// The policy's `class` (training, inference, interactive; empty when it names none).
+    class: String,
     namespace: String,
     pod: String,
 }
@@ -247,6 +266,17 @@ struct SliceLabel {
     slice: String,
 }
 
+/// What a pass's metrics read besides the pass itself.
+pub struct Readings<'a> {
+    pub state: &'a gpuslice_contract::paths::StateDir,
+    /// NVML's figures for each GPU.
+    pub telemetry: &'a [crate::nvml::GpuTelemetry],
+    /// The arbiters' figures per GPU: each slice's usage, and hand-overs.
+    pub compute: &'a BTreeMap<u32, (BTreeMap<String, crate::arbiter::Usage>, u64)>,
+    /// Each policy's class, by policy name.
+    pub classes: &'a BTreeMap<String, String>,
+}
+
 impl Metrics {
     /// Metrics registered under `gpuslice_agent_`.
     pub fn register(registry: &mut Registry) -> Metrics {
@@ -261,8 +291,20 @@ impl Metrics {
             evictions: Family::default(),
             blocked: Gauge::default(),
             gpu_memory_total: Family::default(),
+            gpu_memory_used: Family::default(),
+            gpu_utilization: Family::default(),
+            gpu_temperature: Family::default(),
+            gpu_power: Family::default(),
+            gpu_switches: Family::default(),
             slice_memory: Family::default(),
             slice_memory_used: Family::default(),
+            slice_memory_peak: Family::default(),
+            slice_refusals: Family::default(),
+            slice_compute_used: Family::default(),
+            slice_compute_busy: Family::default(),
+            slice_compute_wait: Family::default(),
+            slice_grants: Family::default(),
+            holders: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuslice_agent");
         r.register(
@@ -276,14 +318,69 @@ impl Metrics {
             m.gpu_memory_total.clone(),
         );
         r.register(
+            "gpu_memory_used_bytes",
+            "Memory in use on each GPU, as NVML reports it (every process and instance)",
+            m.gpu_memory_used.clone(),
+        );
+        r.register(
+            "gpu_utilization_percent",
+            "Percent of NVML's last sample period a kernel ran on the GPU (absent in MIG mode, where NVML gives none)",
+            m.gpu_utilization.clone(),
+        );
+        r.register(
+            "gpu_temperature_celsius",
+            "GPU core temperature (NVML)",
+            m.gpu_temperature.clone(),
+        );
+        r.register(
+            "gpu_power_watts",
+            "GPU board power draw (NVML)",
+            m.gpu_power.clone(),
+        );
+        r.register(
+            "gpu_compute_handovers",
+            "Times the compute arbiter gave a GPU to another process of its software slices",
+            m.gpu_switches.clone(),
+        );
+        r.register(
             "slice_memory_bytes",
-            "Memory of a software slice (the most its workload may hold, before the policy's headroom)",
+            "Memory of a slice (a software slice's cap before the policy's headroom; a MIG instance's memory)",
             m.slice_memory.clone(),
         );
         r.register(
             "slice_memory_used_bytes",
-            "Device memory the workload of a software slice holds now (the shim's ledger)",
+            "Device memory the workload of a slice holds now (a software slice: the shim's ledger, exact across processes; a MIG instance: NVML)",
             m.slice_memory_used.clone(),
+        );
+        r.register(
+            "slice_memory_peak_bytes",
+            "The most the workload of a software slice held at once since it took the slice (the shim's ledger)",
+            m.slice_memory_peak.clone(),
+        );
+        r.register(
+            "slice_memory_refusals",
+            "Allocations the shim refused because they would pass the software slice's cap",
+            m.slice_refusals.clone(),
+        );
+        r.register(
+            "slice_compute_used_seconds",
+            "GPU time a software slice's processes held (the compute arbiter)",
+            m.slice_compute_used.clone(),
+        );
+        r.register(
+            "slice_compute_busy_seconds",
+            "Time a software slice had work: holding the GPU or waiting for it; used / busy is the share it got while it wanted the GPU, what its guarantee promises",
+            m.slice_compute_busy.clone(),
+        );
+        r.register(
+            "slice_compute_wait_seconds",
+            "Time a software slice's processes spent waiting for the GPU, from asking to being granted, summed over processes",
+            m.slice_compute_wait.clone(),
+        );
+        r.register(
+            "slice_compute_grants",
+            "Times the compute arbiter gave the GPU to a process of a software slice",
+            m.slice_grants.clone(),
         );
         r.register("passes", "Reconcile passes", m.passes.clone());
         r.register(
@@ -327,12 +424,13 @@ impl Metrics {
     fn record(
         &self,
         pass: &Pass,
-        state: &gpuslice_contract::paths::StateDir,
+        readings: &Readings<'_>,
         started: std::time::Instant,
         blocked_since: &mut Option<std::time::Instant>,
     ) {
         self.blocked.set(i64::from(pass.blocked()));
-        self.record_memory(pass, state);
+        self.record_gpus(pass, readings);
+        self.record_slices(pass, readings);
         self.passes.inc();
         self.errors
             .inc_by(pass.outcomes.iter().filter(|o| o.error.is_some()).count() as u64);
@@ -363,68 +461,166 @@ impl Metrics {
         self.duration.observe(started.elapsed().as_secs_f64());
     }
 
-    /// GPU memory, and each software slice's size and what its workload holds (its ledger).
-    fn record_memory(&self, pass: &Pass, state: &gpuslice_contract::paths::StateDir) {
-        self.gpu_memory_total.clear();
+    /// Each GPU's memory, load, temperature and power (NVML) and hand-overs (the arbiter).
+    fn record_gpus(&self, pass: &Pass, readings: &Readings<'_>) {
+        for family in [
+            &self.gpu_memory_total,
+            &self.gpu_memory_used,
+            &self.gpu_utilization,
+            &self.gpu_temperature,
+        ] {
+            family.clear();
+        }
+        self.gpu_power.clear();
+        self.gpu_switches.clear();
+        for gpu in &pass.inventory.gpus {
+            let label = GpuLabel {
+                gpu: gpu.index.to_string(),
+                model: gpu.model.clone(),
+                pool: pool_of(pass, gpu.index),
+            };
+            let set = |family: &Family<GpuLabel, Gauge>, value: Option<u64>| {
+                if let Some(v) = value {
+                    family
+                        .get_or_create(&label)
+                        .set(i64::try_from(v).unwrap_or(i64::MAX));
+                }
+            };
+            set(
+                &self.gpu_memory_total,
+                gpu.memory
+                    .as_ref()
+                    .and_then(|m| gpuslice_api::bytes_of(&m.0).ok()),
+            );
+            if let Some(t) = readings.telemetry.iter().find(|t| t.index == gpu.index) {
+                set(&self.gpu_memory_used, t.memory_used_bytes);
+                set(&self.gpu_utilization, t.utilization_percent.map(u64::from));
+                set(&self.gpu_temperature, t.temperature_celsius.map(u64::from));
+                if let Some(mw) = t.power_milliwatts {
+                    self.gpu_power
+                        .get_or_create(&label)
+                        .set(f64::from(mw) / 1000.0);
+                }
+            }
+            if let Some((_, switches)) = readings.compute.get(&gpu.index) {
+                self.gpu_switches.get_or_create(&label).inc_by(*switches);
+            }
+        }
+    }
+
+    /// Each slice's size, what its workload holds, its high-water mark and refusals (its
+    /// ledger), and what the arbiter gave it; software slices and MIG instances, with who holds
+    /// them. Series are rebuilt every pass (a slice changing hands replaces its series), counters
+    /// from the ledgers' and arbiters' own running totals.
+    fn record_slices(&self, pass: &Pass, readings: &Readings<'_>) {
         self.slice_memory.clear();
         self.slice_memory_used.clear();
-        let pool_of = |index: u32| {
-            pass.plan
-                .nodes
-                .iter()
-                .flat_map(|n| &n.gpus)
-                .find(|g| g.index == index)
-                .and_then(|g| g.pool.clone())
-                .unwrap_or_default()
-        };
+        self.slice_memory_peak.clear();
+        self.slice_refusals.clear();
+        self.slice_compute_used.clear();
+        self.slice_compute_busy.clear();
+        self.slice_compute_wait.clear();
+        self.slice_grants.clear();
+        let mut holders = self.holders.lock().unwrap_or_else(|p| p.into_inner());
+        let mut now_held = BTreeMap::new();
+        let bytes = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for gpu in &pass.inventory.gpus {
-            let pool = pool_of(gpu.index);
-            if let Some(bytes) = gpu
-                .memory
-                .as_ref()
-                .and_then(|m| gpuslice_api::bytes_of(&m.0).ok())
-            {
-                self.gpu_memory_total
-                    .get_or_create(&GpuLabel {
-                        gpu: gpu.index.to_string(),
-                        model: gpu.model.clone(),
-                        pool: pool.clone(),
-                    })
-                    .set(i64::try_from(bytes).unwrap_or(i64::MAX));
-            }
-            for slice in &gpu.slices {
-                let claim = pass.claims.iter().find(|c| c.slice == slice.id);
+            let label = |slice: &str, kind: &str| {
+                let claim = pass.claims.iter().find(|c| c.slice == slice);
                 let (namespace, pod) = claim
                     .and_then(|c| c.pod_names.first())
                     .and_then(|p| p.split_once('/'))
                     .map_or((String::new(), String::new()), |(ns, name)| {
                         (ns.to_string(), name.to_string())
                     });
-                let label = SliceMemoryLabel {
+                let policy = claim.and_then(|c| c.policy.clone()).unwrap_or_default();
+                HolderLabel {
                     gpu: gpu.index.to_string(),
-                    slice: slice.id.clone(),
-                    pool: pool.clone(),
-                    policy: claim.and_then(|c| c.policy.clone()).unwrap_or_default(),
+                    slice: slice.to_string(),
+                    kind: kind.to_string(),
+                    pool: pool_of(pass, gpu.index),
+                    class: readings.classes.get(&policy).cloned().unwrap_or_default(),
+                    policy,
                     namespace,
                     pod,
-                };
+                }
+            };
+            let usage = readings.compute.get(&gpu.index).map(|(u, _)| u);
+            for slice in &gpu.slices {
+                let label = label(&slice.id, "software");
                 let size = gpuslice_api::bytes_of(&slice.memory.0).unwrap_or(0);
-                self.slice_memory
-                    .get_or_create(&label)
-                    .set(i64::try_from(size).unwrap_or(i64::MAX));
+                self.slice_memory.get_or_create(&label).set(bytes(size));
                 // Opened only if there (opening makes one); a slice without one holds nothing.
-                let ledger = state.slice_ledger(&slice.id);
-                let used = if ledger.exists() {
-                    gpuslice_shm::Ledger::open(&ledger).map_or(0, |l| l.total())
-                } else {
-                    0
-                };
+                let path = readings.state.slice_ledger(&slice.id);
+                let ledger = path
+                    .exists()
+                    .then(|| gpuslice_shm::Ledger::open(&path).ok())
+                    .flatten();
+                let holder = format!("{}/{}", label.namespace, label.pod);
+                if let Some(l) = &ledger
+                    && holders.get(&slice.id).is_some_and(|h| *h != holder)
+                {
+                    l.reset_peak();
+                }
+                now_held.insert(slice.id.clone(), holder);
+                let (used, peak, refusals) = ledger
+                    .as_ref()
+                    .map_or((0, 0, 0), |l| (l.total(), l.peak(), l.refusals()));
                 self.slice_memory_used
                     .get_or_create(&label)
-                    .set(i64::try_from(used).unwrap_or(i64::MAX));
+                    .set(bytes(used));
+                self.slice_memory_peak
+                    .get_or_create(&label)
+                    .set(bytes(peak));
+                self.slice_refusals.get_or_create(&label).inc_by(refusals);
+                if let Some(u) = usage.and_then(|u| u.get(&slice.id)) {
+                    let seconds = |ns: u64| ns as f64 / 1e9;
+                    self.slice_compute_used
+                        .get_or_create(&label)
+                        .inc_by(seconds(u.used));
+                    self.slice_compute_busy
+                        .get_or_create(&label)
+                        .inc_by(seconds(u.busy));
+                    self.slice_compute_wait
+                        .get_or_create(&label)
+                        .inc_by(seconds(u.waited));
+                    self.slice_grants.get_or_create(&label).inc_by(u.grants);
+                }
+            }
+            let telemetry = readings.telemetry.iter().find(|t| t.index == gpu.index);
+            for instance in gpu.mig.iter().flat_map(|m| &m.instances) {
+                let id = gpuslice_contract::slice::mig_slice_id(
+                    gpu.index,
+                    instance.placement.start,
+                    &instance.profile,
+                );
+                let Some((used, total)) = instance
+                    .uuid
+                    .as_ref()
+                    .and_then(|uuid| telemetry?.mig_memory_bytes.get(uuid))
+                else {
+                    continue;
+                };
+                let label = label(&id, "mig");
+                self.slice_memory.get_or_create(&label).set(bytes(*total));
+                self.slice_memory_used
+                    .get_or_create(&label)
+                    .set(bytes(*used));
             }
         }
+        *holders = now_held;
     }
+}
+
+/// The pool a GPU is in now (empty: none).
+fn pool_of(pass: &Pass, index: u32) -> String {
+    pass.plan
+        .nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .find(|g| g.index == index)
+        .and_then(|g| g.pool.clone())
+        .unwrap_or_default()
 }
 
 /// The policies claims may name, their pools' headroom, and the checkpoint policies drains
@@ -630,6 +826,11 @@ pub async fn run(
         let started = std::time::Instant::now();
         let current = api.get(&node).await.map_err(kube_err)?;
         let config = read_config(&client).await;
+        let classes: BTreeMap<String, String> = config
+            .policies
+            .iter()
+            .filter_map(|(name, p)| Some((name.clone(), p.class?.as_str().to_string())))
+            .collect();
         let now = clock.now();
         let mut pass = agent.pass(now, |inventory| {
             let (gpus, problems) = plan_spec(inventory, &current.spec);
@@ -652,7 +853,13 @@ pub async fn run(
         })?;
         let refused = evict(&client, &recorder, &metrics, &pass.evictions, &mut evicted).await;
         pass.drain_errors.extend(refused);
-        metrics.record(&pass, agent.state(), started, &mut blocked_since);
+        let readings = Readings {
+            state: agent.state(),
+            telemetry: &agent.telemetry(),
+            compute: &agent.compute_usage(),
+            classes: &classes,
+        };
+        metrics.record(&pass, &readings, started, &mut blocked_since);
         if let Some(t) = &telemetry {
             t.pass_done();
         }

@@ -137,12 +137,13 @@ impl Compute {
         self.changed.notify_all();
     }
 
-    /// What each slice has had, per GPU, and how often each GPU changed hands.
+    /// What each slice has had until now, per GPU, and how often each GPU changed hands.
     pub fn usage(&self) -> BTreeMap<u32, (BTreeMap<String, Usage>, u64)> {
+        let now = now_ns();
         self.lock()
             .gpus
-            .iter()
-            .map(|(gpu, a)| (*gpu, (a.usage(), a.switches())))
+            .iter_mut()
+            .map(|(gpu, a)| (*gpu, (a.usage_at(now), a.switches())))
             .collect()
     }
 

@@ -42,6 +42,19 @@ pub enum NvmlError {
     Model { gpu: u32, message: String },
 }
 
+/// What monitoring reads of one GPU; `None` where NVML gave no answer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GpuTelemetry {
+    pub index: u32,
+    /// Percent of the last sample period a kernel ran (not given in MIG mode).
+    pub utilization_percent: Option<u32>,
+    pub memory_used_bytes: Option<u64>,
+    pub temperature_celsius: Option<u32>,
+    pub power_milliwatts: Option<u32>,
+    /// Memory (used, total) of each MIG device, by its UUID.
+    pub mig_memory_bytes: BTreeMap<String, (u64, u64)>,
+}
+
 /// The GPUs of this machine, through NVML.
 pub struct NvmlGpus {
     nvml: Nvml,
@@ -171,22 +184,61 @@ impl NvmlGpus {
     /// The MIG device UUID of each GPU instance, by instance id. Best effort: a driver that cannot
     /// say leaves the UUIDs out, which only costs the report its detail.
     fn mig_device_uuids(&self, device: &nvml_wrapper::Device<'_>) -> BTreeMap<u32, String> {
-        let mut uuids = BTreeMap::new();
+        self.mig_devices(device)
+            .into_iter()
+            .filter_map(|(id, mig)| Some((id, mig.uuid().ok()?)))
+            .collect()
+    }
+
+    /// Each MIG device of a GPU with its GPU instance id (none when the driver cannot say).
+    fn mig_devices<'a>(
+        &'a self,
+        device: &nvml_wrapper::Device<'a>,
+    ) -> Vec<(u32, nvml_wrapper::Device<'a>)> {
         let Ok(gpu_instance_id) = self.nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref() else {
-            return uuids;
+            return Vec::new();
         };
+        let mut out = Vec::new();
         for slot in 0..device.mig_device_count().unwrap_or(0) {
             let Ok(mig) = device.mig_device_by_index(slot) else {
                 continue;
             };
             let mut id = 0;
             // SAFETY: `mig` is a live MIG device handle from NVML; `id` is a valid out-pointer.
-            let rc = unsafe { gpu_instance_id(mig.handle(), &mut id) };
-            if let (0, Ok(uuid)) = (rc, mig.uuid()) {
-                uuids.insert(id, uuid);
+            if unsafe { gpu_instance_id(mig.handle(), &mut id) } == 0 {
+                out.push((id, mig));
             }
         }
-        uuids
+        out
+    }
+
+    /// What monitoring reads of every GPU. Never fails: a figure NVML does not give (utilisation
+    /// on a GPU in MIG mode, power on some boards, a GPU that stopped answering) is left out.
+    pub fn telemetry(&self) -> Vec<GpuTelemetry> {
+        let count = self.nvml.device_count().unwrap_or(0);
+        (0..count)
+            .filter_map(|index| {
+                let device = self.nvml.device_by_index(index).ok()?;
+                let memory = device.memory_info().ok();
+                Some(GpuTelemetry {
+                    index,
+                    utilization_percent: device.utilization_rates().ok().map(|u| u.gpu),
+                    memory_used_bytes: memory.map(|m| m.used),
+                    temperature_celsius: device
+                        .temperature(nvml_wrapper::enum_wrappers::device::TemperatureSensor::Gpu)
+                        .ok(),
+                    power_milliwatts: device.power_usage().ok(),
+                    mig_memory_bytes: self
+                        .mig_devices(&device)
+                        .into_iter()
+                        .filter_map(|(_, mig)| {
+                            let memory = mig.memory_info().ok()?;
+                            Some((mig.uuid().ok()?, (memory.used, memory.total)))
+                        })
+                        .collect(),
+                })
+            })
+            .collect()
     }
 
     /// Every GPU instance: (id, profile index, placement), with its handle.

@@ -148,6 +148,17 @@ impl Agent {
         &self.state
     }
 
+    /// What monitoring reads of every GPU now (NVML).
+    pub fn telemetry(&self) -> Vec<crate::nvml::GpuTelemetry> {
+        self.gpus.telemetry()
+    }
+
+    /// What each software slice has had of its GPU's time until now, per GPU, and how often
+    /// each GPU changed hands.
+    pub fn compute_usage(&self) -> BTreeMap<u32, (BTreeMap<String, crate::arbiter::Usage>, u64)> {
+        self.socket.compute.usage()
+    }
+
     /// Serves claims and compute shares on `<state>/agent.sock` from now on.
     pub fn serve_socket(&self) -> Result<(), PassError> {
         Ok(self.socket.serve(&self.state)?)

@@ -161,6 +161,8 @@ struct WindowLabel {
 struct PolicyLabel {
     policy: String,
     pool: String,
+    /// The policy's `class` (training, inference, interactive; empty when it names none).
+    class: String,
 }
 
 impl Metrics {
@@ -231,7 +233,7 @@ impl Metrics {
     fn record_state(
         &self,
         want: &crate::desired::DesiredState,
-        pool_of_policy: &BTreeMap<String, String>,
+        pool_and_class: &BTreeMap<String, (String, String)>,
     ) {
         for family in [
             &self.pool_nodes,
@@ -274,9 +276,11 @@ impl Metrics {
                 .set(1);
         }
         for (policy, status) in &want.policy_status {
+            let (pool, class) = pool_and_class.get(policy).cloned().unwrap_or_default();
             let label = PolicyLabel {
                 policy: policy.clone(),
-                pool: pool_of_policy.get(policy).cloned().unwrap_or_default(),
+                pool,
+                class,
             };
             self.policy_allocated
                 .get_or_create(&label)
@@ -495,12 +499,18 @@ pub async fn run(
             metrics.reconciles.inc();
             metrics.errors.inc_by(failed);
             metrics.duration.observe(started.elapsed().as_secs_f64());
-            let pool_of_policy: BTreeMap<String, String> = policies
+            let pool_and_class: BTreeMap<String, (String, String)> = policies
                 .state()
                 .iter()
-                .map(|p| (p.name_any(), p.spec.pool.clone()))
+                .map(|p| {
+                    let class = p.spec.class.map(|c| c.as_str().to_string());
+                    (
+                        p.name_any(),
+                        (p.spec.pool.clone(), class.unwrap_or_default()),
+                    )
+                })
                 .collect();
-            metrics.record_state(&want, &pool_of_policy);
+            metrics.record_state(&want, &pool_and_class);
             if let Some(t) = &telemetry {
                 t.pass_done();
             }

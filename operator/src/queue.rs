@@ -318,9 +318,15 @@ fn admitted_to(pod: &Pod) -> Option<String> {
 /// The queue's metrics (under `gpuslice_queue_`).
 #[derive(Clone)]
 pub struct QueueMetrics {
+    fragmentation: Family<PoolLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     waiting: Family<PoolNamespace, Gauge>,
     wait: Family<PoolNamespace, Histogram>,
     preemptions: Family<PreemptionLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabel {
+    pool: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -339,12 +345,18 @@ struct PreemptionLabel {
 impl QueueMetrics {
     pub fn register(registry: &mut Registry) -> QueueMetrics {
         let m = QueueMetrics {
+            fragmentation: Family::default(),
             waiting: Family::default(),
             wait: Family::new_with_constructor(|| {
                 Histogram::new([1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0])
             }),
             preemptions: Family::default(),
         };
+        registry.sub_registry_with_prefix("gpuslice").register(
+            "pool_fragmentation_percent",
+            "Free slice memory of a pool that its policies cannot use, weighted by their demand (allocated and waiting pods): the FGD paper's expected fragment on the pool's slices",
+            m.fragmentation.clone(),
+        );
         let r = registry.sub_registry_with_prefix("gpuslice_queue");
         r.register(
             "waiting_pods",
@@ -392,6 +404,8 @@ pub struct Plan {
     pub admitted_pool: BTreeMap<String, String>,
     /// Pool → namespaces' use to record in its status (when the recorded one is stale).
     pub fair_share: BTreeMap<String, FairShareStatus>,
+    /// Pool → its fragmentation (percent of its free slice memory).
+    pub fragmentation: BTreeMap<String, f64>,
 }
 
 /// How often each pool's `status.fairShare` is written: a new leader carries on from it, so at
@@ -651,6 +665,28 @@ impl Queue {
                     },
                 );
             }
+            // Demand per policy: the slices it holds and its pods waiting (each policy counts
+            // once when the pool has no demand yet).
+            let mix: Vec<(Need, f64)> = needs
+                .iter()
+                .map(|(policy, need)| {
+                    let demand = held
+                        .iter()
+                        .filter(|h| h.pool == pool_name && h.policy.as_ref() == Some(policy))
+                        .count()
+                        + waiting.iter().filter(|w| w.policy == *policy).count();
+                    (*need, demand as f64)
+                })
+                .collect();
+            let no_demand = mix.iter().all(|(_, d)| *d == 0.0);
+            let mix: Vec<(Need, f64)> = mix
+                .into_iter()
+                .map(|(need, d)| (need, if no_demand { 1.0 } else { d }))
+                .collect();
+            plan.fragmentation.insert(
+                pool_name.clone(),
+                queue::fragmentation(free.get(&pool_name).map_or(&[], Vec::as_slice), &mix),
+            );
             if waiting.is_empty() {
                 continue;
             }
@@ -957,6 +993,13 @@ pub async fn run(
         if leadership.is_leader() {
             let wall = chrono::Utc::now();
             let plan = queue.plan(&caches, clock.now(), wall);
+            metrics.fragmentation.clear();
+            for (pool, percent) in &plan.fragmentation {
+                metrics
+                    .fragmentation
+                    .get_or_create(&PoolLabel { pool: pool.clone() })
+                    .set(*percent);
+            }
             metrics.waiting.clear();
             for ((pool, namespace), n) in &plan.waiting {
                 metrics

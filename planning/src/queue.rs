@@ -114,6 +114,31 @@ impl Need {
     }
 }
 
+/// How fragmented a pool's free slices are, in percent of their memory: the FGD paper's
+/// expected fragment (the measure the placement engine minimises, [`placement::fragment`]) on
+/// the pool's discrete slices. For each policy of the pool, weighted by its share of demand,
+/// the free memory it cannot use (free slices too small for it or short of its compute limit);
+/// 0 with no free slice or no policy.
+pub fn fragmentation(free: &[FreeDevice], mix: &[(Need, f64)]) -> f64 {
+    let total: u64 = free.iter().map(|d| d.memory_bytes).sum();
+    let weights: f64 = mix.iter().map(|(_, w)| w).sum();
+    if total == 0 || weights <= 0.0 {
+        return 0.0;
+    }
+    let expected: f64 = mix
+        .iter()
+        .map(|(need, weight)| {
+            let unusable: u64 = free
+                .iter()
+                .filter(|d| !need.fits(d))
+                .map(|d| d.memory_bytes)
+                .sum();
+            weight * unusable as f64
+        })
+        .sum();
+    100.0 * expected / weights / total as f64
+}
+
 /// Why a pod still waits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Reason {
@@ -697,6 +722,30 @@ mod tests {
                 ("a/small-2".to_string(), 2, Reason::NoSliceFits)
             ]
         );
+    }
+
+    #[test]
+    fn fragmentation_is_the_free_memory_the_expected_policies_cannot_use() {
+        let free = [
+            device("a", 0, "s1", 10),
+            device("a", 0, "s2", 10),
+            device("b", 0, "s1", 20),
+        ];
+        let gib = |n: u64| n << 30;
+        let big = Need {
+            memory_bytes: gib(18),
+            compute: 0,
+        };
+        let small = Need {
+            memory_bytes: gib(8),
+            compute: 0,
+        };
+        // 18 GiB cannot use the two 10 GiB slices (half the free memory); 8 GiB uses all.
+        assert_eq!(fragmentation(&free, &[(big, 1.0), (small, 1.0)]), 25.0);
+        assert_eq!(fragmentation(&free, &[(big, 3.0), (small, 1.0)]), 37.5);
+        assert_eq!(fragmentation(&free, &[(small, 1.0)]), 0.0);
+        assert_eq!(fragmentation(&[], &[(big, 1.0)]), 0.0);
+        assert_eq!(fragmentation(&free, &[]), 0.0);
     }
 
     #[test]

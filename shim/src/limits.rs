@@ -158,8 +158,13 @@ impl Slice {
     /// Takes `bytes` if the slice stays within its cap; memory of dead processes comes back first
     /// when it would not.
     pub fn try_charge(&self, bytes: u64) -> bool {
-        self.ledger.try_charge(self.row, bytes, self.cap)
-            || (self.ledger.reclaim(alive) > 0 && self.ledger.try_charge(self.row, bytes, self.cap))
+        let taken = self.ledger.try_charge(self.row, bytes, self.cap)
+            || (self.ledger.reclaim(alive) > 0
+                && self.ledger.try_charge(self.row, bytes, self.cap));
+        if !taken {
+            self.ledger.count_refusal();
+        }
+        taken
     }
 
     /// Takes `bytes` whatever the cap (what the driver took on its own).

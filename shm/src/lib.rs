@@ -30,7 +30,13 @@ struct Header {
     rows: AtomicU32,
     /// Rows ever used: sums stop here.
     high_water: AtomicU32,
-    _reserved: [u32; 11],
+    _pad: u32,
+    /// Allocations refused at the cap (counted by the shim, once per refused call).
+    refusals: AtomicU64,
+    /// The most bytes held on one device at once since the ledger was made or last reset.
+    peak: AtomicU64,
+    // Zero in a version-1 file written before the counters existed: they start from zero.
+    _reserved: [u32; 6],
 }
 
 #[repr(C)]
@@ -45,6 +51,8 @@ struct Row {
 }
 
 const HEADER: usize = std::mem::size_of::<Header>();
+// Every process maps the same layout: the header must stay 64 bytes.
+const _: () = assert!(HEADER == 64);
 const ROW: usize = std::mem::size_of::<Row>();
 pub const FILE_SIZE: usize = HEADER + ROWS as usize * ROW;
 
@@ -221,7 +229,9 @@ impl Ledger {
         for _ in 0..RETRIES {
             // SeqCst here and in `used`: two racing charges must not both miss each other's add.
             r.bytes.fetch_add(bytes, Ordering::SeqCst);
-            if self.used(device) <= cap {
+            let used = self.used(device);
+            if used <= cap {
+                self.header().peak.fetch_max(used, Ordering::AcqRel);
                 return true;
             }
             r.bytes.fetch_sub(bytes, Ordering::SeqCst);
@@ -235,7 +245,36 @@ impl Ledger {
 
     /// Takes `bytes` whatever the cap (what the driver took on its own, like a context).
     pub fn charge(&self, row: RowId, bytes: u64) {
-        self.row(row.0).bytes.fetch_add(bytes, Ordering::AcqRel);
+        let r = self.row(row.0);
+        r.bytes.fetch_add(bytes, Ordering::AcqRel);
+        let used = self.used(r.device.load(Ordering::Acquire));
+        self.header().peak.fetch_max(used, Ordering::AcqRel);
+    }
+
+    /// Counts an allocation refused at the cap (the caller's final answer, after any retry).
+    pub fn count_refusal(&self) {
+        self.header().refusals.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Allocations refused at the cap so far.
+    pub fn refusals(&self) -> u64 {
+        self.header().refusals.load(Ordering::Acquire)
+    }
+
+    /// The most bytes held on one device at once since the ledger was made or last reset.
+    pub fn peak(&self) -> u64 {
+        self.header().peak.load(Ordering::Acquire)
+    }
+
+    /// Starts the high-water mark again from what is held now (a new workload on the slice).
+    pub fn reset_peak(&self) {
+        let now = self
+            .rows()
+            .iter()
+            .map(|(_, device, _)| self.used(*device))
+            .max()
+            .unwrap_or(0);
+        self.header().peak.store(now, Ordering::Release);
     }
 
     /// Gives back `bytes` taken through the row.
@@ -350,7 +389,9 @@ mod tests {
         assert!(ledger.try_charge(mine, 600, 1000));
         assert!(ledger.try_charge(theirs, 400, 1000), "exactly at the cap");
         assert!(!ledger.try_charge(mine, 1, 1000));
+        ledger.count_refusal();
         assert_eq!(ledger.used(0), 1000);
+        assert_eq!((ledger.peak(), ledger.refusals()), (1000, 1));
         assert_eq!(ledger.used(1), 0);
 
         // Another mapping sees the same ledger.
@@ -362,8 +403,20 @@ mod tests {
             "the made-up process is not alive"
         );
         assert_eq!(ledger.used(0), 600);
+        assert_eq!(
+            again.peak(),
+            1000,
+            "the high-water mark stays after a release"
+        );
+        again.reset_peak();
+        assert_eq!(
+            ledger.peak(),
+            600,
+            "a reset starts again from what is held now"
+        );
         ledger.release(mine, 600);
         assert_eq!(ledger.used(0), 0);
+        assert_eq!(ledger.refusals(), 1);
     }
 
     #[test]
