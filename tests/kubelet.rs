@@ -43,6 +43,8 @@ struct Setup {
     lib: std::path::PathBuf,
     machine: std::path::PathBuf,
     dir: tempfile::TempDir,
+    /// Where the agent serves /metrics.
+    metrics_port: u16,
 }
 
 impl Setup {
@@ -65,9 +67,11 @@ impl Setup {
         .unwrap();
         let state = dir.path().join("state");
         let agent_log = dir.path().join("agent.log");
+        let metrics_port = gpuslice_testcluster::free_port().unwrap();
         let agent = KillOnDrop(
             Command::new(env!("CARGO_BIN_EXE_gpuslice"))
                 .args(["agent", "--kube", "--apply", "--interval", "2s"])
+                .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
                 .args(agent_args)
                 .arg("--emulate")
                 .arg(&node_file)
@@ -110,6 +114,7 @@ impl Setup {
             probe,
             lib,
             machine,
+            metrics_port,
             dir,
         })
     }
@@ -334,6 +339,50 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     assert_eq!(devices.len(), 3, "one slice per pod: {containers:#?}");
     let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
     wait_for_holders(&gpu_nodes, &setup.kubelet, &names).await;
+
+    // The agent's metrics show each pod's slice as its container used it: the eight 1 GiB
+    // chunks it held at most, the allocations refused at its 9 GiB cap, the policy's class.
+    let port = setup.metrics_port;
+    for name in names {
+        eventually(
+            &format!("the agent's metrics show {name}'s slice"),
+            || async move {
+                let (_, text) =
+                    gpuslice_testcluster::local_get(port, "/metrics").map_err(|e| e.to_string())?;
+                let holder = format!("pod=\"{name}\"");
+                let line = |metric: &str| {
+                    text.lines()
+                        .find(|l| l.starts_with(&format!("{metric}{{")) && l.contains(&holder))
+                        .map(str::to_string)
+                };
+                let holder_line = line("gpuslice_agent_slice_holder").ok_or("no holder series")?;
+                let slice = holder_line
+                    .split("slice=\"")
+                    .nth(1)
+                    .and_then(|r| r.split('"').next())
+                    .ok_or("no slice label")?
+                    .to_string();
+                let value = |l: &str| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+                let peak = line("gpuslice_agent_slice_memory_peak_bytes").and_then(|l| value(&l));
+                let refusals = text
+                    .lines()
+                    .find(|l| {
+                        l.starts_with("gpuslice_agent_slice_memory_refusals_total{")
+                            && l.contains(&format!("slice=\"{slice}\""))
+                    })
+                    .and_then(value);
+                let gib = f64::from(1u32 << 30);
+                (holder_line.contains("class=\"interactive\"")
+                    && peak.is_some_and(|p| p >= 8.0 * gib && p <= 9.0 * gib)
+                    && refusals.is_some_and(|r| r >= 1.0))
+                .then_some(())
+                .ok_or(format!(
+                    "{holder_line}: peak {peak:?}, refusals {refusals:?}"
+                ))
+            },
+        )
+        .await;
+    }
 
     // A pod that ends gives its slice back; so does a pod deleted.
     std::fs::write(stop("notebook-0"), "").unwrap();

@@ -1,9 +1,11 @@
 //! The chart's dashboard and alerts against a real Prometheus (built by
 //! `tests/prometheus/build.sh`) scraping the real operator and agent: a private control plane with
 //! the chart's admission policies, a kwok node with two emulated A100s, a pool of software slices
-//! and pods on them through the queue. Every dashboard query and every alert evaluates without
-//! error, the ones that describe what runs return series, `promtool` accepts the rules, and the
-//! alerts fire when a pool is Degraded and when the agent is down.
+//! and pods on them through the queue, and a workload under the shim (`gpuslice run`, the
+//! emulated CUDA driver) that fills its slice past the cap and launches kernels. Every dashboard
+//! query and every alert evaluates without error, the ones that describe what runs return series,
+//! `promtool` accepts the rules, and the alerts fire when a slice refuses allocations at its cap,
+//! when a pool is Degraded and when the agent is down.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -70,16 +72,17 @@ spec:
 apiVersion: gpuslice.io/v1alpha1
 kind: GpuSlicePolicy
 metadata: {name: inference}
-spec: {pool: watched, memory: 16Gi, compute: {limit: 50, guarantee: 25}}
+spec: {pool: watched, class: inference, memory: 16Gi, compute: {limit: 50, guarantee: 25}}
 ";
 
-/// Panels whose queries may rightly return nothing here: no preemption, no eviction, no
-/// workload that registered a policy with the agent's socket (pods under kwok never start), and
-/// a wait histogram that may have had its only admissions before the first scrape.
-const MAY_BE_EMPTY: [&str; 3] = [
+/// Panels whose queries may rightly return nothing here: no preemption, no eviction, a wait
+/// histogram that may have had its only admissions before the first scrape, and the workloads'
+/// own metrics (nothing here serves them).
+const MAY_BE_EMPTY: [&str; 4] = [
     "Preemptions and checkpoints",
     "Wait before admission (p90)",
-    "Held by policy (training vs inference)",
+    "Inference p99 latency (workload metric)",
+    "Training iterations per second (workload metric)",
 ];
 
 #[tokio::test]
@@ -284,6 +287,110 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
         },
     )
     .await;
+    // Every rule evaluated without error; nothing fires yet but the waiting pod's nothing.
+    let rules_seen = eventually("every alert rule evaluated", || async move {
+        let data = prometheus_api(prometheus_port, "rules", None)?;
+        let rules: Vec<serde_json::Value> = data["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+            .collect();
+        let pending: Vec<String> = rules
+            .iter()
+            .filter(|r| r["health"] != "ok")
+            .map(|r| format!("{}: {} {}", r["name"], r["health"], r["lastError"]))
+            .collect();
+        (rules.len() >= 6 && pending.is_empty())
+            .then_some(rules.len())
+            .ok_or(format!("{} rules, not ok: {pending:?}", rules.len()))
+    })
+    .await;
+    assert_eq!(rules_seen, 8);
+    // Each firing alert: its name and the label that says where.
+    let firing = || async move {
+        let data = prometheus_api(prometheus_port, "alerts", None)?;
+        Ok::<Vec<(String, String)>, String>(
+            data["alerts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|a| a["state"] == "firing")
+                .map(|a| {
+                    let label = |name: &str| a["labels"][name].as_str().unwrap_or_default();
+                    let name = label("alertname").to_string();
+                    let place = if label("slice").is_empty() {
+                        label("pool").to_string()
+                    } else {
+                        format!("{}:{}", label("slice"), label("policy"))
+                    };
+                    (name, place)
+                })
+                .collect(),
+        )
+    };
+    // Nothing is wrong (an evaluation before the first scrapes may have fired the down alerts).
+    eventually("no alert fires", || async move {
+        let alerts = firing().await?;
+        alerts.is_empty().then_some(()).ok_or(format!("{alerts:?}"))
+    })
+    .await;
+
+    // A workload under the shim on one of the slices: it fills the slice with 1 GiB allocations
+    // until one is refused, tries seven kinds of allocation past what is left (refused too),
+    // frees it all, launches kernels now and then for a while (the arbiter grants its slice the
+    // GPU each time), and stays.
+    let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(bin), dir.path());
+    let machine =
+        gpuslice_contract::StateDir::new(dir.path().join("state")).emulated_machine("a100-m");
+    let stop = dir.path().join("stop");
+    let _workload = KillOnDrop(
+        Command::new(bin)
+            .arg("run")
+            .arg("--state")
+            .arg(dir.path().join("state"))
+            .args(["--policy", "inference", "--", "sh", "-c"])
+            .arg(format!(
+                "{probe} link cap && for i in $(seq 40); do {probe} link count launch 2000; sleep 0.2; done; until [ -e {stop} ]; do sleep 0.2; done",
+                probe = probe.display(),
+                stop = stop.display()
+            ))
+            .env("LD_LIBRARY_PATH", &lib)
+            .env("GPUSLICE_EMULATOR_STATE", &machine)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    // However the test ends, the workload's shell ends too (killing `gpuslice run` leaves it).
+    struct Touch(std::path::PathBuf);
+    impl Drop for Touch {
+        fn drop(&mut self) {
+            let _ = std::fs::write(&self.0, b"");
+        }
+    }
+    let _stop_workload = Touch(stop.clone());
+    eventually(
+        "Prometheus sees the slice's refusals, high-water mark and GPU time",
+        || async move {
+            // The counters name the slice; who holds it comes from slice_holder.
+            let refusals = scalar(
+                "sum(gpuslice_agent_slice_memory_refusals_total * on (instance, slice) group_left () gpuslice_agent_slice_holder{policy=\"inference\", class=\"inference\"})",
+            )
+            .await?;
+            // `gpuslice run` caps the workload at its slice: 38 GiB.
+            let peak = scalar("max(gpuslice_agent_slice_memory_peak_bytes{policy=\"inference\"})").await?;
+            let used = scalar("sum(gpuslice_agent_slice_compute_used_seconds_total * on (instance, slice) group_left () gpuslice_agent_slice_holder{policy=\"inference\"})").await?;
+            let grants = scalar("sum(gpuslice_agent_slice_compute_grants_total * on (instance, slice) group_left () gpuslice_agent_slice_holder{policy=\"inference\"})").await?;
+            let cap = 38.0 * 1024.0 * 1024.0 * 1024.0;
+            (refusals >= 8.0 && peak > 0.9 * cap && peak <= cap && used > 0.0 && grants > 0.0)
+                .then_some(())
+                .ok_or(format!(
+                    "refusals {refusals}, peak {peak} of {cap}, GPU time {used} s, grants {grants}"
+                ))
+        },
+    )
+    .await;
     // A few more scrapes, so that rates over the range have two samples.
     tokio::time::sleep(Duration::from_secs(5)).await;
 
@@ -307,47 +414,27 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
     assert!(checked >= 20, "{checked} queries");
     assert!(empty.is_empty(), "panels without series: {empty:#?}");
 
-    // Every rule evaluated without error; nothing fires yet but the waiting pod's nothing.
-    let rules_seen = eventually("every alert rule evaluated", || async move {
-        let data = prometheus_api(prometheus_port, "rules", None)?;
-        let rules: Vec<serde_json::Value> = data["groups"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
-            .collect();
-        let pending: Vec<String> = rules
-            .iter()
-            .filter(|r| r["health"] != "ok")
-            .map(|r| format!("{}: {} {}", r["name"], r["health"], r["lastError"]))
-            .collect();
-        (rules.len() >= 6 && pending.is_empty())
-            .then_some(rules.len())
-            .ok_or(format!("{} rules, not ok: {pending:?}", rules.len()))
-    })
-    .await;
-    assert_eq!(rules_seen, 6);
-    let firing = || async move {
-        let data = prometheus_api(prometheus_port, "alerts", None)?;
-        Ok::<Vec<(String, String)>, String>(
-            data["alerts"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|a| a["state"] == "firing")
-                .map(|a| {
-                    (
-                        a["labels"]["alertname"]
-                            .as_str()
-                            .unwrap_or_default()
-                            .to_string(),
-                        a["labels"]["pool"].as_str().unwrap_or_default().to_string(),
-                    )
+    eventually(
+        "GpuSliceMemoryCapRefusals fires for the workload's slice",
+        || async move {
+            let alerts = firing().await?;
+            alerts
+                .iter()
+                .any(|(name, place)| {
+                    name == "GpuSliceMemoryCapRefusals" && place.ends_with(":inference")
                 })
-                .collect(),
-        )
-    };
-    assert_eq!(firing().await.unwrap(), Vec::new(), "nothing is wrong yet");
+                .then_some(())
+                .ok_or(format!("{alerts:?}"))
+        },
+    )
+    .await;
+    let alerts = firing().await.unwrap();
+    assert!(
+        alerts
+            .iter()
+            .all(|(name, _)| name == "GpuSliceMemoryCapRefusals"),
+        "only the cap alert fires: {alerts:?}"
+    );
 
     // A second pool over the same GPUs: both are Degraded, and the alert names them.
     apply(

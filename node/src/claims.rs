@@ -251,6 +251,7 @@ impl Claims {
             }
         };
         let config = state.slice_config(&granted);
+        crate::slices::new_workload(state, &granted);
         let device_uuid = crate::slices::read_config(state, &granted)
             .map(|c| c.device_uuid)
             .unwrap_or_default();

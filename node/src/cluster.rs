@@ -219,14 +219,40 @@ pub struct Metrics {
     slice_memory: Family<HolderLabel, Gauge>,
     slice_memory_used: Family<HolderLabel, Gauge>,
     slice_memory_peak: Family<HolderLabel, Gauge>,
-    slice_refusals: Family<HolderLabel, Counter>,
-    slice_compute_used: Family<HolderLabel, Counter<f64, AtomicU64>>,
-    slice_compute_busy: Family<HolderLabel, Counter<f64, AtomicU64>>,
-    slice_compute_wait: Family<HolderLabel, Counter<f64, AtomicU64>>,
-    slice_grants: Family<HolderLabel, Counter>,
-    /// Who held each slice at the last pass, to start its memory high-water mark again when
-    /// another workload takes it.
-    holders: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
+    slice_holder: Family<HolderLabel, Gauge>,
+    slice_refusals: Family<SliceKey, Counter>,
+    slice_compute_used: Family<SliceKey, Counter<f64, AtomicU64>>,
+    slice_compute_busy: Family<SliceKey, Counter<f64, AtomicU64>>,
+    slice_compute_wait: Family<SliceKey, Counter<f64, AtomicU64>>,
+    slice_grants: Family<SliceKey, Counter>,
+    /// The slices whose counters the last pass set (to drop those of slices gone).
+    counted: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<SliceKey>>>,
+}
+
+/// A slice, for its counters: the labels stay while the slice is cut, whoever holds it, so that
+/// a counter never starts over at a hand-over (`slice_holder` says who holds it).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SliceKey {
+    gpu: String,
+    slice: String,
+    kind: String,
+    pool: String,
+}
+
+/// Brings a counter up to `total`, a running total kept elsewhere (a ledger, an arbiter); one
+/// whose source started again from zero starts again too.
+fn follow<N, A>(family: &Family<SliceKey, Counter<N, A>>, key: &SliceKey, total: N)
+where
+    N: Copy + PartialOrd + std::ops::Sub<Output = N>,
+    A: prometheus_client::metrics::counter::Atomic<N> + Default,
+{
+    let now = family.get_or_create(key).get();
+    if total >= now {
+        family.get_or_create(key).inc_by(total - now);
+    } else {
+        family.remove(key);
+        family.get_or_create(key).inc_by(total);
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -299,12 +325,13 @@ impl Metrics {
             slice_memory: Family::default(),
             slice_memory_used: Family::default(),
             slice_memory_peak: Family::default(),
+            slice_holder: Family::default(),
             slice_refusals: Family::default(),
             slice_compute_used: Family::default(),
             slice_compute_busy: Family::default(),
             slice_compute_wait: Family::default(),
             slice_grants: Family::default(),
-            holders: Default::default(),
+            counted: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuslice_agent");
         r.register(
@@ -356,6 +383,11 @@ impl Metrics {
             "slice_memory_peak_bytes",
             "The most the workload of a software slice held at once since it took the slice (the shim's ledger)",
             m.slice_memory_peak.clone(),
+        );
+        r.register(
+            "slice_holder",
+            "1 for each slice, labelled with who holds it (policy, class, namespace, pod; empty while free): join a slice's counters to it on (instance, slice)",
+            m.slice_holder.clone(),
         );
         r.register(
             "slice_memory_refusals",
@@ -510,19 +542,15 @@ impl Metrics {
 
     /// Each slice's size, what its workload holds, its high-water mark and refusals (its
     /// ledger), and what the arbiter gave it; software slices and MIG instances, with who holds
-    /// them. Series are rebuilt every pass (a slice changing hands replaces its series), counters
-    /// from the ledgers' and arbiters' own running totals.
+    /// them. Gauges are rebuilt every pass (a slice changing hands replaces its series); counters
+    /// keep the slice's labels and follow the ledgers' and arbiters' running totals.
     fn record_slices(&self, pass: &Pass, readings: &Readings<'_>) {
         self.slice_memory.clear();
         self.slice_memory_used.clear();
         self.slice_memory_peak.clear();
-        self.slice_refusals.clear();
-        self.slice_compute_used.clear();
-        self.slice_compute_busy.clear();
-        self.slice_compute_wait.clear();
-        self.slice_grants.clear();
-        let mut holders = self.holders.lock().unwrap_or_else(|p| p.into_inner());
-        let mut now_held = BTreeMap::new();
+        self.slice_holder.clear();
+        let mut last = self.counted.lock().unwrap_or_else(|p| p.into_inner());
+        let mut counted = std::collections::HashSet::new();
         let bytes = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for gpu in &pass.inventory.gpus {
             let label = |slice: &str, kind: &str| {
@@ -548,6 +576,13 @@ impl Metrics {
             let usage = readings.compute.get(&gpu.index).map(|(u, _)| u);
             for slice in &gpu.slices {
                 let label = label(&slice.id, "software");
+                let key = SliceKey {
+                    gpu: label.gpu.clone(),
+                    slice: label.slice.clone(),
+                    kind: label.kind.clone(),
+                    pool: label.pool.clone(),
+                };
+                self.slice_holder.get_or_create(&label).set(1);
                 let size = gpuslice_api::bytes_of(&slice.memory.0).unwrap_or(0);
                 self.slice_memory.get_or_create(&label).set(bytes(size));
                 // Opened only if there (opening makes one); a slice without one holds nothing.
@@ -556,13 +591,6 @@ impl Metrics {
                     .exists()
                     .then(|| gpuslice_shm::Ledger::open(&path).ok())
                     .flatten();
-                let holder = format!("{}/{}", label.namespace, label.pod);
-                if let Some(l) = &ledger
-                    && holders.get(&slice.id).is_some_and(|h| *h != holder)
-                {
-                    l.reset_peak();
-                }
-                now_held.insert(slice.id.clone(), holder);
                 let (used, peak, refusals) = ledger
                     .as_ref()
                     .map_or((0, 0, 0), |l| (l.total(), l.peak(), l.refusals()));
@@ -572,20 +600,17 @@ impl Metrics {
                 self.slice_memory_peak
                     .get_or_create(&label)
                     .set(bytes(peak));
-                self.slice_refusals.get_or_create(&label).inc_by(refusals);
-                if let Some(u) = usage.and_then(|u| u.get(&slice.id)) {
-                    let seconds = |ns: u64| ns as f64 / 1e9;
-                    self.slice_compute_used
-                        .get_or_create(&label)
-                        .inc_by(seconds(u.used));
-                    self.slice_compute_busy
-                        .get_or_create(&label)
-                        .inc_by(seconds(u.busy));
-                    self.slice_compute_wait
-                        .get_or_create(&label)
-                        .inc_by(seconds(u.waited));
-                    self.slice_grants.get_or_create(&label).inc_by(u.grants);
-                }
+                follow(&self.slice_refusals, &key, refusals);
+                let u = usage
+                    .and_then(|u| u.get(&slice.id))
+                    .copied()
+                    .unwrap_or_default();
+                let seconds = |ns: u64| ns as f64 / 1e9;
+                follow(&self.slice_compute_used, &key, seconds(u.used));
+                follow(&self.slice_compute_busy, &key, seconds(u.busy));
+                follow(&self.slice_compute_wait, &key, seconds(u.waited));
+                follow(&self.slice_grants, &key, u.grants);
+                counted.insert(key);
             }
             let telemetry = readings.telemetry.iter().find(|t| t.index == gpu.index);
             for instance in gpu.mig.iter().flat_map(|m| &m.instances) {
@@ -602,13 +627,21 @@ impl Metrics {
                     continue;
                 };
                 let label = label(&id, "mig");
+                self.slice_holder.get_or_create(&label).set(1);
                 self.slice_memory.get_or_create(&label).set(bytes(*total));
                 self.slice_memory_used
                     .get_or_create(&label)
                     .set(bytes(*used));
             }
         }
-        *holders = now_held;
+        for gone in last.difference(&counted) {
+            self.slice_refusals.remove(gone);
+            self.slice_compute_used.remove(gone);
+            self.slice_compute_busy.remove(gone);
+            self.slice_compute_wait.remove(gone);
+            self.slice_grants.remove(gone);
+        }
+        *last = counted;
     }
 }
 

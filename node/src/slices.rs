@@ -205,6 +205,17 @@ pub fn sync_dirs(state: &StateDir, slices: &[SliceConfig]) -> Result<(), SliceEr
     Ok(())
 }
 
+/// A workload takes the slice: its memory high-water mark starts from what the slice holds now
+/// (the slice's ledger, which its containers or `gpuslice run` processes charge, outlives them).
+pub fn new_workload(state: &StateDir, id: &str) {
+    let path = state.slice_ledger(id);
+    if path.exists()
+        && let Ok(ledger) = gpuslice_shm::Ledger::open(&path)
+    {
+        ledger.reset_peak();
+    }
+}
+
 /// Reads one slice's config.
 pub fn read_config(state: &StateDir, id: &str) -> Result<SliceConfig, SliceError> {
     let path = state.slice_config(id);

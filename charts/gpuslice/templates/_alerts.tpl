@@ -35,6 +35,32 @@ groups:
         annotations:
           summary: {{`Slice {{ $labels.slice }} ({{ $labels.namespace }}/{{ $labels.pod }}) holds over 95% of its memory`}}
           description: {{`Allocations past the slice's cap fail with out-of-memory inside the workload; a policy with more memory fits it.`}}
+      - alert: GpuSliceMemoryCapRefusals
+        expr: |-
+          (sum by (instance, slice) (increase(gpuslice_agent_slice_memory_refusals_total[10m])) > 0)
+          * on (instance, slice) group_left (policy, class, namespace, pod)
+          max by (instance, slice, policy, class, namespace, pod) (gpuslice_agent_slice_holder)
+        for: {{ .Values.metrics.prometheusRule.capRefusalsFor }}
+        labels: {severity: warning}
+        annotations:
+          summary: {{`Slice {{ $labels.slice }} on {{ $labels.instance }} refused allocations at its memory cap`}}
+          description: {{`The workload on slice {{ $labels.slice }} ({{ $labels.namespace }}/{{ $labels.pod }}, policy {{ $labels.policy }}) asked for more than its cap and got out-of-memory errors; gpuslice_agent_slice_memory_peak_bytes shows how much it held. A policy with more memory fits it.`}}
+      - alert: GpuSliceComputeGuaranteeMissed
+        expr: |-
+          (
+            (
+              100 * sum by (instance, slice) (rate(gpuslice_agent_slice_compute_used_seconds_total[5m]))
+                / sum by (instance, slice) (rate(gpuslice_agent_slice_compute_busy_seconds_total[5m]))
+            ) < on (instance, slice) (0.9 * max by (instance, slice) (gpuslice_agent_slice_compute_guarantee_percent))
+            and on (instance, slice) sum by (instance, slice) (rate(gpuslice_agent_slice_compute_busy_seconds_total[5m])) > 0.5
+          )
+          * on (instance, slice) group_left (policy, class, namespace, pod)
+          max by (instance, slice, policy, class, namespace, pod) (gpuslice_agent_slice_holder)
+        for: {{ .Values.metrics.prometheusRule.guaranteeMissedFor }}
+        labels: {severity: warning}
+        annotations:
+          summary: {{`Slice {{ $labels.slice }} on {{ $labels.instance }} gets less GPU time than its guarantee`}}
+          description: {{`While it had work, slice {{ $labels.slice }} ({{ $labels.namespace }}/{{ $labels.pod }}) got {{ $value | printf "%.0f" }}% of the GPU, under 90% of its policy's guarantee; the GPU's slices promise more than it can give (guarantees adding up past 100), or a neighbour holds it too long.`}}
       - alert: GpuSliceAgentDown
         expr: up{job="{{ .Release.Name }}-agent-metrics"} == 0
         for: {{ .Values.metrics.prometheusRule.agentDownFor }}

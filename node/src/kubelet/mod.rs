@@ -348,6 +348,7 @@ impl Plugin {
         }
         let mut named: Vec<(String, SliceConfig, PathBuf)> = Vec::new();
         for (name, _, slice) in &devices {
+            crate::slices::new_workload(&self.state, &slice.id);
             let config = SliceConfig {
                 memory_bytes: memory_limit
                     .map_or(slice.memory_bytes, |m| m.min(slice.memory_bytes)),
