@@ -779,6 +779,14 @@ fn agent_in_cluster(
         tracing::info!("gpuslice agent: node {} in the cluster", node.name);
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = gpuslice_node::cluster::Metrics::register(&mut registry);
+        // XID errors come through NVML events, on a handle of their own.
+        let counted = metrics.clone();
+        match gpuslice_node::NvmlGpus::open(library.as_deref())
+            .and_then(|gpus| gpus.watch_xids(move |gpu, xid| counted.count_xid(gpu, xid)))
+        {
+            Ok(_) => tracing::info!("watching XID errors"),
+            Err(e) => tracing::warn!("XID errors are not counted: {e}"),
+        }
         let telemetry = gpuslice_runtime::telemetry::Telemetry::new(
             registry,
             settings.interval * STALE_INTERVALS + STALE_SLACK,

@@ -4,7 +4,7 @@
 //! and pods on them through the queue, and a workload under the shim (`gpuslice run`, the
 //! emulated CUDA driver) that fills its slice past the cap and launches kernels. Every dashboard
 //! query and every alert evaluates without error, the ones that describe what runs return series,
-//! `promtool` accepts the rules, and the alerts fire when a slice refuses allocations at its cap,
+//! `promtool` accepts the rules, and the alerts fire when a slice refuses allocations at its cap (an XID is counted too),
 //! when a pool is Degraded and when the agent is down.
 
 use std::path::Path;
@@ -390,6 +390,18 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
                 ))
         },
     )
+    .await;
+    // GPU 1 reports an XID (48, a double-bit ECC error): the agent hears it from NVML's events.
+    gpuslice_emulator::Store::open(&machine)
+        .unwrap()
+        .mutate(|m| m.inject_xid(1, 48))
+        .unwrap()
+        .unwrap();
+    eventually("Prometheus counts the XID", || async move {
+        let xids =
+            scalar("sum(gpuslice_agent_gpu_xid_errors_total{gpu=\"1\", xid=\"48\"})").await?;
+        (xids == 1.0).then_some(()).ok_or(format!("{xids} XIDs"))
+    })
     .await;
     // A few more scrapes, so that rates over the range have two samples.
     tokio::time::sleep(Duration::from_secs(5)).await;

@@ -216,6 +216,7 @@ pub struct Metrics {
     gpu_temperature: Family<GpuLabel, Gauge>,
     gpu_power: Family<GpuLabel, Gauge<f64, AtomicU64>>,
     gpu_switches: Family<GpuLabel, Counter>,
+    gpu_xids: Family<XidLabel, Counter>,
     slice_memory: Family<HolderLabel, Gauge>,
     slice_memory_used: Family<HolderLabel, Gauge>,
     slice_memory_peak: Family<HolderLabel, Gauge>,
@@ -279,6 +280,13 @@ struct HolderLabel {
     pod: String,
 }
 
+/// One series per (GPU, XID code) seen since the agent started.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct XidLabel {
+    gpu: String,
+    xid: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EvictionLabel {
     /// `preemption` or `window`.
@@ -322,6 +330,7 @@ impl Metrics {
             gpu_temperature: Family::default(),
             gpu_power: Family::default(),
             gpu_switches: Family::default(),
+            gpu_xids: Family::default(),
             slice_memory: Family::default(),
             slice_memory_used: Family::default(),
             slice_memory_peak: Family::default(),
@@ -383,6 +392,11 @@ impl Metrics {
             "slice_memory_peak_bytes",
             "The most the workload of a software slice held at once since it took the slice (the shim's ledger)",
             m.slice_memory_peak.clone(),
+        );
+        r.register(
+            "gpu_xid_errors",
+            "XID critical errors NVML reported for each GPU since the agent started, by XID code",
+            m.gpu_xids.clone(),
         );
         r.register(
             "slice_holder",
@@ -451,6 +465,16 @@ impl Metrics {
             m.slice_guarantee.clone(),
         );
         m
+    }
+
+    /// Counts an XID critical error NVML reported for a GPU.
+    pub fn count_xid(&self, gpu: u32, xid: u64) {
+        self.gpu_xids
+            .get_or_create(&XidLabel {
+                gpu: gpu.to_string(),
+                xid: xid.to_string(),
+            })
+            .inc();
     }
 
     fn record(

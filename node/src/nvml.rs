@@ -212,6 +212,92 @@ impl NvmlGpus {
         out
     }
 
+    /// Watches every GPU that reports XID critical errors, on a thread of its own, until the
+    /// process ends: `seen(gpu index, xid)` for each, in the order NVML gives them (an XID NVML
+    /// cannot name is 0). Fails when no GPU can be watched; a wait that fails is retried.
+    pub fn watch_xids(
+        self,
+        seen: impl Fn(u32, u64) + Send + 'static,
+    ) -> Result<std::thread::JoinHandle<()>, NvmlError> {
+        use nvml_wrapper::bitmasks::event::EventTypes;
+        use nvml_wrapper::enums::event::XidError;
+        let call = |call: &'static str| {
+            move |source| NvmlError::Call {
+                gpu: 0,
+                call,
+                source,
+            }
+        };
+        // Registered here, so that an error is the caller's to report.
+        let count = self
+            .nvml
+            .device_count()
+            .map_err(call("nvmlDeviceGetCount"))?;
+        let mut watched = Vec::new();
+        for index in 0..count {
+            let device = self.device(index)?;
+            if device
+                .supported_event_types()
+                .is_ok_and(|t| t.contains(EventTypes::CRITICAL_XID_ERROR))
+            {
+                watched.push(index);
+            }
+        }
+        if watched.is_empty() {
+            return Err(NvmlError::Model {
+                gpu: 0,
+                message: "no GPU reports XID errors through NVML events".into(),
+            });
+        }
+        Ok(std::thread::spawn(move || {
+            let register = || -> Result<nvml_wrapper::EventSet<'_>, NvmlError> {
+                let mut set = self
+                    .nvml
+                    .create_event_set()
+                    .map_err(call("nvmlEventSetCreate"))?;
+                for &index in &watched {
+                    set = self
+                        .device(index)?
+                        .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+                        .map_err(|e| NvmlError::Call {
+                            gpu: index,
+                            call: "nvmlDeviceRegisterEvents",
+                            source: e.error,
+                        })?;
+                }
+                Ok(set)
+            };
+            loop {
+                let set = match register() {
+                    Ok(set) => set,
+                    Err(e) => {
+                        tracing::warn!("watching XID errors: {e}");
+                        std::thread::sleep(std::time::Duration::from_secs(10));
+                        continue;
+                    }
+                };
+                loop {
+                    match set.wait(1000) {
+                        Ok(event) => {
+                            let xid = match event.event_data {
+                                Some(XidError::Value(xid)) => xid,
+                                _ => 0,
+                            };
+                            let gpu = event.device.index().unwrap_or(u32::MAX);
+                            tracing::warn!("GPU {gpu}: XID {xid}");
+                            seen(gpu, xid);
+                        }
+                        Err(nvml_wrapper::error::NvmlError::Timeout) => {}
+                        Err(e) => {
+                            tracing::warn!("waiting for XID errors: {e}");
+                            break;
+                        }
+                    }
+                }
+            }
+        }))
+    }
+
     /// What monitoring reads of every GPU. Never fails: a figure NVML does not give (utilisation
     /// on a GPU in MIG mode, power on some boards, a GPU that stopped answering) is left out.
     pub fn telemetry(&self) -> Vec<GpuTelemetry> {

@@ -14,7 +14,8 @@
 //!   ([`monitor`]), and temperature, power, energy, clocks as functions of it within the board's
 //!   real ranges ([`board`]); modes (compute, persistence, ECC, display), P-state, ECC counts;
 //! - MIG: mode, GPU- and compute-instance profiles, placements, creation and destruction, MIG
-//!   device handles, their ids and UUIDs.
+//!   device handles, their ids and UUIDs;
+//! - event sets for XID critical errors injected into the model ([`events`]).
 //!
 //! Board-level queries answer `NVML_ERROR_NOT_SUPPORTED` where the real board does (fan speed on
 //! passively cooled data-centre boards; temperature, power, clocks and utilisation on MIG device
@@ -35,6 +36,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 mod board;
+mod events;
 mod monitor;
 
 use gpuslice_emulator::{Machine, NvmlError, Store};

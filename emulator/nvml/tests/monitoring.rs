@@ -53,7 +53,7 @@ gpus:
     let mut machine = Machine::from_inventory(&node).unwrap();
     machine.inject_xid(1, 48).unwrap();
     machine.inject_xid(1, 79).unwrap();
-    Store::create(&state, &machine).unwrap();
+    let store = Store::create(&state, &machine).unwrap();
     // SAFETY: this test binary has a single test, so no other thread reads the environment.
     unsafe { std::env::set_var("GPUSLICE_EMULATOR_STATE", &state) };
     let lib = library();
@@ -224,4 +224,46 @@ gpus:
     assert_eq!(t4.utilization_rates().unwrap().gpu, 0);
     assert_eq!(t4.temperature(TemperatureSensor::Gpu).unwrap(), 30);
     assert_eq!(t4.pci_info().unwrap().pci_device_id, 0x10de);
+
+    // XID critical errors as NVML events: a set registered on two GPUs gets the errors injected
+    // after it registered (not the two from before), each once, in order, with its GPU; a MIG
+    // device handle cannot register; an empty wait times out.
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    use nvml_wrapper::enums::event::XidError;
+    let gpu1 = nvml.device_by_index(1).unwrap();
+    assert!(
+        gpu1.supported_event_types()
+            .unwrap()
+            .contains(EventTypes::CRITICAL_XID_ERROR)
+    );
+    let set = nvml.create_event_set().unwrap();
+    let set = gpu0
+        .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+        .unwrap();
+    let set = gpu1
+        .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+        .unwrap();
+    assert!(matches!(set.wait(50), Err(NvmlError::Timeout)));
+    store.mutate(|m| m.inject_xid(1, 94)).unwrap().unwrap();
+    store.mutate(|m| m.inject_xid(0, 31)).unwrap().unwrap();
+    store.mutate(|m| m.inject_xid(1, 95)).unwrap().unwrap();
+    let mut seen = Vec::new();
+    while let Ok(event) = set.wait(200) {
+        assert!(event.event_type.contains(EventTypes::CRITICAL_XID_ERROR));
+        let Some(XidError::Value(xid)) = event.event_data else {
+            panic!("an XID event without its code: {:?}", event.event_data);
+        };
+        seen.push((event.device.index().unwrap(), xid));
+    }
+    seen.sort();
+    assert_eq!(seen, [(0, 31), (1, 94), (1, 95)]);
+    assert!(matches!(
+        mig.register_events(
+            EventTypes::CRITICAL_XID_ERROR,
+            nvml.create_event_set().unwrap()
+        )
+        .map(|_| ())
+        .map_err(|e| e.error),
+        Err(NvmlError::NotSupported)
+    ));
 }
