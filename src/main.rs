@@ -211,6 +211,14 @@ enum Bench {
         /// Only these trace files (e.g. openb_pod_list_default.csv); every one in the folder by default.
         #[arg(long = "trace")]
         traces: Vec<String>,
+        /// Replay constrained variants of the default trace instead: pods that name the GPU
+        /// models they may run on (like the FGD paper's gpuspec traces), for every model mix and
+        /// share of constrained pods.
+        #[arg(long)]
+        constrained: bool,
+        /// The seed the constrained variants are generated with.
+        #[arg(long, default_value_t = 1)]
+        variant_seed: u64,
     },
     /// Compute shares: real processes under the shim on the emulated GPU (or a real one), target
     /// vs achieved share per slice in every 1 s window, the arbitration's launch overhead, and
@@ -610,9 +618,31 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     data,
                     seeds,
                     traces,
+                    constrained,
+                    variant_seed,
                 },
         } => {
-            let nodes = gpuslice_bench::placement::cluster(&data)?;
+            use gpuslice_bench::placement as bench;
+            let nodes = bench::cluster(&data)?;
+            if constrained {
+                let pods = bench::pods(&data.join("openb_pod_list_default.csv"))?;
+                let mut results = Vec::new();
+                for mix in bench::model_mixes(&nodes) {
+                    for share in bench::CONSTRAINED_SHARES {
+                        let variant = bench::constrained(&pods, &nodes, share, &mix, variant_seed);
+                        let name = format!("{}-{:.0}%", mix.name, share * 100.0);
+                        results.push(bench::run_pods(&nodes, &name, &variant, seeds));
+                        eprintln!("replayed {name}");
+                    }
+                }
+                let (table, ok) = bench::render(&results, seeds);
+                print!("{table}");
+                return Ok(if ok {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                });
+            }
             let files = if traces.is_empty() {
                 gpuslice_bench::placement::traces(&data)?
             } else {

@@ -127,8 +127,18 @@ pub struct TraceResult {
 
 /// Replays one trace under every policy for `seeds` seeds.
 pub fn run_trace(nodes: &[Node], path: &Path, seeds: u64) -> Result<TraceResult, BenchError> {
-    let pods = pods(path)?;
-    let trace_mix = mix_of(&pods);
+    let trace = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or_default()
+        .trim_start_matches("openb_pod_list_")
+        .to_string();
+    Ok(run_pods(nodes, &trace, &pods(path)?, seeds))
+}
+
+/// Replays `pods` (named `trace` in the table) under every policy for `seeds` seeds.
+pub fn run_pods(nodes: &[Node], trace: &str, pods: &[Request], seeds: u64) -> TraceResult {
+    let trace_mix = mix_of(pods);
     let names: Vec<String> = policies::all(0, trace_mix.clone())
         .iter()
         .map(|p| p.name().to_string())
@@ -142,7 +152,7 @@ pub fn run_trace(nodes: &[Node], path: &Path, seeds: u64) -> Result<TraceResult,
             .enumerate()
         {
             let start = Instant::now();
-            let r = replay(nodes, &pods, seed, policy.as_mut(), &[100.0, 130.0]);
+            let r = replay(nodes, pods, seed, policy.as_mut(), &[100.0, 130.0]);
             if i == names.len() - 1 {
                 ours_slowest = ours_slowest.max(start.elapsed());
             }
@@ -150,21 +160,116 @@ pub fn run_trace(nodes: &[Node], path: &Path, seeds: u64) -> Result<TraceResult,
             at130[i].push(r.unallocated[1]);
         }
     }
-    let trace = path
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or_default()
-        .trim_start_matches("openb_pod_list_")
-        .to_string();
-    Ok(TraceResult {
-        trace,
+    TraceResult {
+        trace: trace.to_string(),
         rows: names
             .into_iter()
             .zip(at100.into_iter().zip(at130))
             .map(|(n, (a, b))| (n, median(a), median(b)))
             .collect(),
         ours_slowest,
-    })
+    }
+}
+
+/// Sets of allowed GPU models (`|`-separated, as in `gpu_spec`) and their weights: what the
+/// constrained pods of a variant name.
+pub struct ModelMix {
+    pub name: String,
+    pub specs: Vec<(String, f64)>,
+}
+
+/// The model mixes of the constrained variants, on `nodes`' models: the V100 pair of the
+/// issue; scarce models alone and in pairs; one model each, drawn by its share of the GPUs;
+/// and neighbouring generations paired.
+pub fn model_mixes(nodes: &[Node]) -> Vec<ModelMix> {
+    let spec = |pairs: &[(&str, f64)]| {
+        pairs
+            .iter()
+            .map(|(s, w)| (s.to_string(), *w))
+            .collect::<Vec<_>>()
+    };
+    let mut gpus_per_model: std::collections::BTreeMap<String, f64> = Default::default();
+    for n in nodes {
+        *gpus_per_model.entry(n.model.clone()).or_default() += n.gpus.len() as f64;
+    }
+    vec![
+        ModelMix {
+            name: "v100".into(),
+            specs: spec(&[("V100M16|V100M32", 1.0)]),
+        },
+        ModelMix {
+            name: "scarce".into(),
+            specs: spec(&[
+                ("V100M32", 1.0),
+                ("G3", 1.0),
+                ("V100M16|V100M32", 1.0),
+                ("P100", 1.0),
+                ("A10|T4", 1.0),
+            ]),
+        },
+        ModelMix {
+            name: "bymodel".into(),
+            specs: gpus_per_model.into_iter().collect(),
+        },
+        ModelMix {
+            name: "pairs".into(),
+            specs: spec(&[("G2|G3", 1.0), ("T4|P100", 1.0), ("V100M16|V100M32", 1.0)]),
+        },
+    ]
+}
+
+/// Shares of GPU pods that name models, in the constrained variants.
+pub const CONSTRAINED_SHARES: [f64; 4] = [0.05, 0.10, 0.20, 0.30];
+
+/// A constrained variant of `pods`, built like the FGD paper's "gpuspec" traces: each pod that
+/// asks for GPUs names, with probability `share`, a spec drawn from `mix` by weight among those
+/// with a node that can hold it (a model with as many GPUs on one node); `seed` makes it
+/// reproducible. Pods without GPUs, and those no spec can hold, stay unconstrained.
+pub fn constrained(
+    pods: &[Request],
+    nodes: &[Node],
+    share: f64,
+    mix: &ModelMix,
+    seed: u64,
+) -> Vec<Request> {
+    use rand::{Rng as _, SeedableRng as _};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let most_gpus = |model: &str| {
+        nodes
+            .iter()
+            .filter(|n| n.model == model)
+            .map(|n| n.gpus.len() as u64)
+            .max()
+            .unwrap_or(0)
+    };
+    pods.iter()
+        .map(|pod| {
+            let mut pod = pod.clone();
+            let gpus = match pod.gpu {
+                GpuAsk::Share(_) => 1,
+                GpuAsk::Whole(n) => u64::from(n),
+                GpuAsk::None | GpuAsk::Mig(_) => return pod,
+            };
+            if !rng.random_bool(share) {
+                return pod;
+            }
+            let fitting: Vec<&(String, f64)> = mix
+                .specs
+                .iter()
+                .filter(|(spec, _)| spec.split('|').any(|m| most_gpus(m) >= gpus))
+                .collect();
+            let total: f64 = fitting.iter().map(|(_, w)| w).sum();
+            let mut draw = rng.random::<f64>() * total;
+            for (spec, weight) in fitting {
+                draw -= weight;
+                if draw <= 0.0 {
+                    pod.models = spec.split('|').map(str::to_string).collect();
+                    break;
+                }
+            }
+            pod
+        })
+        .collect()
 }
 
 /// FGD as the paper's own simulator measured it, unallocated GPU % at 100% / 130% arrived, median

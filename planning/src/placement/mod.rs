@@ -160,6 +160,8 @@ pub enum NoFit {
 pub struct Cluster {
     pub nodes: Vec<Node>,
     groups: BTreeMap<State, BTreeSet<usize>>,
+    /// Free GPU thousandths per GPU model.
+    free_by_model: BTreeMap<String, u64>,
 }
 
 /// A placement policy: scores feasible candidates; higher is better.
@@ -167,6 +169,9 @@ pub trait Policy {
     fn name(&self) -> &str;
     /// Called once per request before any scoring (learning policies watch arrivals here).
     fn observe(&mut self, _request: &Request) {}
+    /// Called before each choice with the free GPU thousandths of each GPU model, for policies
+    /// that weigh where capacity is scarce.
+    fn survey(&mut self, _free_by_model: &BTreeMap<String, u64>) {}
     /// The score of `choice` for `request` on `node` (the node as it is before the placement).
     fn score(&mut self, node: &Node, request: &Request, choice: &Choice) -> f64;
     /// The score of `choice` on a node that has `copies` identical nodes (those in the same
@@ -194,10 +199,21 @@ pub trait Policy {
 impl Cluster {
     pub fn new(nodes: Vec<Node>) -> Cluster {
         let mut groups: BTreeMap<State, BTreeSet<usize>> = BTreeMap::new();
+        let mut free_by_model: BTreeMap<String, u64> = BTreeMap::new();
         for (i, n) in nodes.iter().enumerate() {
             groups.entry(n.state()).or_default().insert(i);
+            *free_by_model.entry(n.model.clone()).or_default() += n.gpu_free();
         }
-        Cluster { nodes, groups }
+        Cluster {
+            nodes,
+            groups,
+            free_by_model,
+        }
+    }
+
+    /// Free GPU thousandths per GPU model.
+    pub fn free_by_model(&self) -> &BTreeMap<String, u64> {
+        &self.free_by_model
     }
 
     pub fn gpu_total(&self) -> u64 {
@@ -213,6 +229,7 @@ impl Cluster {
 
     /// Chooses where `request` goes under `policy`, or why it cannot go anywhere.
     pub fn choose(&self, request: &Request, policy: &mut dyn Policy) -> Result<Choice, NoFit> {
+        policy.survey(&self.free_by_model);
         let mut best: Option<(f64, usize, Choice, &BTreeSet<usize>)> = None;
         let mut seen_model = false;
         let mut seen_cpu = false;
@@ -271,6 +288,7 @@ impl Cluster {
     pub fn allocate(&mut self, request: &Request, choice: &Choice) {
         let node = &mut self.nodes[choice.node];
         let before = node.state();
+        let free_before = node.gpu_free();
         node.cpu_free -= request.cpu_milli;
         node.memory_free -= request.memory_mib;
         for &(g, milli) in &choice.gpus {
@@ -294,6 +312,9 @@ impl Cluster {
             *compute_used += p.compute_slices;
         }
         let after = node.state();
+        if let Some(free) = self.free_by_model.get_mut(&node.model) {
+            *free = free.saturating_sub(free_before - node.gpu_free());
+        }
         if let Some(set) = self.groups.get_mut(&before) {
             set.remove(&choice.node);
             if set.is_empty() {

@@ -182,6 +182,13 @@ impl Policy for Fgd {
 /// GPU worth less than what it took from it loses capacity for certain. A GPU-less task goes
 /// where the fewest idle GPUs are at stake; among whole-GPU placements that cost the same, the
 /// one that leaves the node fullest, so idle nodes stay whole for multi-GPU tasks.
+///
+/// Where some of the mix may only run on certain GPU models, capacity taken from those models
+/// is charged for the constrained demand it displaces: each set of allowed models asks its share
+/// of the GPU demand still to come (taken as the free capacity of the whole cluster) from the
+/// free capacity of its own models, and a GPU thousandth of a model is priced at the pressure of
+/// the sets that allow it (at most 1: then every one of them will be wanted by a constrained
+/// task). Unconstrained work then leaves scarce models to the tasks that can run nowhere else.
 pub struct Mix {
     window: VecDeque<Request>,
     capacity: usize,
@@ -193,6 +200,10 @@ pub struct Mix {
     memory_per_milli: f64,
     /// What free share capacity is worth to the expected shares (re-learned with the mix).
     shares: ShareValues,
+    /// Each set of allowed models in the mix and its share of the mix's GPU demand.
+    constrained: Vec<(Vec<String>, f64)>,
+    /// The displacement price of a GPU thousandth per model (from the last survey).
+    model_price: HashMap<String, f64>,
 }
 
 impl Mix {
@@ -207,6 +218,8 @@ impl Mix {
             cpu_per_milli: 0.0,
             memory_per_milli: 0.0,
             shares: ShareValues::default(),
+            constrained: Vec::new(),
+            model_price: HashMap::new(),
         }
     }
 
@@ -235,12 +248,27 @@ impl Mix {
             }
         }
         self.shares = ShareValues::learn(&demand.into_iter().collect::<Vec<_>>());
+        let mut by_models: BTreeMap<Vec<String>, f64> = BTreeMap::new();
+        for t in self.mix.iter().filter(|t| !t.request.models.is_empty()) {
+            let mut models = t.request.models.clone();
+            models.sort();
+            *by_models.entry(models).or_default() += t.weight * t.request.gpu_milli() as f64;
+        }
+        self.constrained = by_models
+            .into_iter()
+            .map(|(models, d)| (models, if gpu > 0.0 { d / gpu } else { 0.0 }))
+            .collect();
         self.cache.clear();
         self.arrivals_since_refresh = 0;
     }
 }
 
 impl Mix {
+    /// GPU thousandths of constrained demand that taking `milli` from a `model` GPU displaces.
+    fn displaced(&self, model: &str, milli: u64) -> f64 {
+        self.model_price.get(model).copied().unwrap_or(0.0) * milli as f64
+    }
+
     /// Idle GPU thousandths on `node` beyond what its free CPU and memory can feed at the rates
     /// the expected GPU tasks need them.
     fn shortfall(&self, node: &Node) -> f64 {
@@ -293,6 +321,19 @@ impl Policy for Mix {
         }
     }
 
+    fn survey(&mut self, free_by_model: &BTreeMap<String, u64>) {
+        self.model_price.clear();
+        let total: u64 = free_by_model.values().sum();
+        for (models, share) in &self.constrained {
+            let supply: u64 = models.iter().filter_map(|m| free_by_model.get(m)).sum();
+            let pressure = share * total as f64 / supply.max(1) as f64;
+            for m in models {
+                let price = self.model_price.entry(m.clone()).or_default();
+                *price = (*price + pressure).min(1.0);
+            }
+        }
+    }
+
     fn score(&mut self, node: &Node, request: &Request, choice: &Choice) -> f64 {
         let mix = std::mem::take(&mut self.mix);
         let grow = if mix.is_empty() {
@@ -334,7 +375,10 @@ impl Policy for Mix {
             GpuAsk::None => node.gpu_free() as f64 * 0.1,
             _ => left_after(node, request) * 1e-3,
         };
-        -(grow + shortfall_growth + exhausted + packing) - nudge
+        // Constrained demand displaced is as certain as a packing loss once a model's capacity
+        // is all wanted: the same unit (millionths of a GPU).
+        let displaced = (self.displaced(&node.model, request.gpu_milli()) * 1e3).round();
+        -(grow + shortfall_growth + exhausted + packing + displaced) - nudge
     }
 }
 

@@ -232,3 +232,39 @@ fn replay_reports_unallocated_at_each_mark() {
         "more arrivals never free GPUs"
     );
 }
+
+#[test]
+fn unconstrained_work_leaves_a_scarce_model_to_the_tasks_that_can_use_nothing_else() {
+    // A V100 GPU with 40% free and an idle T4. Shares of 40% and 50% arrive, and a third of the
+    // tasks may only run on V100s. An unconstrained 40% share completes the V100 exactly (the
+    // best packing, and FGD's fragment measure ties), but then the next V100-only share has
+    // nowhere to go: the share must take the T4.
+    let share = |milli: u32, models: &[&str]| Request {
+        cpu_milli: 1000,
+        memory_mib: 1024,
+        gpu: GpuAsk::Share(milli),
+        models: models.iter().map(|m| m.to_string()).collect(),
+    };
+    let v100 = ["V100M16", "V100M32"];
+    let (anywhere, v100_only) = (share(400, &[]), share(400, &v100));
+    let mut partly_used = Node::empty("v100", "V100M16", 32000, 65536, 1);
+    partly_used.gpus[0] = Gpu::Shared { free: 400 };
+    let nodes = vec![partly_used, Node::empty("t4", "T4", 32000, 65536, 1)];
+    let seen = [anywhere.clone(), share(500, &[]), v100_only.clone()];
+
+    let mut cluster = Cluster::new(nodes.clone());
+    let mut ours = Mix::default();
+    for r in seen.iter().cycle().take(30) {
+        ours.observe(r);
+    }
+    ours.observe(&anywhere);
+    let first = cluster.place(&anywhere, &mut ours).unwrap();
+    assert_eq!(cluster.nodes[first.node].model, "T4");
+    ours.observe(&v100_only);
+    assert!(cluster.place(&v100_only, &mut ours).is_ok());
+    assert_eq!(cluster.free_by_model()["V100M16"], 0);
+
+    let mut fgd = Fgd::new(mix_of(&seen));
+    let cluster = Cluster::new(nodes);
+    assert_eq!(cluster.choose(&anywhere, &mut fgd).unwrap().node, 0);
+}
