@@ -264,9 +264,14 @@ impl Mix {
 }
 
 impl Mix {
-    /// GPU thousandths of constrained demand that taking `milli` from a `model` GPU displaces.
+    /// Constrained demand that taking `milli` from a `model` GPU displaces: in millionths of a
+    /// GPU when the model's capacity is all wanted (certain, like a packing loss), else its
+    /// expectation in thousandths (like a fragment).
     fn displaced(&self, model: &str, milli: u64) -> f64 {
-        self.model_price.get(model).copied().unwrap_or(0.0) * milli as f64
+        match self.model_price.get(model).copied().unwrap_or(0.0) {
+            price if price >= 1.0 => milli as f64 * 1e3,
+            price => price * milli as f64,
+        }
     }
 
     /// Idle GPU thousandths on `node` beyond what its free CPU and memory can feed at the rates
@@ -376,8 +381,9 @@ impl Policy for Mix {
             _ => left_after(node, request) * 1e-3,
         };
         // Constrained demand displaced is as certain as a packing loss once a model's capacity
-        // is all wanted: the same unit (millionths of a GPU).
-        let displaced = (self.displaced(&node.model, request.gpu_milli()) * 1e3).round();
+        // is all wanted: then it counts in the same unit (millionths of a GPU); before that it is
+        // an expectation, like the fragment's, in thousandths.
+        let displaced = self.displaced(&node.model, request.gpu_milli());
         -(grow + shortfall_growth + exhausted + packing + displaced) - nudge
     }
 }
