@@ -270,7 +270,7 @@ struct GpuLabel {
 struct HolderLabel {
     gpu: String,
     slice: String,
-    /// `software`, `mig` or `gpu`.
+    /// `software` or `mig`.
     kind: String,
     pool: String,
     policy: String,
