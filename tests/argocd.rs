@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use gpuslice_api::GpuNode;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, built_tool, free_port};
-use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject};
 
 const KINDS: [&str; 3] = ["GpuPool", "GpuSlicePolicy", "GpuNode"];
@@ -331,7 +330,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
                 "destinations": [{"server": "*", "namespace": "*"}],
                 "clusterResourceWhitelist": [{"group": "*", "kind": "*"}]}}),
     ];
-    apply(&client, &setup).await;
+    gpuslice_testcluster::apply_all(&client, &setup).await;
     let repo_port = free_port().unwrap();
     let argocd_env = |c: &mut Command| {
         c.env("KUBECONFIG", cluster.kubeconfig_path())
@@ -441,7 +440,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
                 || kind == "PriorityClass"
         })
         .collect();
-    apply(&client, &admission).await;
+    gpuslice_testcluster::apply_all(&client, &admission).await;
 
     // The Application, automated, as examples/gitops/argocd/application.yaml declares it, with
     // the served repository.
@@ -461,7 +460,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     };
     let apps: Api<DynamicObject> = Api::namespaced_with(client.clone(), "argocd", &applications);
     let started = Instant::now();
-    apply(&client, &[application]).await;
+    gpuslice_testcluster::apply_all(&client, &[application]).await;
     let first = head_of(&repo);
     let state = app_until(&apps, &logs, 240, "the first sync turning Healthy", |s| {
         healthy_at(s, &first)
@@ -672,17 +671,4 @@ fn which(program: &str) -> Option<PathBuf> {
             .map(|d| d.join(program))
             .find(|p| p.is_file())
     })
-}
-
-async fn apply(client: &Client, docs: &[serde_json::Value]) {
-    let discovery = kube::discovery::Discovery::new(client.clone())
-        .run()
-        .await
-        .unwrap();
-    for doc in docs {
-        gpuslice_testcluster::apply_document(client, &discovery, doc, false)
-            .await
-            .unwrap_or_else(|| panic!("no such kind: {doc}"))
-            .unwrap_or_else(|e| panic!("{}: {e}", doc["metadata"]["name"]));
-    }
 }

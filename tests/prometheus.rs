@@ -15,30 +15,9 @@ use gpuslice_testcluster::{
     Components, ControlPlane, KillOnDrop, built_tool, eventually, free_port, local_get,
 };
 use k8s_openapi::api::core::v1::Pod;
-use kube::Client;
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn documents(text: &str) -> Vec<serde_json::Value> {
-    serde_yaml::Deserializer::from_str(text)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .filter(|d: &serde_json::Value| !d.is_null())
-        .collect()
-}
-
-async fn apply(client: &Client, docs: &[serde_json::Value]) {
-    let discovery = kube::discovery::Discovery::new(client.clone())
-        .run()
-        .await
-        .unwrap();
-    for doc in docs {
-        gpuslice_testcluster::apply_document(client, &discovery, doc, false)
-            .await
-            .expect("a known kind")
-            .unwrap();
-    }
 }
 
 /// `GET /api/v1/<path>?query=<promql>` on Prometheus: the `data` of a successful answer, or why not.
@@ -115,7 +94,7 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
         "{}",
         String::from_utf8_lossy(&rendered.stderr)
     );
-    let chart = documents(&String::from_utf8(rendered.stdout).unwrap());
+    let chart = gpuslice_testcluster::documents(&String::from_utf8(rendered.stdout).unwrap());
     let config_map = |name: &str| {
         chart
             .iter()
@@ -142,7 +121,7 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
         })
         .cloned()
         .collect();
-    apply(&client, &admission).await;
+    gpuslice_testcluster::apply_all(&client, &admission).await;
 
     let dir = tempfile::tempdir().unwrap();
     let rules_file = dir.path().join("gpuslice.rules.yaml");
@@ -214,7 +193,7 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
             .spawn()
             .unwrap(),
     );
-    apply(&client, &documents(POOL)).await;
+    gpuslice_testcluster::apply_all(&client, &gpuslice_testcluster::documents(POOL)).await;
     // Five pods for four slices: four are admitted, one waits in the queue.
     for i in 0..5 {
         let pod: Pod = serde_json::from_value(serde_json::json!({
@@ -449,9 +428,9 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
     );
 
     // A second pool over the same GPUs: both are Degraded, and the alert names them.
-    apply(
+    gpuslice_testcluster::apply_all(
         &client,
-        &documents(
+        &gpuslice_testcluster::documents(
             "
 apiVersion: gpuslice.io/v1alpha1
 kind: GpuPool

@@ -19,26 +19,6 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-async fn apply(client: &Client, docs: &[serde_json::Value]) {
-    let discovery = kube::discovery::Discovery::new(client.clone())
-        .run()
-        .await
-        .unwrap();
-    for doc in docs {
-        gpuslice_testcluster::apply_document(client, &discovery, doc, false)
-            .await
-            .unwrap_or_else(|| panic!("no such kind: {doc}"))
-            .unwrap_or_else(|e| panic!("{}: {e}", doc["metadata"]["name"]));
-    }
-}
-
-fn documents(text: &str) -> Vec<serde_json::Value> {
-    serde_yaml::Deserializer::from_str(text)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .filter(|v: &serde_json::Value| !v.is_null())
-        .collect()
-}
-
 fn pod(name: &str, namespace: &str, policy: &str) -> Pod {
     serde_json::from_value(serde_json::json!({
         "apiVersion": "v1",
@@ -158,7 +138,7 @@ impl Harness {
             String::from_utf8_lossy(&rendered.stderr)
         );
         let mutating: Vec<serde_json::Value> =
-            documents(&String::from_utf8(rendered.stdout).unwrap())
+            gpuslice_testcluster::documents(&String::from_utf8(rendered.stdout).unwrap())
                 .into_iter()
                 .filter(|d| {
                     d["kind"].as_str().is_some_and(|k| {
@@ -171,7 +151,7 @@ impl Harness {
             7,
             "three policies, their bindings and the queued pods' PriorityClass"
         );
-        apply(&client, &mutating).await;
+        gpuslice_testcluster::apply_all(&client, &mutating).await;
         cluster
             .create_node(node, &[("gpuslice.io/pool", pool)], &[("cpu", cpu)])
             .await
@@ -225,7 +205,7 @@ impl Harness {
 
     /// Applies `docs`, then waits until the operator has written `classes` DeviceClasses.
     async fn apply_and_wait(&self, docs: &[serde_json::Value], classes: usize) {
-        apply(&self.client, docs).await;
+        gpuslice_testcluster::apply_all(&self.client, docs).await;
         eventually("the policies' DeviceClasses exist", || {
             let api: Api<k8s_openapi::api::resource::v1::DeviceClass> =
                 Api::all(self.client.clone());
@@ -265,7 +245,7 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         "examples/gitops/policies/notebook.yaml",
         "examples/gitops/policies/bert-finetune.yaml",
     ] {
-        docs.extend(documents(
+        docs.extend(gpuslice_testcluster::documents(
             &std::fs::read_to_string(root().join(file)).unwrap(),
         ));
     }
@@ -582,7 +562,7 @@ async fn namespaces_share_a_pool_by_their_weights() {
         return;
     };
     let client = h.client.clone();
-    let docs = documents(
+    let docs = gpuslice_testcluster::documents(
         "
 apiVersion: v1
 kind: Namespace
@@ -741,7 +721,7 @@ async fn priorities_change_with_the_window_in_force() {
         return;
     };
     let client = h.client.clone();
-    let docs = documents(
+    let docs = gpuslice_testcluster::documents(
         "
 apiVersion: gpuslice.io/v1alpha1
 kind: GpuPool
@@ -811,7 +791,7 @@ async fn a_pod_is_not_put_on_a_slice_a_window_change_recuts_before_it_ends() {
         return;
     };
     let client = h.client.clone();
-    let docs = documents(
+    let docs = gpuslice_testcluster::documents(
         "
 apiVersion: gpuslice.io/v1alpha1
 kind: GpuPool

@@ -866,6 +866,29 @@ pub async fn ensure_namespace(client: &Client, name: &str) -> Result<(), Error> 
     Ok(())
 }
 
+/// The documents of a multi-document YAML text (empty ones left out).
+pub fn documents(text: &str) -> Vec<serde_json::Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|d| serde::Deserialize::deserialize(d).expect("a YAML document"))
+        .filter(|v: &serde_json::Value| !v.is_null())
+        .collect()
+}
+
+/// Applies every document for real ([`apply_document`]); panics naming the one the server
+/// refuses or does not know.
+pub async fn apply_all(client: &Client, docs: &[serde_json::Value]) {
+    let discovery = kube::discovery::Discovery::new(client.clone())
+        .run()
+        .await
+        .expect("API discovery");
+    for doc in docs {
+        apply_document(client, &discovery, doc, false)
+            .await
+            .unwrap_or_else(|| panic!("no such kind: {doc}"))
+            .unwrap_or_else(|e| panic!("{}: {e}", doc["metadata"]["name"]));
+    }
+}
+
 /// Server-side apply of one YAML/JSON document of any kind the server knows, with strict field
 /// validation, dry-run or for real; `None` when the document has no kind the server knows.
 /// Namespaced objects go to their namespace (created if needed; `default` when unset).
