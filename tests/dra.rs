@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use gpuslice_api::{GpuPool, GpuSlicePolicy};
+use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy};
 use gpuslice_node::kubelet::proto;
 use gpuslice_node::kubelet::proto::dra::d_r_a_plugin_client::DRAPluginClient as DraPluginClient;
 use gpuslice_node::kubelet::proto::registration::registration_client::RegistrationClient;
@@ -177,6 +177,16 @@ fn spawn_agent(
 }
 
 async fn start(clock: &str, agent_args: &[&str]) -> Option<Cluster> {
+    start_with_driver(clock, agent_args, None).await
+}
+
+/// As [`start`], the emulated nodes reporting `driver` (`version`, `cuda`) instead of the
+/// emulator's current one.
+async fn start_with_driver(
+    clock: &str,
+    agent_args: &[&str],
+    driver: Option<(&str, &str)>,
+) -> Option<Cluster> {
     let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
     let client = cluster.client().await.unwrap();
     gpuslice_testcluster::install_crds(&client, &root().join("crds"))
@@ -193,9 +203,12 @@ async fn start(clock: &str, agent_args: &[&str]) -> Option<Cluster> {
             .await
             .unwrap();
         let node_file = dir.path().join(format!("{name}.yaml"));
+        let driver = driver
+            .map(|(version, cuda)| format!("driver: {{version: {version:?}, cuda: {cuda:?}}}\n"))
+            .unwrap_or_default();
         std::fs::write(
             &node_file,
-            format!("name: {name}\ngpus:\n- {{index: 0, model: {model}}}\n"),
+            format!("name: {name}\n{driver}gpus:\n- {{index: 0, model: {model}}}\n"),
         )
         .unwrap();
         processes.push(spawn_agent(&cluster, dir.path(), name, clock, agent_args));
@@ -518,6 +531,103 @@ async fn slices_a_window_change_will_recut_take_no_new_pods() {
     let (bound, waiting) = settled(&pods, 1, 1, "the notebook waits, the inference pod runs").await;
     assert_eq!(bound, [("inference".to_string(), "h200-a".to_string())]);
     assert!(waiting[0].starts_with("late-notebook: "), "{waiting:?}");
+}
+
+#[tokio::test]
+async fn a_driver_too_old_for_the_shim_offers_only_mig_slices() {
+    // Both nodes run driver 470 (CUDA 11.4); the shim needs CUDA 12.0. The A100's software
+    // slices are not offered, the H200's MIG instances are; each GpuNode says why and what to
+    // install, and each pool counts its node.
+    let Some(running) =
+        start_with_driver("2026-12-02T10:00:00Z", &[], Some(("470.82.01", "11.4"))).await
+    else {
+        return;
+    };
+    let client = running.client.clone();
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    eventually("each GpuNode says the driver is too old", || {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let mut said = Vec::new();
+            for name in ["a100-a", "h200-a"] {
+                let node = gpu_nodes.get(name).await.map_err(|e| e.to_string())?;
+                let c = node
+                    .status
+                    .iter()
+                    .flat_map(|s| &s.conditions)
+                    .find(|c| c.type_ == "DriverSupported")
+                    .ok_or(format!("{name}: no DriverSupported condition yet"))?;
+                said.push((c.status.clone(), c.reason.clone(), c.message.clone()));
+            }
+            said.iter()
+                .all(|(status, reason, message)| {
+                    status == "False"
+                        && reason == "DriverTooOld"
+                        && message.contains("driver 470.82.01 (CUDA 11.4)")
+                        && message.contains("install NVIDIA driver 525.60.13 or newer")
+                })
+                .then_some(())
+                .ok_or(format!("{said:?}"))
+        }
+    })
+    .await;
+    eventually("only the H200's MIG instances are published", || {
+        let slices = slices.clone();
+        async move {
+            let mut devices: BTreeMap<String, Vec<String>> = BTreeMap::new();
+            for s in slices
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                let node = s.spec.node_name.clone().unwrap_or_default();
+                devices
+                    .entry(node)
+                    .or_default()
+                    .extend(s.spec.devices.iter().flatten().map(|d| d.name.clone()));
+            }
+            let h200 = devices.get("h200-a").map_or(0, Vec::len);
+            (!devices.contains_key("a100-a") && h200 == 4)
+                .then_some(())
+                .ok_or(format!("{devices:?}"))
+        }
+    })
+    .await;
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    eventually("each pool counts its node as outdated", || {
+        let pools = pools.clone();
+        async move {
+            let mut counts = Vec::new();
+            for name in ["shared-a100", "h200-mig"] {
+                let pool = pools.get(name).await.map_err(|e| e.to_string())?;
+                let status = pool.status.unwrap_or_default();
+                let degraded = status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "Degraded")
+                    .map(|c| c.reason.clone());
+                counts.push((name, status.driver_outdated, degraded));
+            }
+            counts
+                .iter()
+                .all(|(_, n, reason)| *n == 1 && reason.as_deref() == Some("DriverOutdated"))
+                .then_some(())
+                .ok_or(format!("{counts:?}"))
+        }
+    })
+    .await;
+    // A notebook (software slice) waits; an inference pod gets a MIG instance.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.create(&PostParams::default(), &pod("notebook", "notebook"))
+        .await
+        .unwrap();
+    pods.create(&PostParams::default(), &pod("inference", "llm-inference"))
+        .await
+        .unwrap();
+    let (bound, waiting) = settled(&pods, 1, 1, "the notebook waits, the inference pod runs").await;
+    assert_eq!(bound, [("inference".to_string(), "h200-a".to_string())]);
+    assert!(waiting[0].starts_with("notebook: "), "{waiting:?}");
 }
 
 /// What a container runtime does with a CDI device, to a local process: its environment, and its

@@ -305,6 +305,10 @@ impl Walker<'_> {
                 crate::time::DURATION_PATTERN => {
                     "a duration such as 50ms, 90s, 5m or 1h30m".to_string()
                 }
+                crate::pool::DRIVER_VERSION_PATTERN => {
+                    "a driver version such as \"550.54.15\"".to_string()
+                }
+                crate::pool::CUDA_VERSION_PATTERN => "a CUDA version such as \"12.4\"".to_string(),
                 other => format!("text matching {other}"),
             };
             self.push(path, format!("{s:?} is not {expected}"));

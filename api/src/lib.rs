@@ -25,15 +25,16 @@ pub use checkpoint::{
 };
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{
-    GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess, MigInstance,
-    MigState, NodeInventory, Placement, Preemption, SliceClaim, SoftwareSliceState,
+    DriverVersions, GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess,
+    MigInstance, MigState, NodeInventory, Placement, Preemption, SliceClaim, SoftwareSliceState,
 };
 pub use policy::{
     ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus, WorkloadClass,
 };
 pub use pool::{
-    Compaction, FairShareStatus, FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector,
-    IoLimits, LocalCache, NamespaceUsage, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,
+    Compaction, DriverMinimum, FairShareStatus, FaultIsolation, GpuPool, GpuPoolSpec,
+    GpuPoolStatus, GpuSelector, IoLimits, LocalCache, NamespaceUsage, Scheduling, SchedulingPolicy,
+    SliceCounts, TimeWindow,
 };
 pub use quantity::{QuantityError, Size, bytes_of, format_bytes};
 pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};

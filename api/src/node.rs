@@ -162,9 +162,26 @@ pub struct NodeInventory {
     /// Allocatable memory of the node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<Quantity>,
+    /// The node's NVIDIA driver as NVML reports it (absent where nobody read it, as in a
+    /// hand-written inventory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<DriverVersions>,
     /// The node's GPUs.
     #[serde(default)]
     pub gpus: Vec<GpuInventory>,
+}
+
+/// The NVIDIA driver of a node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverVersions {
+    /// The driver version, for example `550.54.15` (`nvidia-smi`'s "Driver Version").
+    #[schemars(length(max = 64))]
+    pub version: String,
+    /// The newest CUDA version the driver supports, `major.minor`, for example `12.4`
+    /// (`nvidia-smi`'s "CUDA Version").
+    #[schemars(length(max = 16))]
+    pub cuda: String,
 }
 
 /// One physical GPU.

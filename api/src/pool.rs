@@ -71,6 +71,31 @@ pub struct GpuPoolSpec {
     /// Isolation of GPU faults (XID errors) to the slice that caused them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fault_isolation: Option<FaultIsolation>,
+    /// The oldest NVIDIA driver the pool's nodes may run, on top of what the gpuslice shim
+    /// itself needs (driver 525.60.13, CUDA 12.0). A node below either offers none of its
+    /// software slices (MIG instances and whole GPUs still), its GpuNode's `DriverSupported`
+    /// condition names the versions found and needed, and `status.driverOutdated` counts it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<DriverMinimum>,
+}
+
+/// A driver version: one to three dot-separated numbers.
+pub const DRIVER_VERSION_PATTERN: &str = r"^[0-9]+(\.[0-9]+){0,2}$";
+/// A CUDA version: `major` or `major.minor`.
+pub const CUDA_VERSION_PATTERN: &str = r"^[0-9]+(\.[0-9]+)?$";
+
+/// A minimum NVIDIA driver.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverMinimum {
+    /// The oldest driver version, for example `550.54.15` (`550` reads as `550.0.0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(DRIVER_VERSION_PATTERN), length(max = 32))]
+    pub min_version: Option<String>,
+    /// The oldest CUDA version the driver must support, `major.minor`, for example `12.4`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(CUDA_VERSION_PATTERN), length(max = 16))]
+    pub min_cuda_version: Option<String>,
 }
 
 /// Selects GPUs on a node by model, index or UUID. A GPU belongs to the pool when it matches every
@@ -231,11 +256,19 @@ pub struct GpuPoolStatus {
     /// Slices in the pool and how many are in use.
     #[serde(default)]
     pub slices: SliceCounts,
+    /// Nodes of the pool whose NVIDIA driver is older than `spec.driver` or the shim needs:
+    /// their software slices are not offered until the driver is upgraded.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub driver_outdated: u32,
     /// Each namespace's recent use of the pool, which `FairShare` and `PriorityFair` scheduling
     /// order by; written by the admission queue (about every 10 s) so that a restarted or new
     /// leader carries on from it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fair_share: Option<FairShareStatus>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Namespaces' decayed use of a pool.

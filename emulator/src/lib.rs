@@ -8,7 +8,7 @@ pub mod model;
 pub mod store;
 pub mod timeline;
 
-pub use model::{Fault, FaultAction, Gpu, GpuInstance, Machine, NvmlError};
+pub use model::{Fault, FaultAction, Gpu, GpuInstance, Machine, NvmlError, Xid};
 pub use store::{Store, StoreError};
 
 use std::path::{Path, PathBuf};

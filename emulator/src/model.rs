@@ -107,13 +107,32 @@ pub struct Gpu {
     pub instances: Vec<GpuInstance>,
     pub processes: Vec<Process>,
     /// XID errors reported so far, oldest first.
-    pub xid_events: Vec<u64>,
+    pub xid_events: Vec<Xid>,
     next_instance_id: u32,
 }
+
+/// An XID error a GPU reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Xid {
+    /// The XID code.
+    pub code: u64,
+    /// The GPU instance it happened in (MIG); `None` for the whole GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_instance: Option<u32>,
+}
+
+/// The driver version the emulator reports unless seeded with another.
+pub const DRIVER_VERSION: &str = "575.57.08";
+/// The CUDA version that driver supports, as the CUDA emulator reports it.
+pub const CUDA_VERSION: &str = "12.8";
 
 /// The emulated machine: what every process that opens the same state sees.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Machine {
+    /// The NVIDIA driver (`None`: [`DRIVER_VERSION`] and [`CUDA_VERSION`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<gpuslice_api::DriverVersions>,
     pub gpus: Vec<Gpu>,
     pub faults: Vec<Fault>,
     /// Mutating calls made so far.
@@ -137,7 +156,10 @@ impl Machine {
     /// A machine as a [`NodeInventory`] describes it: GPUs of their models, MIG instances in their
     /// placements, processes. GPUs without a UUID get one.
     pub fn from_inventory(node: &NodeInventory) -> Result<Machine, SeedError> {
-        let mut m = Machine::default();
+        let mut m = Machine {
+            driver: node.driver.clone(),
+            ..Machine::default()
+        };
         for g in &node.gpus {
             let err = |message: String| SeedError::Gpu {
                 index: g.index,
@@ -196,6 +218,7 @@ impl Machine {
     pub fn inventory(&self, name: &str) -> NodeInventory {
         NodeInventory {
             name: name.to_string(),
+            driver: Some(self.driver()),
             gpus: self
                 .gpus
                 .iter()
@@ -423,9 +446,38 @@ impl Machine {
         }
     }
 
-    /// A GPU reports an XID error.
+    /// The driver it reports.
+    pub fn driver(&self) -> gpuslice_api::DriverVersions {
+        self.driver
+            .clone()
+            .unwrap_or_else(|| gpuslice_api::DriverVersions {
+                version: DRIVER_VERSION.into(),
+                cuda: CUDA_VERSION.into(),
+            })
+    }
+
+    /// A GPU reports an XID error on the whole GPU.
     pub fn inject_xid(&mut self, index: u32, xid: u64) -> Result<(), NvmlError> {
-        self.gpu_mut(index)?.xid_events.push(xid);
+        self.inject_xid_in(index, xid, None)
+    }
+
+    /// A GPU reports an XID error, in one of its GPU instances (MIG) when `gpu_instance` is set.
+    pub fn inject_xid_in(
+        &mut self,
+        index: u32,
+        xid: u64,
+        gpu_instance: Option<u32>,
+    ) -> Result<(), NvmlError> {
+        let gpu = self.gpu_mut(index)?;
+        if let Some(id) = gpu_instance
+            && !gpu.instances.iter().any(|i| i.id == id)
+        {
+            return Err(NvmlError::NotFound);
+        }
+        gpu.xid_events.push(Xid {
+            code: xid,
+            gpu_instance,
+        });
         Ok(())
     }
 }

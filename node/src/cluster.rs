@@ -13,11 +13,14 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use gpuslice_api::k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use gpuslice_api::k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use gpuslice_api::{
-    CheckpointPolicy, GpuNode, GpuNodeStatus, GpuPool, GpuSlicePolicy, NodeInventory,
+    CheckpointPolicy, DriverMinimum, GpuNode, GpuNodeStatus, GpuPool, GpuSlicePolicy, NodeInventory,
 };
+use gpuslice_contract::SliceKind;
 use gpuslice_planning::clock::Clock;
 use gpuslice_planning::cluster::{Assignment, ClusterPlan, GpuPlan, NodePlan, plan_assigned};
+use gpuslice_planning::driver;
 use gpuslice_runtime::apply_body;
 use gpuslice_runtime::conditions::{condition, keep_transition_times};
 use gpuslice_runtime::telemetry::Telemetry;
@@ -95,8 +98,68 @@ fn plan_spec(
     (plans, problems)
 }
 
+/// Each pool of this node's GPUs whose software slices the node's driver cannot serve, with
+/// what it falls short of (see [`gpuslice_planning::driver`]); and the `DriverSupported`
+/// condition saying so. A node in no pool is checked against the shim alone.
+fn driver_check(
+    inventory: &NodeInventory,
+    assignments: &[gpuslice_api::GpuAssignment],
+    minimums: &BTreeMap<String, DriverMinimum>,
+    generation: Option<i64>,
+) -> (BTreeMap<String, driver::Shortfall>, Condition) {
+    let found = inventory.driver.as_ref();
+    let pools: std::collections::BTreeSet<&str> =
+        assignments.iter().map(|a| a.pool.as_str()).collect();
+    let mut short = BTreeMap::new();
+    for pool in &pools {
+        let minimum = minimums.get(*pool).map(|m| (*pool, m));
+        if let Err(e) = driver::check(found, minimum) {
+            short.insert(pool.to_string(), e);
+        }
+    }
+    let shim = driver::check(found, None);
+    let supported = short.is_empty() && shim.is_ok();
+    let message = if supported {
+        let found = found.map_or_else(String::new, |d| {
+            format!("driver {} (CUDA {})", d.version, d.cuda)
+        });
+        format!(
+            "{found} meets the gpuslice shim's minimum (driver {}, CUDA {}) and its pools'",
+            driver::SHIM_MIN_DRIVER,
+            driver::SHIM_MIN_CUDA
+        )
+    } else {
+        let mut texts: Vec<String> = short
+            .iter()
+            .map(|(pool, e)| format!("pool {pool}: {e}"))
+            .collect();
+        if texts.is_empty()
+            && let Err(e) = &shim
+        {
+            texts.push(e.to_string());
+        }
+        texts.join("; ")
+    };
+    let reason = if supported {
+        "Supported"
+    } else if found.is_none() {
+        "DriverUnknown"
+    } else {
+        "DriverTooOld"
+    };
+    (
+        short,
+        condition("DriverSupported", supported, reason, message, generation),
+    )
+}
+
 /// The status to report after a pass.
-fn status(pass: &Pass, generation: Option<i64>, previous: Option<&GpuNodeStatus>) -> GpuNodeStatus {
+fn status(
+    pass: &Pass,
+    generation: Option<i64>,
+    previous: Option<&GpuNodeStatus>,
+    driver_supported: Condition,
+) -> GpuNodeStatus {
     let blocked: Vec<String> = pass
         .outcomes
         .iter()
@@ -156,6 +219,7 @@ fn status(pass: &Pass, generation: Option<i64>, previous: Option<&GpuNodeStatus>
             blocked.join("; "),
             generation,
         ),
+        driver_supported,
     ];
     keep_transition_times(
         &mut conditions,
@@ -888,6 +952,11 @@ pub async fn run(
             .iter()
             .filter_map(|(name, p)| Some((name.clone(), p.class?.as_str().to_string())))
             .collect();
+        let driver_minimums: BTreeMap<String, DriverMinimum> = config
+            .pools
+            .iter()
+            .filter_map(|p| Some((p.metadata.name.clone()?, p.spec.driver.clone()?)))
+            .collect();
         let now = clock.now();
         let mut pass = agent.pass(now, |inventory| {
             let (gpus, problems) = plan_spec(inventory, &current.spec);
@@ -920,7 +989,26 @@ pub async fn run(
         if let Some(t) = &telemetry {
             t.pass_done();
         }
-        let report = status(&pass, current.metadata.generation, current.status.as_ref());
+        let (outdated, driver_supported) = driver_check(
+            &pass.inventory,
+            &current.spec.gpus,
+            &driver_minimums,
+            current.metadata.generation,
+        );
+        let was_supported = current
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "DriverSupported"))
+            .map(|c| c.status == "True");
+        if driver_supported.status == "False" && was_supported != Some(false) {
+            tracing::warn!("node {node}: {}", driver_supported.message);
+        }
+        let report = status(
+            &pass,
+            current.metadata.generation,
+            current.status.as_ref(),
+            driver_supported,
+        );
         if current.status.as_ref() != Some(&report) {
             let patch = apply_body("GpuNode", &node, "status", &report);
             if let Err(e) = api
@@ -938,15 +1026,21 @@ pub async fn run(
             .filter(|o| !o.blocked_by.is_empty())
             .map(|o| o.index)
             .collect();
-        let devices = dra::devices(&pass.inventory, &current.spec.gpus, &|a| {
-            if waiting.contains(&a.index) {
-                return Some(dra::pending_recut_taint());
+        let devices = dra::devices(&pass.inventory, &current.spec.gpus, &|a, slice| {
+            // Old drivers break the shim's isolation; MIG's is the hardware's.
+            if slice.kind == SliceKind::Software && outdated.contains_key(&a.pool) {
+                return None;
             }
-            dra::recut_taint(
-                a.recut_at.as_ref().and_then(gpuslice_api::chrono_of),
-                lookahead,
-                now,
-            )
+            let recut = if waiting.contains(&a.index) {
+                Some(dra::pending_recut_taint())
+            } else {
+                dra::recut_taint(
+                    a.recut_at.as_ref().and_then(gpuslice_api::chrono_of),
+                    lookahead,
+                    now,
+                )
+            };
+            Some(recut.into_iter().collect())
         });
         publisher.publish(devices).await;
         // Our own status write comes back as a change too; that pass finds nothing to do.

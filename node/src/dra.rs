@@ -17,7 +17,7 @@ use gpuslice_api::quantity::format_bytes;
 use gpuslice_api::{GpuAssignment, NodeInventory};
 use gpuslice_contract::SliceKind;
 
-use crate::slices;
+use crate::slices::{self, SliceConfig};
 
 /// The most devices one ResourceSlice may hold (`resource.k8s.io/v1` validation).
 pub const DEVICES_PER_SLICE: usize = 128;
@@ -45,11 +45,13 @@ fn capacity_of(value: String) -> DeviceCapacity {
 
 /// The devices of this node: one per slice in force on a GPU the spec assigns, smallest first
 /// (the scheduler tries devices in the order they are published, so a request lands on the
-/// smallest slice that fits it). A GPU in `recut` (its index) carries the re-cut taint.
+/// smallest slice that fits it). `offer` says, per slice, whether it is offered (`None`: not
+/// published, as a software slice on a driver that is too old) and with which taints (re-cut,
+/// fault quarantine).
 pub fn devices(
     inventory: &NodeInventory,
     assignments: &[GpuAssignment],
-    recut: &dyn Fn(&GpuAssignment) -> Option<DeviceTaint>,
+    offer: &dyn Fn(&GpuAssignment, &SliceConfig) -> Option<Vec<DeviceTaint>>,
 ) -> Vec<Device> {
     let mut out: Vec<(u64, u32, String, Device)> = Vec::new();
     for slice in slices::configs(inventory) {
@@ -65,6 +67,9 @@ pub fn devices(
         {
             continue;
         }
+        let Some(taints) = offer(assignment, &slice) else {
+            continue;
+        };
         let mut attributes = std::collections::BTreeMap::from([
             (attribute::POOL.to_string(), string(&assignment.pool)),
             (
@@ -118,7 +123,7 @@ pub fn devices(
                     capacity_of(slice.compute_percent.to_string()),
                 ),
             ])),
-            taints: recut(assignment).map(|t| vec![t]),
+            taints: (!taints.is_empty()).then_some(taints),
             ..Device::default()
         };
         out.push((slice.memory_bytes, slice.compute_percent, slice.id, device));
@@ -274,7 +279,7 @@ gpus:
         let got = devices(
             &node(),
             &[assignment(0, "infer"), assignment(1, "train")],
-            &|_| None,
+            &|_, _| Some(Vec::new()),
         );
         let names: Vec<&str> = got.iter().map(|d| d.name.as_str()).collect();
         // GPU 2 is in no pool: not published. The 1g instance (about 16.5 GiB) is smaller than
@@ -309,7 +314,7 @@ gpus:
     fn a_spec_for_another_gpu_publishes_nothing() {
         let mut a = assignment(0, "infer");
         a.uuid = Some("GPU-other".into());
-        assert!(devices(&node(), &[a], &|_| None).is_empty());
+        assert!(devices(&node(), &[a], &|_, _| Some(Vec::new())).is_empty());
     }
 
     #[test]
@@ -318,15 +323,19 @@ gpus:
             name: "n1".into(),
             uid: "u1".into(),
         };
-        let first = devices(&node(), &[assignment(0, "infer")], &|_| None);
+        let first = devices(&node(), &[assignment(0, "infer")], &|_, _| Some(Vec::new()));
         assert_eq!(next_generation(&[], &first), Some(1));
         let published = resource_slices(&me, "m", &first, 1);
         assert_eq!(next_generation(&published, &first), None, "unchanged");
-        let tainted = devices(&node(), &[assignment(0, "infer")], &|_| {
-            recut_taint(
-                Some("2026-12-02T21:00:00Z".parse().unwrap()),
-                chrono::Duration::minutes(5),
-                "2026-12-02T20:56:00Z".parse().unwrap(),
+        let tainted = devices(&node(), &[assignment(0, "infer")], &|_, _| {
+            Some(
+                recut_taint(
+                    Some("2026-12-02T21:00:00Z".parse().unwrap()),
+                    chrono::Duration::minutes(5),
+                    "2026-12-02T20:56:00Z".parse().unwrap(),
+                )
+                .into_iter()
+                .collect(),
             )
         });
         assert_eq!(next_generation(&published, &tainted), Some(2));
@@ -335,12 +344,24 @@ gpus:
     }
 
     #[test]
+    fn a_slice_not_offered_is_not_published_and_the_others_are() {
+        // As for a driver too old for the shim: software slices hidden, MIG instances offered.
+        let got = devices(
+            &node(),
+            &[assignment(0, "infer"), assignment(1, "train")],
+            &|_, s| (s.kind != SliceKind::Software).then(Vec::new),
+        );
+        let names: Vec<&str> = got.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["gpu1-mig0-1g-18gb", "gpu1-mig4-3g-71gb"]);
+    }
+
+    #[test]
     fn many_devices_span_several_slices_of_one_pool() {
         let me = NodeRef {
             name: "n1".into(),
             uid: "u1".into(),
         };
-        let one = devices(&node(), &[assignment(0, "infer")], &|_| None).remove(0);
+        let one = devices(&node(), &[assignment(0, "infer")], &|_, _| Some(Vec::new())).remove(0);
         let many: Vec<Device> = (0..300)
             .map(|i| Device {
                 name: format!("d{i}"),

@@ -109,9 +109,31 @@ impl NvmlGpus {
         }
         Ok(NodeInventory {
             name: node.to_string(),
+            driver: self.driver(),
             gpus,
             ..NodeInventory::default()
         })
+    }
+
+    /// The driver and the CUDA version it supports; `None` when NVML does not say (the
+    /// driver pre-check then fails closed).
+    fn driver(&self) -> Option<gpuslice_api::DriverVersions> {
+        let version = self.nvml.sys_driver_version();
+        let cuda = self.nvml.sys_cuda_driver_version();
+        match (version, cuda) {
+            (Ok(version), Ok(cuda)) => Some(gpuslice_api::DriverVersions {
+                version,
+                cuda: gpuslice_planning::driver::cuda_version(cuda),
+            }),
+            (version, cuda) => {
+                tracing::warn!(
+                    "reading the driver version: {:?} / {:?}",
+                    version.err(),
+                    cuda.err()
+                );
+                None
+            }
+        }
     }
 
     fn read_gpu(&self, index: u32) -> Result<GpuInventory, NvmlError> {

@@ -187,17 +187,37 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
         }
         problems.sort();
         problems.dedup();
+        // The agents enforce it (DriverSupported on each GpuNode); the pool counts the nodes
+        // whose reported driver falls short.
+        let minimum = pool.spec.driver.as_ref().map(|m| (name.as_str(), m));
+        let outdated: Vec<String> = observed
+            .nodes
+            .iter()
+            .filter(|n| nodes.contains(&n.inventory.name))
+            .filter_map(|n| {
+                let found = n.inventory.driver.as_ref()?;
+                let short = gpuslice_planning::driver::check(Some(found), minimum).err()?;
+                Some(format!("node {}: {short}", n.inventory.name))
+            })
+            .collect();
         let mut conditions = Vec::new();
-        let degraded = !problems.is_empty();
+        let degraded = !problems.is_empty() || !outdated.is_empty();
         conditions.push(condition(
             "Degraded",
             degraded,
-            if degraded {
+            if !problems.is_empty() {
                 "InvalidConfiguration"
+            } else if degraded {
+                "DriverOutdated"
             } else {
                 "AsExpected"
             },
-            problems.join("; "),
+            problems
+                .iter()
+                .chain(&outdated)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("; "),
             generation,
         ));
         let progressing = !waiting.is_empty() || !blocked.is_empty();
@@ -228,8 +248,8 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             message,
             generation,
         ));
-        let ready = !degraded && !progressing && !nodes.is_empty();
-        let (reason, message) = if degraded {
+        let ready = problems.is_empty() && !progressing && !nodes.is_empty();
+        let (reason, message) = if !problems.is_empty() {
             (
                 "InvalidConfiguration",
                 "see the Degraded condition".to_string(),
@@ -268,6 +288,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                     allocated,
                     free: slices.saturating_sub(allocated),
                 },
+                driver_outdated: outdated.len() as u32,
                 fair_share: None,
             },
         );
@@ -592,7 +613,11 @@ pub fn events(old: Option<&GpuPoolStatus>, new: &GpuPoolStatus) -> Vec<PoolEvent
     {
         out.push(PoolEvent {
             warning: true,
-            reason: "InvalidConfiguration",
+            reason: if c.reason == "DriverOutdated" {
+                "DriverOutdated"
+            } else {
+                "InvalidConfiguration"
+            },
             note: c.message.clone(),
         });
     }

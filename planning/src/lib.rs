@@ -5,6 +5,7 @@ pub mod catalog;
 pub mod clock;
 pub mod cluster;
 pub mod diff;
+pub mod driver;
 pub mod fit;
 pub mod mig;
 pub mod placement;

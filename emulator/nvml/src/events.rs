@@ -38,7 +38,7 @@ fn set_of<'a>(set: nvmlEventSet_t) -> Result<&'a EventSet, nvmlReturn_t> {
     Ok(unsafe { &*set.cast::<EventSet>() })
 }
 
-fn xids(gpu: u32) -> Result<Vec<u64>, nvmlReturn_t> {
+fn xids(gpu: u32) -> Result<Vec<gpuslice_emulator::Xid>, nvmlReturn_t> {
     read(|m| Ok(m.gpu(gpu)?.xid_events.clone()))
 }
 
@@ -134,9 +134,10 @@ pub extern "C" fn nvmlEventSetWait_v2(
                         nvmlEventData_t {
                             device: device_handle(gpu),
                             eventType: c_ulonglong::from(nvmlEventTypeXidCriticalError),
-                            eventData: xid,
-                            gpuInstanceId: NO_INSTANCE,
-                            computeInstanceId: NO_INSTANCE,
+                            eventData: xid.code,
+                            // A MIG instance's error names it (its one compute instance is 0).
+                            gpuInstanceId: xid.gpu_instance.unwrap_or(NO_INSTANCE),
+                            computeInstanceId: xid.gpu_instance.map_or(NO_INSTANCE, |_| 0),
                         },
                     );
                 }

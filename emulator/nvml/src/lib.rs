@@ -244,7 +244,10 @@ pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    guard(|| put_str(version, length, "575.57.08-gpuslice-emulator"))
+    guard(|| {
+        let driver = read(|m| Ok(m.driver().version))?;
+        put_str(version, length, &driver)
+    })
 }
 
 /// How often this process enumerated the GPUs: each read of the whole node starts with it, so

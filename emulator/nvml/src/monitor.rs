@@ -43,10 +43,6 @@ const SAMPLE_NS: u64 = 1_000_000_000;
 /// in a cooled chassis (well below their ~90 °C slowdown thresholds).
 const IDLE_CELSIUS: f64 = 30.0;
 const LOADED_CELSIUS: f64 = 70.0;
-/// The CUDA version the driver supports, as the CUDA emulator reports it (12.8).
-const CUDA_DRIVER_VERSION: c_int = 12080;
-/// NVML's version: the CUDA major version, then the driver version (`nvmlSystemGetDriverVersion`).
-const NVML_VERSION: &str = "12.575.57.08";
 /// NVIDIA's PCI vendor id.
 const NVIDIA_VENDOR: u32 = 0x10de;
 /// XIDs of uncorrectable memory errors: 48 (double-bit ECC), 94 and 95 (contained and
@@ -188,17 +184,29 @@ fn serial(uuid: &str) -> String {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlSystemGetNVMLVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    guard(|| put_str(version, length, NVML_VERSION))
+    // NVML's version: the CUDA major version, then the driver version.
+    guard(|| {
+        let driver = read(|m| Ok(m.driver()))?;
+        let major = driver.cuda.split('.').next().unwrap_or("0");
+        put_str(version, length, &format!("{major}.{}", driver.version))
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) -> nvmlReturn_t {
-    guard(|| put(version, CUDA_DRIVER_VERSION))
+    nvmlSystemGetCudaDriverVersion_v2(version)
 }
 
+/// The machine's CUDA version (`12.8`) as NVML gives it (`12080`).
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> nvmlReturn_t {
-    guard(|| put(version, CUDA_DRIVER_VERSION))
+    guard(|| {
+        let cuda = read(|m| Ok(m.driver().cuda))?;
+        let mut parts = cuda.split('.').map(|p| p.parse::<c_int>().unwrap_or(0));
+        let major = parts.next().unwrap_or(0);
+        let minor = parts.next().unwrap_or(0);
+        put(version, major * 1000 + minor * 10)
+    })
 }
 
 /// The process's name as `nvidia-smi` lists it: its first argument (else its command name).
@@ -443,7 +451,7 @@ pub extern "C" fn nvmlDeviceGetTotalEccErrors(
             UNCORRECTED => gpu
                 .xid_events
                 .iter()
-                .filter(|x| UNCORRECTED_XIDS.contains(x))
+                .filter(|x| UNCORRECTED_XIDS.contains(&x.code))
                 .count() as c_ulonglong,
             _ => return Err(INVALID_ARGUMENT),
         };

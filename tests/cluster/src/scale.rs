@@ -130,7 +130,9 @@ pub fn simulated_agents(client: kube::Client, parallel: usize) -> tokio::task::J
             tokio::spawn(async move {
                 let _turn = limit.acquire().await;
                 let inventory = applied(&node);
-                let devices = gpuslice_node::dra::devices(&inventory, &node.spec.gpus, &|_| None);
+                let devices = gpuslice_node::dra::devices(&inventory, &node.spec.gpus, &|_, _| {
+                    Some(Vec::new())
+                });
                 publisher.lock().await.publish(devices).await;
                 let status = GpuNodeStatus {
                     inventory: Some(inventory),
