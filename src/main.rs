@@ -132,6 +132,10 @@ enum Command {
         /// Where the container runtime reads CDI specs; the plugin writes one per prepared claim.
         #[arg(long, default_value = "/var/run/cdi", requires = "kubelet_dir")]
         cdi_dir: PathBuf,
+        /// With --kube: the kernel log whose NVRM XID records name the process that caused an
+        /// XID (NVML's events do not), so that fault isolation quarantines its slice.
+        #[arg(long, default_value = "/dev/kmsg", requires = "kube")]
+        kernel_log: PathBuf,
         /// The instant to plan for (RFC 3339), with --once; now by default.
         #[arg(long, requires = "once")]
         at: Option<chrono::DateTime<chrono::FixedOffset>>,
@@ -459,6 +463,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             recut_lookahead,
             kubelet_dir,
             cdi_dir,
+            kernel_log,
             at,
             output,
         } => {
@@ -501,7 +506,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                             .ok();
                         gpuslice_node::kubelet::Paths::new(&dir, &cdi_dir, shim)
                     }),
+                    faults: gpuslice_node::faults::Inbox::default(),
                 };
+                match gpuslice_node::faults::follow_kernel_log(&kernel_log, settings.faults.clone())
+                {
+                    Ok(_) => tracing::info!("reading XID records from {}", kernel_log.display()),
+                    Err(e) => tracing::warn!(
+                        "XIDs cannot be traced to processes ({e}): a software slice is quarantined only when it is the only one held on its GPU"
+                    ),
+                }
                 agent_in_cluster(node, library, state, clock, settings, metrics_addr)?;
                 return Ok(ExitCode::SUCCESS);
             }
@@ -811,9 +824,13 @@ fn agent_in_cluster(
         let metrics = gpuslice_node::cluster::Metrics::register(&mut registry);
         // XID errors come through NVML events, on a handle of their own.
         let counted = metrics.clone();
-        match gpuslice_node::NvmlGpus::open(library.as_deref())
-            .and_then(|gpus| gpus.watch_xids(move |gpu, xid| counted.count_xid(gpu, xid)))
-        {
+        let inbox = settings.faults.clone();
+        match gpuslice_node::NvmlGpus::open(library.as_deref()).and_then(|gpus| {
+            gpus.watch_xids(move |seen| {
+                counted.count_xid(seen.gpu, seen.code);
+                inbox.xid(seen);
+            })
+        }) {
             Ok(_) => tracing::info!("watching XID errors"),
             Err(e) => tracing::warn!("XID errors are not counted: {e}"),
         }

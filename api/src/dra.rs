@@ -42,6 +42,12 @@ pub mod kind {
 
 /// The device taint key on slices a window change will re-cut soon: new pods do not land there.
 pub const RECUT_TAINT: &str = "gpuslice.io/recut";
+/// The device taint of a slice or GPU taken out of service after an XID error (value: the XID);
+/// NoSchedule: what runs there keeps running (a GPU's workloads are drained by the agent).
+pub const XID_TAINT: &str = "gpuslice.io/xid";
+/// The GpuNode annotation that says GPUs were reset (`1`, `0,3` or `all`): the agent lifts
+/// their XID quarantines and removes the annotation.
+pub const GPU_RESET_ANNOTATION: &str = "gpuslice.io/gpu-reset";
 
 /// The label on every object the operator and agents write for DRA, naming the writer.
 pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";

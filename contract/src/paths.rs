@@ -84,6 +84,11 @@ impl StateDir {
         self.root.join("drains.json")
     }
 
+    /// Slices and GPUs taken out of service after XID errors.
+    pub fn quarantines(&self) -> PathBuf {
+        self.root.join("quarantine.json")
+    }
+
     /// Standalone mode: Git mirrors and the last good config.
     pub fn source(&self) -> PathBuf {
         self.root.join("source")

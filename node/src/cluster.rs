@@ -37,6 +37,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::dra::{self, NodeRef};
+use crate::faults::{self, Holding, Notice, Quarantine, Quarantines};
 use crate::pass::{Agent, Eviction, Intent, Pass, PassError};
 
 /// The field manager of what the agent writes.
@@ -53,6 +54,8 @@ pub enum ClusterError {
     Kube { node: String, source: kube::Error },
     #[error(transparent)]
     Pass(#[from] PassError),
+    #[error(transparent)]
+    Faults(#[from] faults::FaultError),
 }
 
 /// The plan of each GPU the spec names, from the node as this pass read it; and what the spec
@@ -153,12 +156,184 @@ fn driver_check(
     )
 }
 
+/// The `Quarantined` condition: what XID errors took out of service, and how each comes back.
+fn quarantine_condition(list: &[Quarantine], node: &str, generation: Option<i64>) -> Condition {
+    let described: Vec<String> = list.iter().map(|q| q.describe(node)).collect();
+    condition(
+        "Quarantined",
+        !list.is_empty(),
+        if list.is_empty() {
+            "NoFaults"
+        } else {
+            "XidFault"
+        },
+        described.join("; "),
+        generation,
+    )
+}
+
+/// The held slices of a pass, as fault isolation sees them.
+fn holdings(pass: &Pass) -> Vec<Holding> {
+    let configs = crate::slices::configs(&pass.inventory);
+    pass.claims
+        .iter()
+        .filter_map(|c| {
+            let gpu = configs.iter().find(|s| s.id == c.slice)?.gpu;
+            let (holder, pids) = match &c.resource_claim {
+                Some(claim) => (format!("pod claim {claim}"), Vec::new()),
+                None => (
+                    format!("gpuslice run pid {}", c.client),
+                    std::iter::once(c.client).chain(c.workload).collect(),
+                ),
+            };
+            Some(Holding {
+                slice: c.slice.clone(),
+                gpu,
+                holder,
+                pids,
+                pod_uids: c.pods.clone(),
+                pods: c.pod_names.clone(),
+            })
+        })
+        .collect()
+}
+
+/// Whether a process runs on a slice, as NVML and the claims show the node.
+fn slice_busy(inventory: &NodeInventory, slice: &str) -> bool {
+    inventory.gpus.iter().any(|g| {
+        g.slices
+            .iter()
+            .any(|s| s.id == slice && !s.processes.is_empty())
+            || g.mig.iter().flat_map(|m| &m.instances).any(|i| {
+                gpuslice_contract::slice::mig_slice_id(g.index, i.placement.start, &i.profile)
+                    == slice
+                    && !i.processes.is_empty()
+            })
+    })
+}
+
+/// Tells what fault isolation did: Events on the GpuNode and on the pods of a quarantined
+/// slice, and the log.
+async fn tell_faults(
+    recorder: &Recorder,
+    gpu_node: &ObjectReference,
+    node: &str,
+    notices: &[Notice],
+) {
+    let publish = |type_: EventType, reason: &str, note: String, regarding: ObjectReference| {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: "IsolateFault".into(),
+            secondary: None,
+        };
+        async move {
+            if let Err(e) = recorder.publish(&event, &regarding).await {
+                tracing::warn!("recording a fault event: {e}");
+            }
+        }
+    };
+    for notice in notices {
+        match notice {
+            Notice::SliceQuarantined {
+                quarantine,
+                pods,
+                uids,
+            } => {
+                let text = quarantine.describe(node);
+                tracing::warn!("node {node}: {text}");
+                publish(
+                    EventType::Warning,
+                    "SliceQuarantined",
+                    text,
+                    gpu_node.clone(),
+                )
+                .await;
+                for (i, pod) in pods.iter().enumerate() {
+                    let Some((namespace, name)) = pod.split_once('/') else {
+                        continue;
+                    };
+                    let note = format!(
+                        "{} on its slice {}{}: the slice takes no new work until this pod releases it; the other slices of GPU {} keep running",
+                        quarantine.what(),
+                        quarantine.slice.as_deref().unwrap_or_default(),
+                        quarantine
+                            .pid
+                            .map(|p| format!(" (pid {p})"))
+                            .unwrap_or_default(),
+                        quarantine.gpu
+                    );
+                    let regarding = ObjectReference {
+                        api_version: Some("v1".into()),
+                        kind: Some("Pod".into()),
+                        namespace: Some(namespace.into()),
+                        name: Some(name.into()),
+                        uid: uids.get(i).cloned(),
+                        ..ObjectReference::default()
+                    };
+                    publish(EventType::Warning, "GpuFault", note, regarding).await;
+                }
+            }
+            Notice::GpuOut(quarantine) => {
+                let text = quarantine.describe(node);
+                tracing::warn!("node {node}: {text}");
+                publish(
+                    EventType::Warning,
+                    "GpuOutOfService",
+                    text,
+                    gpu_node.clone(),
+                )
+                .await;
+            }
+            Notice::Lifted { quarantine, why } => {
+                let what = match &quarantine.slice {
+                    Some(slice) => format!("slice {slice}"),
+                    None => format!("GPU {}", quarantine.gpu),
+                };
+                let text = format!("{what} back in service ({why}) after {}", quarantine.what());
+                tracing::info!("node {node}: {text}");
+                publish(
+                    EventType::Normal,
+                    "QuarantineLifted",
+                    text,
+                    gpu_node.clone(),
+                )
+                .await;
+            }
+            Notice::Unattributed { gpu, what, why } => {
+                let text = format!("{what} on GPU {gpu}: no slice quarantined: {why}");
+                tracing::warn!("node {node}: {text}");
+                publish(
+                    EventType::Warning,
+                    "XidUnattributed",
+                    text,
+                    gpu_node.clone(),
+                )
+                .await;
+            }
+            Notice::Counted { gpu, what, why } => {
+                tracing::info!("node {node}: {what} on GPU {gpu} counted only: {why}");
+            }
+            Notice::BadReset { value, why } => {
+                let text = format!(
+                    "annotation {}={value:?}: {why}; nothing lifted",
+                    gpuslice_api::dra::GPU_RESET_ANNOTATION
+                );
+                tracing::warn!("node {node}: {text}");
+                publish(EventType::Warning, "BadGpuReset", text, gpu_node.clone()).await;
+            }
+        }
+    }
+}
+
 /// The status to report after a pass.
 fn status(
     pass: &Pass,
     generation: Option<i64>,
     previous: Option<&GpuNodeStatus>,
     driver_supported: Condition,
+    quarantined: Condition,
 ) -> GpuNodeStatus {
     let blocked: Vec<String> = pass
         .outcomes
@@ -220,6 +395,7 @@ fn status(
             generation,
         ),
         driver_supported,
+        quarantined,
     ];
     keep_transition_times(
         &mut conditions,
@@ -281,6 +457,7 @@ pub struct Metrics {
     gpu_power: Family<GpuLabel, Gauge<f64, AtomicU64>>,
     gpu_switches: Family<GpuLabel, Counter>,
     gpu_xids: Family<XidLabel, Counter>,
+    quarantined: Family<QuarantineLabel, Gauge>,
     slice_memory: Family<HolderLabel, Gauge>,
     slice_memory_used: Family<HolderLabel, Gauge>,
     slice_memory_peak: Family<HolderLabel, Gauge>,
@@ -351,9 +528,17 @@ struct XidLabel {
     xid: String,
 }
 
+/// A slice or GPU (slice empty) out of service.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QuarantineLabel {
+    gpu: String,
+    slice: String,
+    xid: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EvictionLabel {
-    /// `preemption` or `window`.
+    /// `preemption`, `window` or `fault` (a GPU error drained the GPU).
     cause: String,
     /// `taken`, `grace_over` or `none` (no checkpoint policy).
     checkpoint: String,
@@ -395,6 +580,7 @@ impl Metrics {
             gpu_power: Family::default(),
             gpu_switches: Family::default(),
             gpu_xids: Family::default(),
+            quarantined: Family::default(),
             slice_memory: Family::default(),
             slice_memory_used: Family::default(),
             slice_memory_peak: Family::default(),
@@ -463,6 +649,11 @@ impl Metrics {
             m.gpu_xids.clone(),
         );
         r.register(
+            "quarantined",
+            "1 for each slice (or whole GPU: slice empty) taken out of service after an XID error, by the XID",
+            m.quarantined.clone(),
+        );
+        r.register(
             "slice_holder",
             "1 for each slice, labelled with who holds it (policy, class, namespace, pod; empty while free): join a slice's counters to it on (instance, slice)",
             m.slice_holder.clone(),
@@ -520,7 +711,7 @@ impl Metrics {
         );
         r.register(
             "evictions",
-            "Pods evicted to take their slices back (a preemption or a window change), by whether they checkpointed",
+            "Pods evicted to take their slices back (a preemption, a window change or a GPU fault), by whether they checkpointed",
             m.evictions.clone(),
         );
         r.register(
@@ -529,6 +720,20 @@ impl Metrics {
             m.slice_guarantee.clone(),
         );
         m
+    }
+
+    /// The quarantines in force now.
+    pub fn record_quarantines(&self, list: &[Quarantine]) {
+        self.quarantined.clear();
+        for q in list {
+            self.quarantined
+                .get_or_create(&QuarantineLabel {
+                    gpu: q.gpu.to_string(),
+                    slice: q.slice.clone().unwrap_or_default(),
+                    xid: q.xid.to_string(),
+                })
+                .set(1);
+        }
     }
 
     /// Counts an XID critical error NVML reported for a GPU.
@@ -792,6 +997,8 @@ pub struct Settings {
     pub recut_lookahead: Duration,
     /// Serve the DRA kubelet plugin with these paths.
     pub kubelet: Option<crate::kubelet::Paths>,
+    /// XID errors (and the kernel's records of them) as the watcher threads receive them.
+    pub faults: faults::Inbox,
 }
 
 /// Writes the node's devices as ResourceSlices, remembering what it last wrote so that an
@@ -933,6 +1140,7 @@ pub async fn run(
             instance: Some(node.clone()),
         },
     );
+    let mut quarantines = Quarantines::load(agent.state())?;
     agent.serve_socket()?;
     if let Some(paths) = settings.kubelet.clone() {
         let plugin =
@@ -951,6 +1159,12 @@ pub async fn run(
             .policies
             .iter()
             .filter_map(|(name, p)| Some((name.clone(), p.class?.as_str().to_string())))
+            .collect();
+        let isolating: std::collections::BTreeSet<String> = config
+            .pools
+            .iter()
+            .filter(|p| p.spec.fault_isolation.as_ref().is_some_and(|f| f.enabled))
+            .filter_map(|p| p.metadata.name.clone())
             .collect();
         let driver_minimums: BTreeMap<String, DriverMinimum> = config
             .pools
@@ -975,10 +1189,30 @@ pub async fn run(
                 },
                 problems,
                 preemptions: current.spec.preemptions.clone(),
+                gpus_out: quarantines.gpus_out(),
             }
         })?;
         let refused = evict(&client, &recorder, &metrics, &pass.evictions, &mut evicted).await;
         pass.drain_errors.extend(refused);
+        let notices = isolate_faults(
+            &api,
+            &current,
+            &pass,
+            &mut quarantines,
+            &settings.faults,
+            &isolating,
+            clock,
+        )
+        .await;
+        let gpu_node = ObjectReference {
+            api_version: Some("gpuslice.io/v1alpha1".into()),
+            kind: Some("GpuNode".into()),
+            name: Some(node.clone()),
+            uid: current.metadata.uid.clone(),
+            ..ObjectReference::default()
+        };
+        tell_faults(&recorder, &gpu_node, &node, &notices).await;
+        metrics.record_quarantines(&quarantines.list);
         let readings = Readings {
             state: agent.state(),
             telemetry: &agent.telemetry(),
@@ -1008,6 +1242,7 @@ pub async fn run(
             current.metadata.generation,
             current.status.as_ref(),
             driver_supported,
+            quarantine_condition(&quarantines.list, &node, current.metadata.generation),
         );
         if current.status.as_ref() != Some(&report) {
             let patch = apply_body("GpuNode", &node, "status", &report);
@@ -1040,17 +1275,100 @@ pub async fn run(
                     now,
                 )
             };
-            Some(recut.into_iter().collect())
+            let mut taints: Vec<_> = recut.into_iter().collect();
+            taints.extend(quarantines.taints(a.index, &slice.id));
+            Some(taints)
         });
         publisher.publish(devices).await;
         // Our own status write comes back as a change too; that pass finds nothing to do.
-        let wake = next_wake(&pass, clock, interval).min(until_taint(
+        let mut wake = next_wake(&pass, clock, interval).min(until_taint(
             &current.spec.gpus,
             lookahead,
             clock,
         ));
-        let _ = tokio::time::timeout(wake, changes.next()).await;
+        // An XID waiting for its kernel record; a GPU just taken out starts draining at once.
+        if let Some(due) = settings.faults.next_due(std::time::Instant::now()) {
+            wake = wake.min(due.max(MIN_WAIT));
+        }
+        if notices.iter().any(|n| matches!(n, Notice::GpuOut(_))) {
+            wake = MIN_WAIT;
+        }
+        let _ = tokio::time::timeout(wake, async {
+            tokio::select! {
+                _ = changes.next() => {}
+                _ = settings.faults.changed() => {}
+            }
+        })
+        .await;
     }
+}
+
+/// Fault isolation after a pass: acts on the XIDs received (for GPUs whose pool isolates
+/// faults), lifts the quarantines of slices their faulting workloads released and of GPUs the
+/// `gpuslice.io/gpu-reset` annotation says were reset (then removes it), and keeps the list.
+async fn isolate_faults(
+    api: &Api<GpuNode>,
+    current: &GpuNode,
+    pass: &Pass,
+    quarantines: &mut Quarantines,
+    inbox: &faults::Inbox,
+    isolating: &std::collections::BTreeSet<String>,
+    clock: &Clock,
+) -> Vec<Notice> {
+    let before = quarantines.list.clone();
+    let held = holdings(pass);
+    let events = inbox.take(std::time::Instant::now());
+    let isolating_gpu = |gpu: u32| {
+        current
+            .spec
+            .gpus
+            .iter()
+            .any(|a| a.index == gpu && isolating.contains(&a.pool))
+    };
+    let mut notices = faults::handle(
+        &mut quarantines.list,
+        &events,
+        &pass.inventory,
+        &held,
+        &isolating_gpu,
+        &faults::owner_of,
+        clock.now(),
+    );
+    notices.extend(faults::lift_released(
+        &mut quarantines.list,
+        &held,
+        &|slice| slice_busy(&pass.inventory, slice),
+    ));
+    let node = &pass.node;
+    let key = gpuslice_api::dra::GPU_RESET_ANNOTATION;
+    if let Some(value) = current
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+    {
+        match faults::parse_reset(value, &pass.inventory) {
+            Ok(gpus) => notices.extend(faults::reset(&mut quarantines.list, &gpus)),
+            Err(why) => notices.push(Notice::BadReset {
+                value: value.clone(),
+                why,
+            }),
+        }
+        // Said once: the annotation is a request, not a state.
+        let patch = serde_json::json!({"metadata": {"annotations": {key: null}}});
+        if let Err(e) = api
+            .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            tracing::warn!("GpuNode/{node}: removing {key}: {e}");
+        }
+    }
+    if quarantines.list != before
+        && let Err(e) = quarantines.save()
+    {
+        tracing::error!("keeping the quarantines: {e}");
+    }
+    notices
 }
 
 /// Evicts pods through the Eviction API, so that their disruption budgets and termination grace
@@ -1075,24 +1393,21 @@ async fn evict(
             Ok(_) => {
                 if evicted.insert(pod.clone()) {
                     tracing::info!("evicted pod {pod}: {}", eviction.note);
-                    let preempted = eviction.note.starts_with("preempted");
-                    let checkpoint = if eviction.note.ends_with("checkpoint taken") {
-                        "taken"
-                    } else if eviction.note.contains("no checkpoint policy") {
-                        "none"
-                    } else {
-                        "grace_over"
-                    };
                     metrics
                         .evictions
                         .get_or_create(&EvictionLabel {
-                            cause: if preempted { "preemption" } else { "window" }.into(),
-                            checkpoint: checkpoint.into(),
+                            cause: eviction.cause.into(),
+                            checkpoint: eviction.checkpoint.into(),
                         })
                         .inc();
                     let event = Event {
                         type_: EventType::Warning,
-                        reason: if preempted { "Preempted" } else { "Resliced" }.into(),
+                        reason: match eviction.cause {
+                            "preemption" => "Preempted",
+                            "fault" => "GpuFault",
+                            _ => "Resliced",
+                        }
+                        .into(),
                         note: Some(format!("evicted by gpuslice: {}", eviction.note)),
                         action: "Evict".into(),
                         secondary: None,
@@ -1136,7 +1451,7 @@ fn until_taint(
 /// The interval, or (while blocked) the next retry or grace deadline.
 fn next_wake(pass: &Pass, clock: &Clock, interval: Duration) -> Duration {
     let mut wake = interval;
-    if pass.blocked() {
+    if pass.blocked() || !pass.draining.is_empty() {
         wake = wake.min(BLOCKED_RETRY);
         for until in pass.draining.iter().filter_map(|w| w.until) {
             wake = wake.min(clock.until(until));

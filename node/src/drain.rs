@@ -87,8 +87,31 @@ pub struct Blocked {
     pub holder: Holder,
     pub slice: String,
     pub policy: Option<DrainPolicy>,
-    /// Why the slice is taken: for a window change, `None`; for a preemption, what the queue said.
-    pub preemption: Option<Taken>,
+    /// Why the slice is taken.
+    pub cause: Cause,
+}
+
+/// Why a slice is taken from its holder.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// A window change re-cuts it.
+    Recut,
+    /// The operator's queue takes it for a waiting pod.
+    Preempted(Taken),
+    /// Its GPU reported an error that takes the whole GPU out of service (`what`: the XID and
+    /// its meaning).
+    Fault { gpu: u32, what: String },
+}
+
+impl Cause {
+    /// As the evictions metric labels it.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Cause::Recut => "window",
+            Cause::Preempted(_) => "preemption",
+            Cause::Fault { .. } => "fault",
+        }
+    }
 }
 
 /// A slice the operator's queue takes back.
@@ -130,8 +153,13 @@ pub enum Action {
     },
     /// Evict these pods (`namespace/name`); asked again each pass until they are gone, as a
     /// disruption budget may refuse it for a while. `note` says why and whether the workload
-    /// checkpointed (the Event on each pod).
-    Evict { pods: Vec<String>, note: String },
+    /// checkpointed (the Event on each pod); `cause` is [`Cause::label`].
+    Evict {
+        pods: Vec<String>,
+        note: String,
+        cause: &'static str,
+        checkpoint: &'static str,
+    },
 }
 
 /// A process or pod claim the transition is waiting for, and why.
@@ -146,6 +174,11 @@ pub struct Waiting {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub until: Option<DateTime<Utc>>,
 }
+
+/// The outcome of a drain whose workload checkpointed.
+const CHECKPOINT_TAKEN: &str = "checkpoint taken";
+/// The outcome of a pod drained without a CheckpointPolicy.
+const NO_POLICY: &str = "no checkpoint policy, no checkpoint taken";
 
 /// Decides what to do to each holder of a blocking slice. `checkpointed` says whether a
 /// slice's checkpoint-done marker exists. Records of holders no longer blocking are dropped.
@@ -180,15 +213,26 @@ pub fn decide(
             Holder::Process(pid) => Action::Stop { pid: *pid },
             Holder::Pod { pods, .. } => Action::Evict {
                 pods: pods.clone(),
-                note: match &blocked.preemption {
-                    Some(taken) => format!(
+                note: match &blocked.cause {
+                    Cause::Preempted(taken) => format!(
                         "preempted for pod {} ({}): {outcome}",
                         taken.for_pod, taken.reason
                     ),
-                    None => format!(
+                    Cause::Recut => format!(
                         "its slice {} is re-cut for a window change: {outcome}",
                         blocked.slice
                     ),
+                    Cause::Fault { gpu, what } => {
+                        format!("its GPU {gpu} reported {what}: {outcome}")
+                    }
+                },
+                cause: blocked.cause.label(),
+                checkpoint: if outcome == CHECKPOINT_TAKEN {
+                    "taken"
+                } else if outcome == NO_POLICY {
+                    "none"
+                } else {
+                    "grace_over"
                 },
             },
         };
@@ -196,7 +240,7 @@ pub fn decide(
         let stopped = if is_pod { "evicted" } else { "stopped" };
         let Some(policy) = &blocked.policy else {
             if is_pod {
-                let outcome = "no checkpoint policy, no checkpoint taken";
+                let outcome = NO_POLICY;
                 records.entry(key(blocked)).or_insert(Record {
                     slice: blocked.slice.clone(),
                     policy: String::new(),
@@ -256,7 +300,7 @@ pub fn decide(
         let done = checkpointed(&blocked.slice);
         if done || (now >= deadline && !policy.required) {
             let outcome = if done {
-                "checkpoint taken".to_string()
+                CHECKPOINT_TAKEN.to_string()
             } else {
                 format!(
                     "no checkpoint within the grace period of {}",
@@ -433,7 +477,7 @@ mod tests {
             holder: Holder::Process(pid),
             slice: "gpu0-mig0-3g.71gb".into(),
             policy,
-            preemption: None,
+            cause: Cause::Recut,
         }]
     }
 
@@ -446,7 +490,7 @@ mod tests {
             },
             slice: "gpu0-s1".into(),
             policy,
-            preemption: None,
+            cause: Cause::Recut,
         }]
     }
 
@@ -471,6 +515,8 @@ mod tests {
         let evict = Action::Evict {
             pods: vec!["ml/train-0".into()],
             note: "its slice gpu0-s1 is re-cut for a window change: checkpoint taken".into(),
+            cause: "window",
+            checkpoint: "taken",
         };
         let (a, w) = decide(&pod(policy(false)), &mut records, at(20), |_| true);
         assert_eq!(a, vec![evict.clone()]);
@@ -494,6 +540,8 @@ mod tests {
             vec![Action::Evict {
                 pods: vec!["ml/train-0".into()],
                 note: "its slice gpu0-s1 is re-cut for a window change: no checkpoint policy, no checkpoint taken".into(),
+                cause: "window",
+                checkpoint: "none",
             }]
         );
         let mut records = BTreeMap::new();
@@ -506,7 +554,7 @@ mod tests {
     #[test]
     fn a_preempted_pod_is_told_for_whom_and_whether_it_checkpointed() {
         let mut preempted = pod(policy(false));
-        preempted[0].preemption = Some(Taken {
+        preempted[0].cause = Cause::Preempted(Taken {
             for_pod: "ml/urgent-0".into(),
             reason: "priority high over low".into(),
         });
@@ -518,7 +566,9 @@ mod tests {
             a,
             vec![Action::Evict {
                 pods: vec!["ml/train-0".into()],
-                note: note.into()
+                note: note.into(),
+                cause: "preemption",
+                checkpoint: "grace_over",
             }]
         );
         // Asked again (a budget refused it): the same words, though the marker came since.
@@ -526,6 +576,28 @@ mod tests {
         assert!(
             matches!(&a[0], Action::Evict { note: n, .. } if n == note),
             "{a:?}"
+        );
+    }
+
+    #[test]
+    fn a_pod_on_a_faulted_gpu_is_told_which_error_took_it() {
+        let mut faulted = pod(policy(false));
+        faulted[0].cause = Cause::Fault {
+            gpu: 0,
+            what: "XID 79 (GPU has fallen off the bus)".into(),
+        };
+        let mut records = BTreeMap::new();
+        decide(&faulted, &mut records, at(0), |_| false);
+        let (a, _) = decide(&faulted, &mut records, at(5), |_| true);
+        assert_eq!(
+            a,
+            vec![Action::Evict {
+                pods: vec!["ml/train-0".into()],
+                note: "its GPU 0 reported XID 79 (GPU has fallen off the bus): checkpoint taken"
+                    .into(),
+                cause: "fault",
+                checkpoint: "taken",
+            }]
         );
     }
 

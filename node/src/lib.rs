@@ -11,6 +11,7 @@ pub mod converge;
 pub mod dra;
 pub mod drain;
 pub mod emulate;
+pub mod faults;
 pub mod kubelet;
 pub mod nvml;
 pub mod pass;

@@ -235,14 +235,15 @@ impl NvmlGpus {
     }
 
     /// Watches every GPU that reports XID critical errors, on a thread of its own, until the
-    /// process ends: `seen(gpu index, xid)` for each, in the order NVML gives them (an XID NVML
-    /// cannot name is 0). Fails when no GPU can be watched; a wait that fails is retried.
+    /// process ends: `seen` gets each, in the order NVML gives them, with the GPU instance it
+    /// names (MIG) resolved to its placement and the GPU's PCI address (to find the kernel's
+    /// record of it, which names the process). Fails when no GPU can be watched; a wait that
+    /// fails is retried.
     pub fn watch_xids(
         self,
-        seen: impl Fn(u32, u64) + Send + 'static,
+        seen: impl Fn(crate::faults::XidSeen) + Send + 'static,
     ) -> Result<std::thread::JoinHandle<()>, NvmlError> {
         use nvml_wrapper::bitmasks::event::EventTypes;
-        use nvml_wrapper::enums::event::XidError;
         let call = |call: &'static str| {
             move |source| NvmlError::Call {
                 gpu: 0,
@@ -262,7 +263,12 @@ impl NvmlGpus {
                 .supported_event_types()
                 .is_ok_and(|t| t.contains(EventTypes::CRITICAL_XID_ERROR))
             {
-                watched.push(index);
+                let bus = device
+                    .pci_info()
+                    .ok()
+                    .and_then(|p| crate::faults::PciAddress::parse(&p.bus_id));
+                // The handle as a number: compared with events' devices, never dereferenced.
+                watched.push((index, self.handle(index)? as usize, bus));
             }
         }
         if watched.is_empty() {
@@ -271,13 +277,23 @@ impl NvmlGpus {
                 message: "no GPU reports XID errors through NVML events".into(),
             });
         }
+        let wait =
+            *self
+                .nvml
+                .lib()
+                .nvmlEventSetWait_v2
+                .as_ref()
+                .map_err(|_| NvmlError::Missing {
+                    gpu: 0,
+                    call: "nvmlEventSetWait_v2",
+                })?;
         Ok(std::thread::spawn(move || {
             let register = || -> Result<nvml_wrapper::EventSet<'_>, NvmlError> {
                 let mut set = self
                     .nvml
                     .create_event_set()
                     .map_err(call("nvmlEventSetCreate"))?;
-                for &index in &watched {
+                for &(index, _, _) in &watched {
                     set = self
                         .device(index)?
                         .register_events(EventTypes::CRITICAL_XID_ERROR, set)
@@ -299,22 +315,40 @@ impl NvmlGpus {
                     }
                 };
                 loop {
-                    match set.wait(1000) {
-                        Ok(event) => {
-                            let xid = match event.event_data {
-                                Some(XidError::Value(xid)) => xid,
-                                _ => 0,
-                            };
-                            let gpu = event.device.index().unwrap_or(u32::MAX);
-                            tracing::warn!("GPU {gpu}: XID {xid}");
-                            seen(gpu, xid);
-                        }
-                        Err(nvml_wrapper::error::NvmlError::Timeout) => {}
-                        Err(e) => {
-                            tracing::warn!("waiting for XID errors: {e}");
-                            break;
-                        }
+                    // The wrapper's event drops the GPU instance a MIG error names; read it raw.
+                    // SAFETY: an all-zero nvmlEventData_t is valid (a null handle and integers).
+                    let mut data: nvml_wrapper_sys::bindings::nvmlEventData_t =
+                        unsafe { std::mem::zeroed() };
+                    // SAFETY: the set is live for this loop; `data` is a valid out-pointer.
+                    let rc = unsafe { wait(set.handle(), &mut data, 1000) };
+                    if rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_TIMEOUT {
+                        continue;
                     }
+                    if let Err(e) = check(0, "nvmlEventSetWait_v2", rc) {
+                        tracing::warn!("waiting for XID errors: {e}");
+                        break;
+                    }
+                    let Some(&(gpu, _, bus)) = watched.iter().find(|w| w.1 == data.device as usize)
+                    else {
+                        continue;
+                    };
+                    // NVML says "no instance" with all bits set.
+                    let instance = (data.gpuInstanceId != u32::MAX)
+                        .then(|| {
+                            self.gpu_instances(gpu)
+                                .ok()?
+                                .into_iter()
+                                .find(|(id, _, _)| *id == data.gpuInstanceId)
+                                .map(|(_, _, placement)| placement)
+                        })
+                        .flatten();
+                    tracing::warn!(gpu, xid = data.eventData, ?instance, "XID error");
+                    seen(crate::faults::XidSeen {
+                        gpu,
+                        code: data.eventData,
+                        instance,
+                        bus,
+                    });
                 }
             }
         }))

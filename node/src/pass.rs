@@ -44,6 +44,9 @@ pub struct Intent {
     pub problems: Vec<String>,
     /// Pods' slices to take back for waiting pods (the operator's queue; none standalone).
     pub preemptions: Vec<gpuslice_api::Preemption>,
+    /// GPUs taken out of service after an XID (index → the XID and its meaning): every
+    /// workload on them is drained.
+    pub gpus_out: BTreeMap<u32, String>,
 }
 
 /// A pod to evict, and what to tell it.
@@ -55,6 +58,10 @@ pub struct Eviction {
     pub uid: String,
     /// Why, and whether it checkpointed.
     pub note: String,
+    /// `window`, `preemption` or `fault`.
+    pub cause: &'static str,
+    /// `taken`, `grace_over` or `none`.
+    pub checkpoint: &'static str,
 }
 
 /// The result of one pass.
@@ -202,7 +209,11 @@ impl Agent {
             shares: BTreeMap::new(),
         };
         if self.apply {
-            self.drain(&mut pass, &intent.config, &intent.preemptions, now)?;
+            let taken = Taking {
+                preemptions: &intent.preemptions,
+                gpus_out: &intent.gpus_out,
+            };
+            self.drain(&mut pass, &intent.config, &taken, now)?;
         }
         let slices = crate::slices::published(&self.state);
         let needs = needs(&intent.config);
@@ -292,7 +303,7 @@ impl Agent {
         &self,
         pass: &mut Pass,
         config: &Config,
-        preemptions: &[gpuslice_api::Preemption],
+        intent: &Taking<'_>,
         now: DateTime<Utc>,
     ) -> Result<(), PassError> {
         let claims = self.socket.claims.held();
@@ -338,24 +349,54 @@ impl Agent {
                     holder,
                     slice: b.slice.clone(),
                     policy: policy_of(claim, &b.slice),
-                    preemption: None,
+                    cause: drain::Cause::Recut,
                 })
             })
             .collect();
+        // Every workload on a GPU out of service (whatever else wanted its slice).
+        for claim in &claims {
+            let gpu = slice_gpus
+                .iter()
+                .find(|c| c.id == claim.slice)
+                .map(|c| c.gpu);
+            let Some((&gpu, what)) = gpu.and_then(|g| intent.gpus_out.get_key_value(&g)) else {
+                continue;
+            };
+            blocking.retain(|b| b.slice != claim.slice);
+            blocking.push(Blocked {
+                holder: if claim.resource_claim.is_some() {
+                    pod_holder(claim)
+                } else {
+                    Holder::Process(claim.workload.unwrap_or(claim.client))
+                },
+                slice: claim.slice.clone(),
+                policy: policy_of(Some(claim), &claim.slice),
+                cause: drain::Cause::Fault {
+                    gpu,
+                    what: what.clone(),
+                },
+            });
+        }
         // Preempted pods' slices (a slice a window change also needs drains once, as preempted).
-        for taken in preemptions {
+        for taken in intent.preemptions {
             let Some(claim) = claims
                 .iter()
                 .find(|c| c.resource_claim.as_deref() == Some(taken.resource_claim.as_str()))
             else {
                 continue;
             };
+            if blocking
+                .iter()
+                .any(|b| b.slice == claim.slice && matches!(b.cause, drain::Cause::Fault { .. }))
+            {
+                continue;
+            }
             blocking.retain(|b| b.slice != claim.slice);
             blocking.push(Blocked {
                 holder: pod_holder(claim),
                 slice: claim.slice.clone(),
                 policy: policy_of(Some(claim), &claim.slice),
-                preemption: Some(drain::Taken {
+                cause: drain::Cause::Preempted(drain::Taken {
                     for_pod: taken.for_pod.clone(),
                     reason: taken.reason.clone(),
                 }),
@@ -380,7 +421,12 @@ impl Agent {
         pass.drain_errors.clear();
         for action in &actions {
             match action {
-                Action::Evict { pods, note } => {
+                Action::Evict {
+                    pods,
+                    note,
+                    cause,
+                    checkpoint,
+                } => {
                     for pod in pods {
                         let uid = blocking
                             .iter()
@@ -396,6 +442,8 @@ impl Agent {
                             pod: pod.clone(),
                             uid,
                             note: note.clone(),
+                            cause,
+                            checkpoint,
                         });
                     }
                 }
@@ -409,6 +457,12 @@ impl Agent {
         pass.draining = waiting;
         Ok(())
     }
+}
+
+/// What the source takes back besides what transitions need.
+struct Taking<'a> {
+    preemptions: &'a [gpuslice_api::Preemption],
+    gpus_out: &'a BTreeMap<u32, String>,
 }
 
 /// Each GPU's minimum compute slice: its pool's `timeSlice`.

@@ -65,6 +65,7 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
             config: config.clone(),
             problems: Vec::new(),
             preemptions: Vec::new(),
+            gpus_out: std::collections::BTreeMap::new(),
         })?;
         pass.source = status;
         emit(&pass);

@@ -182,6 +182,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
             config: Default::default(),
             problems: Vec::new(),
             preemptions: Vec::new(),
+            gpus_out: Default::default(),
         })
         .unwrap();
     assert!(pass.converged(), "{:#?}", pass.outcomes);

@@ -13,3 +13,4 @@ pub mod queue;
 pub mod transition;
 pub mod validate;
 pub mod windows;
+pub mod xid;
