@@ -630,6 +630,266 @@ async fn a_driver_too_old_for_the_shim_offers_only_mig_slices() {
     assert!(waiting[0].starts_with("notebook: "), "{waiting:?}");
 }
 
+/// A `gpuslice run` on node `node` of `running` by `policy`, whose workload prints its slice
+/// and pid, leaves on SIGUSR1 (the pools' CheckpointPolicy signal) and ends by itself after two
+/// minutes at most (killing `gpuslice run` would leave it). Returns it with its slice and pid.
+fn hold_slice(running: &Cluster, node: &str, policy: &str) -> (KillOnDrop, String, u32) {
+    let mut run = Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+        .arg("run")
+        .arg("--state")
+        .arg(running.dir.path().join(node).join("state"))
+        .args(["--policy", policy, "--", "sh", "-c"])
+        .arg("echo \"$GPUSLICE_SLICE $$\"; trap 'exit 0' USR1; for i in $(seq 600); do sleep 0.2; done")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(run.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let (slice, pid) = line.trim().split_once(' ').unwrap();
+    (KillOnDrop(run), slice.to_string(), pid.parse().unwrap())
+}
+
+/// Each published device of `node` with the value of its XID taint (`None`: untainted).
+async fn xid_taints(
+    client: &Client,
+    node: &str,
+) -> Result<BTreeMap<String, Option<String>>, String> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let mut out = BTreeMap::new();
+    for s in slices
+        .list(&ListParams::default())
+        .await
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .filter(|s| s.spec.node_name.as_deref() == Some(node))
+    {
+        for d in s.spec.devices.iter().flatten() {
+            let xid = d
+                .taints
+                .iter()
+                .flatten()
+                .find(|t| t.key == "gpuslice.io/xid" && t.effect == "NoSchedule")
+                .and_then(|t| t.value.clone());
+            out.insert(d.name.clone(), xid);
+        }
+    }
+    Ok(out)
+}
+
+/// The notes of the Events with `reason` the agents recorded.
+async fn event_notes(client: &Client, reason: &str) -> Vec<String> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(client.clone());
+    events
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .filter_map(|e| e.note)
+        .collect()
+}
+
+#[tokio::test]
+async fn xid_errors_quarantine_the_faulting_slice_or_drain_the_gpu_until_it_is_reset() {
+    // Both example pools isolate faults. The kernel log is a file the test writes as the kernel
+    // would; the XIDs are injected into the emulated GPUs, whose NVML events the agents watch.
+    let logs = tempfile::tempdir().unwrap();
+    let kmsg = logs.path().join("kmsg");
+    std::fs::write(&kmsg, "").unwrap();
+    let kernel = |code: u64, pid: u32| {
+        use std::io::Write as _;
+        // The emulator puts GPU 0 at PCI 0000:10:00.
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&kmsg)
+            .unwrap();
+        writeln!(
+            log,
+            "4,1234,5678901,-;NVRM: Xid (PCI:0000:10:00): {code}, pid={pid}, name=sh, Ch 00000008"
+        )
+        .unwrap();
+    };
+    let Some(running) = start(
+        "2026-12-02T10:00:00Z",
+        &["--kernel-log", kmsg.to_str().unwrap()],
+    )
+    .await
+    else {
+        return;
+    };
+    let client = running.client.clone();
+    let machine = |node: &str| {
+        gpuslice_emulator::Store::open(
+            &gpuslice_contract::StateDir::new(running.dir.path().join(node).join("state"))
+                .emulated_machine(node),
+        )
+        .unwrap()
+    };
+    let inject = |node: &str, code: u64| {
+        machine(node)
+            .mutate(|m| m.inject_xid(0, code))
+            .unwrap()
+            .unwrap()
+    };
+    eventually("the A100's four slices are published", || async {
+        let taints = xid_taints(&client, "a100-a").await?;
+        (taints.len() == 4)
+            .then_some(())
+            .ok_or(format!("{taints:?}"))
+    })
+    .await;
+    let (_a, slice_a, pid_a) = hold_slice(&running, "a100-a", "notebook");
+    let (_b, slice_b, pid_b) = hold_slice(&running, "a100-a", "notebook");
+    assert_ne!(slice_a, slice_b);
+
+    // XID 31 (a page fault) that the kernel says pid A caused: A's slice only.
+    kernel(31, pid_a);
+    inject("a100-a", 31);
+    eventually("only A's slice is quarantined", || async {
+        let taints = xid_taints(&client, "a100-a").await?;
+        let tainted: Vec<(&String, &String)> = taints
+            .iter()
+            .filter_map(|(d, x)| Some((d, x.as_ref()?)))
+            .collect();
+        (tainted == [(&slice_a, &"31".to_string())])
+            .then_some(())
+            .ok_or(format!("{taints:?}"))
+    })
+    .await;
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    let quarantined = |name: &'static str| {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let node = gpu_nodes.get(name).await.map_err(|e| e.to_string())?;
+            node.status
+                .iter()
+                .flat_map(|s| &s.conditions)
+                .find(|c| c.type_ == "Quarantined")
+                .map(|c| (c.status.clone(), c.message.clone()))
+                .ok_or_else(|| "no Quarantined condition".to_string())
+        }
+    };
+    let (status, message) = quarantined("a100-a").await.unwrap();
+    assert_eq!(status, "True");
+    assert!(
+        message.contains(&format!(
+            "slice {slice_a} quarantined after XID 31 (GPU memory page fault) from pid {pid_a}"
+        )),
+        "{message}"
+    );
+    // XID 43 with no kernel record while two slices are held: no slice can be named.
+    inject("a100-a", 43);
+    eventually("an XID no process can be named for is reported", || async {
+        let notes = event_notes(&client, "XidUnattributed").await;
+        notes
+            .iter()
+            .any(|n| n.contains("XID 43") && n.contains("2 slices of GPU 0 are held"))
+            .then_some(())
+            .ok_or(format!("{notes:?}"))
+    })
+    .await;
+    // XID 45 (cleanup after an earlier error) is only counted; A ends: its slice comes back.
+    inject("a100-a", 45);
+    let killed = Command::new("kill")
+        .args(["-KILL", &pid_a.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    eventually("A's slice is back once A released it", || async {
+        let taints = xid_taints(&client, "a100-a").await?;
+        let lifted = event_notes(&client, "QuarantineLifted").await;
+        (taints.len() == 4
+            && taints.values().all(Option::is_none)
+            && lifted.iter().any(|n| n.contains(&slice_a)))
+        .then_some(())
+        .ok_or(format!("{taints:?} {lifted:?}"))
+    })
+    .await;
+
+    // XID 79 (the GPU fell off the bus): every slice tainted, B drained by its policy.
+    inject("a100-a", 79);
+    eventually("the whole GPU is out and B is gone", || async {
+        let taints = xid_taints(&client, "a100-a").await?;
+        let b_alive = std::path::Path::new(&format!("/proc/{pid_b}")).exists();
+        (taints.len() == 4 && taints.values().all(|x| x.as_deref() == Some("79")) && !b_alive)
+            .then_some(())
+            .ok_or(format!("{taints:?}, B alive: {b_alive}"))
+    })
+    .await;
+    let (status, message) = quarantined("a100-a").await.unwrap();
+    assert_eq!(status, "True");
+    assert!(
+        message.contains("GPU 0 out of service after XID 79 (GPU has fallen off the bus)")
+            && message.contains("kubectl annotate gpunode a100-a gpuslice.io/gpu-reset=0"),
+        "{message}"
+    );
+    // Someone reset the GPU and says so.
+    gpu_nodes
+        .patch(
+            "a100-a",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({
+                "metadata": {"annotations": {"gpuslice.io/gpu-reset": "0"}}
+            })),
+        )
+        .await
+        .unwrap();
+    eventually("the GPU is back and the annotation gone", || async {
+        let taints = xid_taints(&client, "a100-a").await?;
+        let (status, _) = quarantined("a100-a").await?;
+        let node = gpu_nodes.get("a100-a").await.map_err(|e| e.to_string())?;
+        let annotated = node
+            .metadata
+            .annotations
+            .is_some_and(|a| a.contains_key("gpuslice.io/gpu-reset"));
+        (taints.len() == 4
+            && taints.values().all(Option::is_none)
+            && status == "False"
+            && !annotated)
+            .then_some(())
+            .ok_or(format!("{taints:?} {status} annotated: {annotated}"))
+    })
+    .await;
+
+    // On MIG, NVML names the GPU instance: XID 94 (a contained ECC error) quarantines that
+    // instance only.
+    let (_c, slice_c, _) = hold_slice(&running, "h200-a", "llm-inference");
+    let start: u32 = slice_c
+        .strip_prefix("gpu0-mig")
+        .and_then(|rest| rest.split('-').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{slice_c} is not a MIG slice of GPU 0"));
+    machine("h200-a")
+        .mutate(|m| {
+            let instance = m.gpus[0]
+                .instances
+                .iter()
+                .find(|i| i.placement.start == start)
+                .map(|i| i.id);
+            m.inject_xid_in(0, 94, instance)
+        })
+        .unwrap()
+        .unwrap();
+    let device_c = slice_c.replace('.', "-");
+    eventually("only C's MIG instance is quarantined", || async {
+        let taints = xid_taints(&client, "h200-a").await?;
+        let tainted: Vec<(&String, &String)> = taints
+            .iter()
+            .filter_map(|(d, x)| Some((d, x.as_ref()?)))
+            .collect();
+        (taints.len() == 4 && tainted == [(&device_c, &"94".to_string())])
+            .then_some(())
+            .ok_or(format!("{taints:?}"))
+    })
+    .await;
+}
+
 /// What a container runtime does with a CDI device, to a local process: its environment, and its
 /// mounts in a private mount namespace (over a fresh `/run`, and a copy of `/etc` so that
 /// `/etc/ld.so.preload` exists only there). The emulated CUDA driver stands in for the one the

@@ -221,11 +221,17 @@ pub struct LocalCache {
     pub path: String,
 }
 
-/// Fault isolation.
+/// Fault isolation: what the node agent does about XID errors (NVML events) on the pool's GPUs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct FaultIsolation {
-    /// When a GPU reports an XID error, stop only the slice that caused it and keep the others running.
+    /// Act on XID errors by gpuslice's XID table. An error a workload caused in its own context
+    /// (for example 13, 31, 43, 94) quarantines only its slice: the slice's DRA device gets the
+    /// `gpuslice.io/xid` NoSchedule taint and its pod an Event, its neighbours keep running, and
+    /// the slice comes back when that workload releases it. An error of the GPU itself (for
+    /// example 48, 79, 95) drains every workload on the GPU through its CheckpointPolicy and
+    /// taints all its devices until the GPU is reset and annotated (`gpuslice.io/gpu-reset`).
+    /// When false, XIDs are only counted.
     #[serde(default)]
     pub enabled: bool,
 }

@@ -138,7 +138,8 @@ impl Inbox {
     }
 
     /// The XIDs ready to handle, each with the process the kernel named: once its record is
-    /// in, or [`KERNEL_WAIT`] after it came without one.
+    /// in, or [`KERNEL_WAIT`] after it came without one; at once when no process is needed
+    /// (NVML named the MIG instance, or the XID quarantines no slice).
     pub fn take(&self, now: Instant) -> Vec<(XidSeen, Option<u32>)> {
         let mut received = self.received();
         let Received { xids, kernel } = &mut *received;
@@ -148,11 +149,14 @@ impl Inbox {
             let record = kernel
                 .iter()
                 .position(|(_, k)| Some(k.bus) == seen.bus && k.code == seen.code);
+            // Only a slice's error without its MIG instance needs the process named.
+            let needs_pid =
+                seen.instance.is_none() && rule_for(seen.code).action == XidAction::QuarantineSlice;
             if let Some(i) = record {
                 let pid = kernel.remove(i).and_then(|(_, k)| k.pid);
                 ready.push((seen.clone(), pid));
                 false
-            } else if now.saturating_duration_since(*at) >= KERNEL_WAIT {
+            } else if !needs_pid || now.saturating_duration_since(*at) >= KERNEL_WAIT {
                 ready.push((seen.clone(), None));
                 false
             } else {
@@ -611,6 +615,15 @@ mod tests {
             instance: None,
             bus,
         };
+        inbox.xid(XidSeen {
+            code: 79,
+            ..seen.clone()
+        });
+        assert_eq!(
+            inbox.take(Instant::now()).len(),
+            1,
+            "XID 79 names no process"
+        );
         inbox.xid(seen.clone());
         let start = Instant::now();
         assert!(inbox.take(start).is_empty(), "waits for the kernel record");

@@ -136,12 +136,6 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
                 warn("spec.io.localCache", "no local cache is set up for slices");
             }
         }
-        if spec.fault_isolation.is_some() {
-            warn(
-                "spec.faultIsolation",
-                "XID faults are not watched and no slice is isolated on them",
-            );
-        }
     }
     for policy in &repo.policies {
         let spec = &policy.object.spec;

@@ -1,6 +1,7 @@
 -- Argo CD health of a GpuNode (written by the gpuslice operator, reported by the node's agent).
--- Degraded: the agent failed to apply the layout, or the node's NVIDIA driver is too old for
--- software slices (DriverSupported False: they are not offered until it is upgraded). Progressing: the agent has not applied this
+-- Degraded: the agent failed to apply the layout, the node's NVIDIA driver is too old for
+-- software slices (DriverSupported False: they are not offered until it is upgraded), or XID
+-- errors took slices or GPUs out of service (Quarantined True). Progressing: the agent has not applied this
 -- generation yet, or busy slices block the change until they drain. Healthy: applied.
 local hs = {}
 if obj.status == nil or obj.status.conditions == nil then
@@ -23,6 +24,12 @@ local driver = conditions["DriverSupported"]
 if driver ~= nil and driver.status == "False" then
   hs.status = "Degraded"
   hs.message = driver.message
+  return hs
+end
+local quarantined = conditions["Quarantined"]
+if quarantined ~= nil and quarantined.status == "True" then
+  hs.status = "Degraded"
+  hs.message = quarantined.message
   return hs
 end
 if blocked ~= nil and blocked.status == "True" then
