@@ -775,6 +775,19 @@ async fn xid_errors_quarantine_the_faulting_slice_or_drain_the_gpu_until_it_is_r
                 .ok_or_else(|| "no Quarantined condition".to_string())
         }
     };
+    let node = gpu_nodes.get("a100-a").await.unwrap();
+    let io = node
+        .status
+        .iter()
+        .flat_map(|s| &s.conditions)
+        .find(|c| c.type_ == "IoLimited")
+        .unwrap();
+    // The example pool limits I/O; whether this machine can is its own affair, but it is said.
+    assert!(
+        io.message.contains("pool shared-a100: 500Mi/s"),
+        "{}",
+        io.message
+    );
     let (status, message) = quarantined("a100-a").await.unwrap();
     assert_eq!(status, "True");
     assert!(

@@ -260,3 +260,107 @@ fn the_claims_checkpoint_policy_wins_over_the_pools() {
         state.join("slices/gpu0-s3/config").exists()
     });
 }
+
+/// `dd`'s rate in bytes per second, from its last line (`67108864 bytes (…) copied, 3.2 s, …`).
+fn dd_rate(stderr: &str) -> f64 {
+    let line = stderr
+        .lines()
+        .rfind(|l| l.contains(" bytes "))
+        .unwrap_or_else(|| panic!("no dd summary in {stderr:?}"));
+    let bytes: f64 = line.split(' ').next().unwrap().parse().unwrap();
+    let seconds: f64 = line
+        .split(", ")
+        .find_map(|part| part.strip_suffix(" s"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no duration in {line:?}"));
+    bytes / seconds
+}
+
+/// The pool's `io.bandwidthPerSlice` holds a slice's workload to it on the node's disks, read
+/// and write, with direct I/O (no page cache), on the machine's real cgroups: the agent puts the
+/// `gpuslice run` process in the slice's cgroup before granting it, so `dd` is born there.
+#[test]
+fn a_slices_workload_reads_and_writes_at_its_pools_io_limit() {
+    let root = Path::new("/sys/fs/cgroup");
+    let cgroups = match gpuslice_node::iolimit::Cgroups::detect(root, Path::new("/sys/block")) {
+        Ok(c)
+            if std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap())
+                == 0 =>
+        {
+            c
+        }
+        Ok(_) => return eprintln!("skipped: cgroup limits need root"),
+        Err(e) => return eprintln!("skipped: {e}"),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    const LIMIT: f64 = 20.0 * 1024.0 * 1024.0;
+    std::fs::write(
+        source.join("pool.yaml"),
+        pool(2, "40Gi").replace(
+            "  memoryHeadroom: 1Gi\n",
+            "  memoryHeadroom: 1Gi\n  io: {bandwidthPerSlice: 20Mi}\n",
+        ),
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    children.keep(agent(dir.path(), &source, Stdio::null()));
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s1/config").exists()
+    });
+    // 48 MiB on the local disk, written and synced before anything is timed.
+    let data = dir.path().join("data");
+    std::fs::write(&data, vec![7u8; 48 << 20]).unwrap();
+    std::fs::File::open(&data).unwrap().sync_all().unwrap();
+    let dd = |inside: bool, args: &str| -> f64 {
+        let script = format!("dd {args} bs=1M 2>&1 >/dev/null");
+        let out = if inside {
+            run(&state, &["--policy", "small", "--", "sh", "-c", &script])
+                .output()
+                .unwrap()
+        } else {
+            Command::new("sh").args(["-c", &script]).output().unwrap()
+        };
+        assert!(out.status.success(), "{out:?}");
+        dd_rate(&String::from_utf8_lossy(&out.stdout))
+    };
+    let read = format!("if={} of=/dev/null iflag=direct", data.display());
+    let written = dir.path().join("written");
+    let write = format!(
+        "if=/dev/zero of={} count=48 oflag=direct",
+        written.display()
+    );
+    let free_read = dd(false, &read);
+    let slice_read = dd(true, &read);
+    let slice_write = dd(true, &write);
+    eprintln!(
+        "direct read unthrottled {:.1} MiB/s; in the slice: read {:.1} MiB/s, write {:.1} MiB/s (limit 20 MiB/s, {})",
+        free_read / 1048576.0,
+        slice_read / 1048576.0,
+        slice_write / 1048576.0,
+        cgroups.kind()
+    );
+    for (what, rate) in [("read", slice_read), ("write", slice_write)] {
+        assert!(
+            (rate - LIMIT).abs() <= 0.1 * LIMIT,
+            "{what} at {:.1} MiB/s, not within 10% of 20 MiB/s",
+            rate / 1048576.0
+        );
+    }
+    // The slice's cgroup goes once its workload is gone.
+    let group = match &cgroups.controller {
+        gpuslice_node::iolimit::Controller::V1(blkio) => blkio.clone(),
+        gpuslice_node::iolimit::Controller::V2(unified) => unified.clone(),
+    }
+    .join("gpuslice/run-node");
+    eventually("the agent removes the slice's cgroup", || {
+        std::fs::read_dir(&group)
+            .map_or(true, |mut d| !d.any(|e| e.is_ok_and(|e| e.path().is_dir())))
+    });
+    // What the agent leaves (the node's group, empty) goes with the test.
+    drop(children);
+    let _ = std::fs::remove_dir(&group);
+    let _ = std::fs::remove_dir(group.parent().unwrap());
+}

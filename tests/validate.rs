@@ -44,14 +44,16 @@ fn the_examples_pass_warning_only_about_fields_not_enforced_yet() {
         !warnings.iter().any(|w| w.contains("namespaceSelector")),
         "{warnings:#?}"
     );
-    let field = "pools/shared-a100.yaml:35: GpuPool/shared-a100: spec.io.bandwidthPerSlice: warning: declared but not enforced yet";
+    let field = "pools/shared-a100.yaml:36: GpuPool/shared-a100: spec.io.localCache: warning: declared but not enforced yet";
     assert!(
         warnings.iter().any(|w| w.contains(field)),
         "{field}: {warnings:#?}"
     );
-    // Fault isolation works: no longer a warning.
+    // Fault isolation and I/O limits work: no longer warnings.
     assert!(
-        !warnings.iter().any(|w| w.contains("spec.faultIsolation")),
+        !warnings
+            .iter()
+            .any(|w| w.contains("spec.faultIsolation") || w.contains("bandwidthPerSlice")),
         "{warnings:#?}"
     );
 }

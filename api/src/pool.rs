@@ -202,7 +202,11 @@ pub struct Compaction {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct IoLimits {
-    /// Disk read/write bandwidth of each slice, bytes per second (for example `500Mi`).
+    /// Disk read and write bandwidth of each slice's workload, bytes per second (for example
+    /// `500Mi`), on each local disk of the node (loop, RAM and zram devices excepted). The node
+    /// agent sets it on the pod's cgroup (or on the cgroup it puts a `gpuslice run` command in):
+    /// cgroup v1 `blkio.throttle.{read,write}_bps_device` or cgroup v2 `io.max`, whichever the
+    /// node has. A node with neither says so in its GpuNode's `IoLimited` condition.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("bandwidthPerSlice must be a positive quantity such as 500Mi"))]
     pub bandwidth_per_slice: Option<Size>,

@@ -82,6 +82,10 @@ struct Board {
     queue: VecDeque<(u64, Need, Option<String>)>,
     refused: HashMap<u64, String>,
     next: u64,
+    /// The node (its name), its I/O controller when it has one, and each GPU's I/O limit per
+    /// slice (bytes/s, from its pool's `io.bandwidthPerSlice`).
+    io: Option<(String, crate::iolimit::Cgroups)>,
+    bandwidth: BTreeMap<u32, u64>,
 }
 
 impl Board {
@@ -168,6 +172,35 @@ impl Claims {
         self.changed.notify_all();
     }
 
+    /// The node's I/O controller and each GPU's I/O limit per slice: `gpuslice run` workloads
+    /// granted from now on are held to it.
+    pub fn set_io(
+        &self,
+        io: Option<(String, crate::iolimit::Cgroups)>,
+        bandwidth: BTreeMap<u32, u64>,
+    ) {
+        let mut board = self.lock();
+        board.io = io;
+        board.bandwidth = bandwidth;
+    }
+
+    /// Puts a `gpuslice run` process (and so the command it is about to start) in its slice's
+    /// I/O cgroup, limited as the slice's pool says; nothing when the pool sets no limit.
+    fn confine(&self, client: u32, slice: &str) -> Result<(), crate::iolimit::IoLimitError> {
+        let (io, bandwidth) = {
+            let board = self.lock();
+            let gpu = board.slices.iter().find(|s| s.id == slice).map(|s| s.gpu);
+            let bandwidth = gpu.and_then(|g| board.bandwidth.get(&g).copied());
+            (board.io.clone(), bandwidth)
+        };
+        let (Some((node, io)), Some(bandwidth)) = (io, bandwidth) else {
+            return Ok(());
+        };
+        let group = io.run_group(&node, slice)?;
+        io.limit(&group, bandwidth)?;
+        io.enter(&group, client)
+    }
+
     /// Every claim held now, prepared ResourceClaims included.
     pub fn held(&self) -> Vec<Claim> {
         let board = self.lock();
@@ -252,6 +285,9 @@ impl Claims {
         };
         let config = state.slice_config(&granted);
         crate::slices::new_workload(state, &granted);
+        if let Err(e) = self.confine(client, &granted) {
+            tracing::warn!("slice {granted}: the I/O limit of pid {client} is not applied: {e}");
+        }
         let device_uuid = crate::slices::read_config(state, &granted)
             .map(|c| c.device_uuid)
             .unwrap_or_default();

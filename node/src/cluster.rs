@@ -327,6 +327,61 @@ async fn tell_faults(
     }
 }
 
+/// The `IoLimited` condition: whether the pools of this node that limit I/O per slice get it.
+fn io_condition(
+    io: Result<&crate::iolimit::Cgroups, &str>,
+    assignments: &[gpuslice_api::GpuAssignment],
+    bandwidths: &BTreeMap<String, u64>,
+    generation: Option<i64>,
+) -> Condition {
+    let mut asking: Vec<String> = assignments
+        .iter()
+        .filter_map(|a| {
+            let limit = bandwidths.get(&a.pool)?;
+            Some(format!(
+                "pool {}: {}/s",
+                a.pool,
+                gpuslice_api::quantity::format_bytes(*limit)
+            ))
+        })
+        .collect();
+    asking.sort();
+    asking.dedup();
+    if asking.is_empty() {
+        return condition(
+            "IoLimited",
+            true,
+            "NoLimits",
+            "no pool of this node limits I/O per slice".into(),
+            generation,
+        );
+    }
+    match io {
+        Ok(io) => {
+            let disks: Vec<String> = io.disks.iter().map(ToString::to_string).collect();
+            condition(
+                "IoLimited",
+                true,
+                "Applied",
+                format!(
+                    "each slice's workload is held to {} on disks {} ({})",
+                    asking.join(", "),
+                    disks.join(", "),
+                    io.kind()
+                ),
+                generation,
+            )
+        }
+        Err(why) => condition(
+            "IoLimited",
+            false,
+            "NoIoController",
+            format!("{} asked, not applied: {why}", asking.join(", ")),
+            generation,
+        ),
+    }
+}
+
 /// The status to report after a pass.
 fn status(
     pass: &Pass,
@@ -334,6 +389,7 @@ fn status(
     previous: Option<&GpuNodeStatus>,
     driver_supported: Condition,
     quarantined: Condition,
+    io_limited: Condition,
 ) -> GpuNodeStatus {
     let blocked: Vec<String> = pass
         .outcomes
@@ -396,6 +452,7 @@ fn status(
         ),
         driver_supported,
         quarantined,
+        io_limited,
     ];
     keep_transition_times(
         &mut conditions,
@@ -1166,6 +1223,17 @@ pub async fn run(
             .filter(|p| p.spec.fault_isolation.as_ref().is_some_and(|f| f.enabled))
             .filter_map(|p| p.metadata.name.clone())
             .collect();
+        let bandwidths: BTreeMap<String, u64> = config
+            .pools
+            .iter()
+            .filter_map(|p| {
+                let limit = p.spec.io.as_ref()?.bandwidth_per_slice.as_ref()?;
+                Some((
+                    p.metadata.name.clone()?,
+                    gpuslice_api::bytes_of(&limit.0).ok()?,
+                ))
+            })
+            .collect();
         let driver_minimums: BTreeMap<String, DriverMinimum> = config
             .pools
             .iter()
@@ -1243,6 +1311,12 @@ pub async fn run(
             current.status.as_ref(),
             driver_supported,
             quarantine_condition(&quarantines.list, &node, current.metadata.generation),
+            io_condition(
+                agent.io(),
+                &current.spec.gpus,
+                &bandwidths,
+                current.metadata.generation,
+            ),
         );
         if current.status.as_ref() != Some(&report) {
             let patch = apply_body("GpuNode", &node, "status", &report);

@@ -12,6 +12,7 @@ pub mod dra;
 pub mod drain;
 pub mod emulate;
 pub mod faults;
+pub mod iolimit;
 pub mod kubelet;
 pub mod nvml;
 pub mod pass;

@@ -130,6 +130,10 @@ pub struct Agent {
     state: StateDir,
     apply: bool,
     socket: socket::Node,
+    /// The node's cgroup I/O controller, or why it has none.
+    io: Result<crate::iolimit::Cgroups, String>,
+    /// Whether the log said once that I/O limits cannot be applied.
+    io_warned: std::sync::atomic::AtomicBool,
 }
 
 impl Agent {
@@ -143,7 +147,18 @@ impl Agent {
             state,
             apply,
             socket: socket::Node::default(),
+            io: crate::iolimit::Cgroups::detect(
+                std::path::Path::new("/sys/fs/cgroup"),
+                std::path::Path::new("/sys/block"),
+            )
+            .map_err(|e| e.to_string()),
+            io_warned: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The node's cgroup I/O controller, or why it has none.
+    pub fn io(&self) -> Result<&crate::iolimit::Cgroups, &str> {
+        self.io.as_ref().map_err(String::as_str)
     }
 
     pub fn node(&self) -> &str {
@@ -224,6 +239,22 @@ impl Agent {
             .flat_map(|n| &n.gpus)
             .filter_map(|g| Some((g.index, g.pool.clone()?)))
             .collect();
+        let bandwidth = bandwidths(&pass.plan, &intent.config);
+        if !bandwidth.is_empty()
+            && let Err(why) = &self.io
+            && !self
+                .io_warned
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!("I/O limits per slice are not applied: {why}");
+        }
+        self.socket.claims.set_io(
+            self.io
+                .as_ref()
+                .ok()
+                .map(|io| (self.node.clone(), io.clone())),
+            bandwidth.clone(),
+        );
         self.socket
             .claims
             .update(slices.clone(), pools, needs.clone(), self.pinned());
@@ -237,6 +268,18 @@ impl Agent {
                 Some((c.slice.clone(), DateTime::<Utc>::from(written)))
             })
             .collect();
+        if self.apply
+            && let Ok(io) = &self.io
+        {
+            limit_pods(io, &slices, &pass.claims, &bandwidth);
+            let running: Vec<String> = pass
+                .claims
+                .iter()
+                .filter(|c| c.resource_claim.is_none())
+                .map(|c| c.slice.clone())
+                .collect();
+            io.remove_run_groups_except(&self.node, &running);
+        }
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
         self.socket.compute.set(&pass.shares);
         for o in &pass.outcomes {
@@ -456,6 +499,50 @@ impl Agent {
         }
         pass.draining = waiting;
         Ok(())
+    }
+}
+
+/// Each GPU's I/O limit per slice (bytes/s): its pool's `io.bandwidthPerSlice`.
+fn bandwidths(plan: &ClusterPlan, config: &Config) -> BTreeMap<u32, u64> {
+    plan.nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .filter_map(|gpu| {
+            let pool = gpu.pool.as_deref()?;
+            let spec = &config
+                .pools
+                .iter()
+                .find(|p| p.metadata.name.as_deref() == Some(pool))?
+                .spec;
+            let limit = spec.io.as_ref()?.bandwidth_per_slice.as_ref()?;
+            Some((gpu.index, gpuslice_api::bytes_of(&limit.0).ok()?))
+        })
+        .collect()
+}
+
+/// Limits the cgroups of the pods holding prepared claims on GPUs with an I/O limit (each
+/// pass: a pod's cgroup appears when its sandbox starts, after the claim was prepared).
+fn limit_pods(
+    io: &crate::iolimit::Cgroups,
+    slices: &[gpuslice_contract::SliceConfig],
+    claims: &[Claim],
+    bandwidth: &BTreeMap<u32, u64>,
+) {
+    for claim in claims.iter().filter(|c| c.resource_claim.is_some()) {
+        let Some(limit) = slices
+            .iter()
+            .find(|s| s.id == claim.slice)
+            .and_then(|s| bandwidth.get(&s.gpu))
+        else {
+            continue;
+        };
+        for uid in &claim.pods {
+            for group in io.pod_groups(uid) {
+                if let Err(e) = io.limit(&group, *limit) {
+                    tracing::warn!("pod {uid}: the I/O limit is not applied: {e}");
+                }
+            }
+        }
     }
 }
 

@@ -125,16 +125,8 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
         if spec.compaction.is_some() {
             warn("spec.compaction", "nothing compacts a pool's slices");
         }
-        if let Some(io) = &spec.io {
-            if io.bandwidth_per_slice.is_some() {
-                warn(
-                    "spec.io.bandwidthPerSlice",
-                    "no I/O limit is applied to slices",
-                );
-            }
-            if io.local_cache.is_some() {
-                warn("spec.io.localCache", "no local cache is set up for slices");
-            }
+        if spec.io.as_ref().is_some_and(|io| io.local_cache.is_some()) {
+            warn("spec.io.localCache", "no local cache is set up for slices");
         }
     }
     for policy in &repo.policies {

@@ -1,7 +1,8 @@
 -- Argo CD health of a GpuNode (written by the gpuslice operator, reported by the node's agent).
 -- Degraded: the agent failed to apply the layout, the node's NVIDIA driver is too old for
 -- software slices (DriverSupported False: they are not offered until it is upgraded), or XID
--- errors took slices or GPUs out of service (Quarantined True). Progressing: the agent has not applied this
+-- errors took slices or GPUs out of service (Quarantined True), or a pool's I/O limit per slice
+-- cannot be applied (IoLimited False: the node has no cgroup I/O controller). Progressing: the agent has not applied this
 -- generation yet, or busy slices block the change until they drain. Healthy: applied.
 local hs = {}
 if obj.status == nil or obj.status.conditions == nil then
@@ -30,6 +31,12 @@ local quarantined = conditions["Quarantined"]
 if quarantined ~= nil and quarantined.status == "True" then
   hs.status = "Degraded"
   hs.message = quarantined.message
+  return hs
+end
+local io = conditions["IoLimited"]
+if io ~= nil and io.status == "False" then
+  hs.status = "Degraded"
+  hs.message = io.message
   return hs
 end
 if blocked ~= nil and blocked.status == "True" then
