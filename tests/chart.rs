@@ -151,6 +151,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         "examples/gitops/policies/checkpoint-standard.yaml",
         "examples/gitops/pools/h200-mig.yaml",
         "examples/gitops/policies/llm-inference.yaml",
+        "examples/gitops/policies/notebook.yaml",
     ] {
         let doc: serde_json::Value =
             serde_yaml::from_str(&std::fs::read_to_string(root().join(file)).unwrap()).unwrap();
@@ -412,13 +413,16 @@ async fn admission_takes_policies_by_name(admin: &kube::Client) {
     // that, a labelled pod there is stored asking for one slice of the policy. (The API server
     // loads new admission policies a moment after they are created, each on its own: a pod
     // stored before the mutating one is in force is deleted and sent again.)
+    // (The policy's host CPU and memory come from the operator's parameters, a moment later.)
     let asks = |p: &Pod| {
         p.spec.as_ref().is_some_and(|s| {
-            s.containers[0]
-                .resources
-                .as_ref()
+            let resources = s.containers[0].resources.as_ref();
+            resources
                 .and_then(|r| r.limits.as_ref())
                 .is_some_and(|l| l.contains_key("gpuslice.io/llm-inference"))
+                && resources
+                    .and_then(|r| r.requests.as_ref())
+                    .is_some_and(|r| r.contains_key("cpu"))
         })
     };
     // The validating policy in force first: an unknown policy is refused.
@@ -464,12 +468,34 @@ async fn admission_takes_policies_by_name(admin: &kube::Client) {
         .resources
         .clone()
         .unwrap();
-    for asked in [resources.limits.unwrap(), resources.requests.unwrap()] {
+    for asked in [
+        resources.limits.clone().unwrap(),
+        resources.requests.clone().unwrap(),
+    ] {
         assert_eq!(
             asked.get("gpuslice.io/llm-inference").map(|q| q.0.as_str()),
             Some("1")
         );
     }
+    // The policy's `host` became the container's requests.
+    let requests = resources.requests.clone().unwrap();
+    assert_eq!(requests.get("cpu").map(|q| q.0.as_str()), Some("4"));
+    assert_eq!(requests.get("memory").map(|q| q.0.as_str()), Some("32Gi"));
+    // A policy without `host` adds no CPU or memory.
+    let notebook = create(pod("nb-0", "web", label("notebook"), serde_json::json!({})))
+        .await
+        .unwrap();
+    let requests = notebook.spec.unwrap().containers[0]
+        .resources
+        .clone()
+        .and_then(|r| r.requests)
+        .unwrap_or_default();
+    assert!(
+        requests.contains_key("gpuslice.io/notebook")
+            && !requests.contains_key("cpu")
+            && !requests.contains_key("memory"),
+        "{requests:?}"
+    );
 
     let message = refusal(
         create(pod(

@@ -148,8 +148,8 @@ impl Harness {
                 .collect();
         assert_eq!(
             mutating.len(),
-            7,
-            "three policies, their bindings and the queued pods' PriorityClass"
+            9,
+            "four policies, their bindings and the queued pods' PriorityClass"
         );
         gpuslice_testcluster::apply_all(&client, &mutating).await;
         cluster

@@ -364,3 +364,80 @@ fn a_slices_workload_reads_and_writes_at_its_pools_io_limit() {
     let _ = std::fs::remove_dir(&group);
     let _ = std::fs::remove_dir(group.parent().unwrap());
 }
+
+/// A policy's `host` CPU and memory hold a `gpuslice run` command on the machine's real
+/// cgroups: one whole core of its own (a cpuset) and a hard memory limit it cannot allocate past.
+#[test]
+fn a_policys_host_cpu_and_memory_hold_its_command() {
+    let root = Path::new("/sys/fs/cgroup");
+    let cgroups = match gpuslice_node::hostlimit::HostCgroups::detect(root) {
+        Ok(c)
+            if std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap())
+                == 0 =>
+        {
+            c
+        }
+        Ok(_) => return eprintln!("skipped: cgroup limits need root"),
+        Err(e) => return eprintln!("skipped: {e}"),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(
+        source.join("pool.yaml"),
+        pool(2, "40Gi").replace(
+            "  compute: {limit: 25}\n",
+            "  compute: {limit: 25}\n  host: {cpu: \"1\", memory: 64Mi}\n",
+        ),
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    children.keep(agent(dir.path(), &source, Stdio::null()));
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s1/config").exists()
+    });
+    // What the command may use, then an allocation four times its memory.
+    let out = run(&state, &["--policy", "small", "--", "sh", "-c"])
+        .arg(
+            "grep Cpus_allowed_list /proc/self/status; \
+             python3 -c 'b = bytearray(256 << 20); print(len(b))'; echo exit=$?",
+        )
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}");
+    let allowed = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(str::trim)
+        .unwrap_or_default();
+    assert_eq!(
+        gpuslice_node::hostlimit::parse_cpus(allowed).len(),
+        1,
+        "one core of its own: {text}"
+    );
+    assert!(
+        text.contains("exit=137") && !text.contains("268435456"),
+        "the allocation past 64Mi is killed: {text}"
+    );
+    drop(children);
+    let dirs: Vec<std::path::PathBuf> = match &cgroups {
+        gpuslice_node::hostlimit::HostCgroups::V1 {
+            cpu,
+            cpuset,
+            memory,
+        } => vec![cpu.clone(), cpuset.clone(), memory.clone()],
+        gpuslice_node::hostlimit::HostCgroups::V2(unified) => vec![unified.clone()],
+    };
+    // What the agent leaves (the node's groups, empty once the command is gone) goes too.
+    for group in dirs.iter().map(|d| d.join("gpuslice/run-node")) {
+        for slice in std::fs::read_dir(&group).into_iter().flatten().flatten() {
+            if slice.path().is_dir() {
+                let _ = std::fs::remove_dir(slice.path());
+            }
+        }
+        let _ = std::fs::remove_dir(&group);
+        let _ = std::fs::remove_dir(group.parent().unwrap());
+    }
+}

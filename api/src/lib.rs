@@ -29,14 +29,15 @@ pub use node::{
     MigInstance, MigState, NodeInventory, Placement, Preemption, SliceClaim, SoftwareSliceState,
 };
 pub use policy::{
-    ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus, WorkloadClass,
+    ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus, HostResources,
+    WorkloadClass,
 };
 pub use pool::{
     Compaction, DriverMinimum, FairShareStatus, FaultIsolation, GpuPool, GpuPoolSpec,
     GpuPoolStatus, GpuSelector, IoLimits, LocalCache, NamespaceUsage, Scheduling, SchedulingPolicy,
     SliceCounts, TimeWindow,
 };
-pub use quantity::{QuantityError, Size, bytes_of, format_bytes};
+pub use quantity::{QuantityError, Size, bytes_of, format_bytes, millicores_of};
 pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};
 
 /// The API group of every gpuslice kind.

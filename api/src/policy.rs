@@ -61,6 +61,26 @@ pub struct GpuSlicePolicySpec {
     /// training beside inference; it changes no placement, limit or priority.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub class: Option<WorkloadClass>,
+    /// Host CPU and memory that come with each slice. In a cluster they become the requests
+    /// of the pod's first container at admission (unless it requests CPU or memory itself);
+    /// a `gpuslice run` command is held to them in a cgroup (CPU time by CFS quota, whole cores
+    /// also as a cpuset of their own; memory as a hard limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostResources>,
+}
+
+/// Host CPU and memory per slice.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostResources {
+    /// CPU, as Kubernetes writes it (`4`, `500m`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("cpu must be a positive quantity such as 4 or 500m"))]
+    pub cpu: Option<Size>,
+    /// Memory (`64Gi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("memory must be a positive quantity such as 64Gi"))]
+    pub memory: Option<Size>,
 }
 
 /// The kind of work a policy is for (a metrics label only).

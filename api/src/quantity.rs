@@ -43,6 +43,23 @@ pub enum QuantityError {
     Malformed(String),
     #[error("{0:?} must be a whole, non-negative number of bytes")]
     NotBytes(String),
+    #[error("{0:?} must be a non-negative CPU quantity in whole millicores (write e.g. 4 or 500m)")]
+    NotCpu(String),
+}
+
+/// The millicores a CPU quantity (`4`, `500m`, `1.5`) stands for.
+pub fn millicores_of(text: &str) -> Result<u64, QuantityError> {
+    let parsed: ParsedQuantity = Quantity(text.to_string())
+        .try_into()
+        .map_err(|_| QuantityError::Malformed(text.to_string()))?;
+    let value = parsed
+        .to_bytes_f64()
+        .map(|cores| cores * 1000.0)
+        .ok_or_else(|| QuantityError::NotCpu(text.to_string()))?;
+    if !(0.0..=u64::MAX as f64).contains(&value) || value.fract() != 0.0 {
+        return Err(QuantityError::NotCpu(text.to_string()));
+    }
+    Ok(value as u64)
 }
 
 /// The number of bytes a quantity (`20Gi`, `1.5G`, `1024`) stands for.

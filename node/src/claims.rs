@@ -31,6 +31,8 @@ pub struct Need {
     pub guarantee: u32,
     /// The policy's pool: only slices of its GPUs will do.
     pub pool: Option<String>,
+    /// The policy's host CPU and memory (`spec.host`).
+    pub host: crate::hostlimit::HostLimit,
 }
 
 impl Need {
@@ -82,10 +84,21 @@ struct Board {
     queue: VecDeque<(u64, Need, Option<String>)>,
     refused: HashMap<u64, String>,
     next: u64,
-    /// The node (its name), its I/O controller when it has one, and each GPU's I/O limit per
-    /// slice (bytes/s, from its pool's `io.bandwidthPerSlice`).
-    io: Option<(String, crate::iolimit::Cgroups)>,
-    bandwidth: BTreeMap<u32, u64>,
+    /// What `gpuslice run` commands are held to.
+    limits: Limits,
+}
+
+/// The cgroups `gpuslice run` commands are put in, and what each pool asks.
+#[derive(Clone, Debug, Default)]
+pub struct Limits {
+    /// The node's name (groups are `gpuslice/<node>/<slice>`).
+    pub node: String,
+    /// The node's I/O controller, when it has one.
+    pub io: Option<crate::iolimit::Cgroups>,
+    /// Its cpu, cpuset and memory controllers, when it has them.
+    pub host: Option<crate::hostlimit::HostCgroups>,
+    /// Each GPU's I/O limit per slice (bytes/s, from its pool's `io.bandwidthPerSlice`).
+    pub bandwidth: BTreeMap<u32, u64>,
 }
 
 impl Board {
@@ -172,33 +185,46 @@ impl Claims {
         self.changed.notify_all();
     }
 
-    /// The node's I/O controller and each GPU's I/O limit per slice: `gpuslice run` workloads
-    /// granted from now on are held to it.
-    pub fn set_io(
-        &self,
-        io: Option<(String, crate::iolimit::Cgroups)>,
-        bandwidth: BTreeMap<u32, u64>,
-    ) {
-        let mut board = self.lock();
-        board.io = io;
-        board.bandwidth = bandwidth;
+    /// The cgroups and limits `gpuslice run` commands granted from now on are held to.
+    pub fn set_limits(&self, limits: Limits) {
+        self.lock().limits = limits;
     }
 
     /// Puts a `gpuslice run` process (and so the command it is about to start) in its slice's
-    /// I/O cgroup, limited as the slice's pool says; nothing when the pool sets no limit.
-    fn confine(&self, client: u32, slice: &str) -> Result<(), crate::iolimit::IoLimitError> {
-        let (io, bandwidth) = {
+    /// cgroups: the I/O limit of the slice's pool, the host CPU and memory of its policy.
+    fn confine(&self, client: u32, slice: &str, host: crate::hostlimit::HostLimit) {
+        let (limits, bandwidth, others) = {
             let board = self.lock();
             let gpu = board.slices.iter().find(|s| s.id == slice).map(|s| s.gpu);
-            let bandwidth = gpu.and_then(|g| board.bandwidth.get(&g).copied());
-            (board.io.clone(), bandwidth)
+            let bandwidth = gpu.and_then(|g| board.limits.bandwidth.get(&g).copied());
+            let others: Vec<String> = board.claims.values().map(|c| c.slice.clone()).collect();
+            (board.limits.clone(), bandwidth, others)
         };
-        let (Some((node, io)), Some(bandwidth)) = (io, bandwidth) else {
-            return Ok(());
-        };
-        let group = io.run_group(&node, slice)?;
-        io.limit(&group, bandwidth)?;
-        io.enter(&group, client)
+        if let Some(bandwidth) = bandwidth {
+            let applied = limits.io.as_ref().map(|io| {
+                let group = io.run_group(&limits.node, slice)?;
+                io.limit(&group, bandwidth)?;
+                io.enter(&group, client)
+            });
+            match applied {
+                Some(Ok(())) => {}
+                Some(Err(e)) => tracing::warn!("slice {slice}: pid {client}'s I/O limit: {e}"),
+                None => tracing::warn!("slice {slice}: no I/O controller for pid {client}'s limit"),
+            }
+        }
+        if host != crate::hostlimit::HostLimit::default() {
+            let applied = limits
+                .host
+                .as_ref()
+                .map(|cg| cg.confine(&limits.node, slice, client, host, &others));
+            match applied {
+                Some(Ok(())) => {}
+                Some(Err(e)) => tracing::warn!("slice {slice}: pid {client}'s CPU and memory: {e}"),
+                None => tracing::warn!(
+                    "slice {slice}: no cpu, cpuset and memory controllers for pid {client}'s limits"
+                ),
+            }
+        }
     }
 
     /// Every claim held now, prepared ResourceClaims included.
@@ -285,9 +311,12 @@ impl Claims {
         };
         let config = state.slice_config(&granted);
         crate::slices::new_workload(state, &granted);
-        if let Err(e) = self.confine(client, &granted) {
-            tracing::warn!("slice {granted}: the I/O limit of pid {client} is not applied: {e}");
-        }
+        let host = want
+            .policy
+            .as_ref()
+            .and_then(|p| self.lock().policies.get(p).map(|n| n.host))
+            .unwrap_or_default();
+        self.confine(client, &granted, host);
         let device_uuid = crate::slices::read_config(state, &granted)
             .map(|c| c.device_uuid)
             .unwrap_or_default();
@@ -365,6 +394,16 @@ pub fn needs(config: &Config) -> BTreeMap<String, Need> {
             let memory = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
             let compute = spec.compute.as_ref().map_or(0, |c| c.limit);
             let guarantee = spec.compute.as_ref().and_then(|c| c.guarantee).unwrap_or(0);
+            let host = crate::hostlimit::HostLimit {
+                millicores: spec
+                    .host
+                    .as_ref()
+                    .and_then(|h| gpuslice_api::millicores_of(&h.cpu.as_ref()?.0).ok()),
+                memory_bytes: spec
+                    .host
+                    .as_ref()
+                    .and_then(|h| gpuslice_api::bytes_of(&h.memory.as_ref()?.0).ok()),
+            };
             (
                 name.clone(),
                 Need {
@@ -372,6 +411,7 @@ pub fn needs(config: &Config) -> BTreeMap<String, Need> {
                     compute,
                     guarantee,
                     pool: Some(spec.pool.clone()),
+                    host,
                 },
             )
         })

@@ -12,6 +12,7 @@ pub mod dra;
 pub mod drain;
 pub mod emulate;
 pub mod faults;
+pub mod hostlimit;
 pub mod iolimit;
 pub mod kubelet;
 pub mod nvml;

@@ -132,6 +132,8 @@ pub struct Agent {
     socket: socket::Node,
     /// The node's cgroup I/O controller, or why it has none.
     io: Result<crate::iolimit::Cgroups, String>,
+    /// Its cpu, cpuset and memory controllers, when it has them.
+    host: Option<crate::hostlimit::HostCgroups>,
     /// Whether the log said once that I/O limits cannot be applied.
     io_warned: std::sync::atomic::AtomicBool,
 }
@@ -152,6 +154,9 @@ impl Agent {
                 std::path::Path::new("/sys/block"),
             )
             .map_err(|e| e.to_string()),
+            host: crate::hostlimit::HostCgroups::detect(std::path::Path::new("/sys/fs/cgroup"))
+                .inspect_err(|e| tracing::info!("{e}"))
+                .ok(),
             io_warned: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -248,13 +253,12 @@ impl Agent {
         {
             tracing::warn!("I/O limits per slice are not applied: {why}");
         }
-        self.socket.claims.set_io(
-            self.io
-                .as_ref()
-                .ok()
-                .map(|io| (self.node.clone(), io.clone())),
-            bandwidth.clone(),
-        );
+        self.socket.claims.set_limits(crate::claims::Limits {
+            node: self.node.clone(),
+            io: self.io.as_ref().ok().cloned(),
+            host: self.host.clone(),
+            bandwidth: bandwidth.clone(),
+        });
         self.socket
             .claims
             .update(slices.clone(), pools, needs.clone(), self.pinned());
@@ -279,6 +283,17 @@ impl Agent {
                 .map(|c| c.slice.clone())
                 .collect();
             io.remove_run_groups_except(&self.node, &running);
+        }
+        if self.apply
+            && let Some(host) = &self.host
+        {
+            let running: Vec<String> = pass
+                .claims
+                .iter()
+                .filter(|c| c.resource_claim.is_none())
+                .map(|c| c.slice.clone())
+                .collect();
+            host.remove_except(&self.node, &running);
         }
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
         self.socket.compute.set(&pass.shares);

@@ -9,6 +9,30 @@ use std::collections::BTreeMap;
 use gpuslice_api::GpuSlicePolicy;
 use gpuslice_planning::cluster::selects;
 
+/// The key of a policy's host CPU (`cpu_<policy>`) and memory (`memory_<policy>`) requests:
+/// `_` is never in a policy's name, so these never collide with the policies' own keys.
+pub fn host_key(resource: &str, policy: &str) -> String {
+    format!("{resource}_{policy}")
+}
+
+/// Each policy's host CPU and memory (`spec.host`), as the mutating admission policy gives them
+/// to the pod's first container as requests.
+pub fn host_requests(policies: &[GpuSlicePolicy]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for p in policies {
+        let (Some(name), Some(host)) = (&p.metadata.name, &p.spec.host) else {
+            continue;
+        };
+        if let Some(cpu) = &host.cpu {
+            out.insert(host_key("cpu", name), cpu.0.clone());
+        }
+        if let Some(memory) = &host.memory {
+            out.insert(host_key("memory", name), memory.0.clone());
+        }
+    }
+    out
+}
+
 /// Every namespace: the value for a policy without a `namespaceSelector`.
 pub const ANY_NAMESPACE: &str = "*";
 
@@ -72,5 +96,15 @@ mod tests {
         assert_eq!(got["open"], "*");
         assert_eq!(got["nlp"], "a-nlp,b-nlp");
         assert_eq!(got["nobody"], "", "no namespace may use it");
+    }
+
+    #[test]
+    fn host_resources_become_keys_no_policy_name_can_take() {
+        let policies = [policy(
+            "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: llm}\nspec: {pool: p, memory: 1Gi, host: {cpu: \"4\", memory: 32Gi}}",
+        )];
+        let got = host_requests(&policies);
+        assert_eq!(got["cpu_llm"], "4");
+        assert_eq!(got["memory_llm"], "32Gi");
     }
 }

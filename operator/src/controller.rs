@@ -476,7 +476,8 @@ pub async fn run(
                         .iter()
                         .map(|n| (n.name_any(), n.labels().clone()))
                         .collect();
-                    let allowed = allowed_namespaces(&observed.policies, &labelled);
+                    let mut allowed = allowed_namespaces(&observed.policies, &labelled);
+                    allowed.extend(crate::admission::host_requests(&observed.policies));
                     if params_written.as_ref() != Some(&allowed) {
                         match writer.apply_admission_params(params, &allowed).await {
                             Ok(()) => params_written = Some(allowed),
@@ -784,7 +785,8 @@ impl Writer {
 }
 
 impl Writer {
-    /// Writes the admission parameters: policy name → the namespaces that may use it.
+    /// Writes the admission parameters: policy name → the namespaces that may use it, and each
+    /// policy's host CPU and memory requests.
     async fn apply_admission_params(
         &self,
         params: &AdmissionParams,
