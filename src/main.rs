@@ -169,6 +169,18 @@ enum Command {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// A dataset file through this node's local cache (a pool's io.localCache): prints the local,
+    /// read-only path with the source's bytes, fetched once for all who ask.
+    Cache {
+        /// An absolute path (a mounted dataset) or an http:// URL.
+        source: String,
+        /// The pool whose cache, when the node has several.
+        #[arg(long)]
+        pool: Option<String>,
+        /// The agent's state directory.
+        #[arg(long, default_value = gpuslice_contract::paths::DEFAULT)]
+        state: PathBuf,
+    },
     /// The operator: reconcile GpuPools into each node's desired layout (GpuNode) and pool status.
     /// Uses the in-cluster config or KUBECONFIG.
     Operator {
@@ -241,6 +253,17 @@ enum Bench {
         /// (nothing on the GPU is reconfigured; see tests/device/compute.sh).
         #[arg(long)]
         real_gpu: bool,
+    },
+    /// The dataset cache: two epochs over shards from an HTTP source held to a rate; the second,
+    /// from the cache, against the local disk's direct-I/O read speed.
+    Cache {
+        #[arg(long, default_value_t = 8)]
+        shards: usize,
+        #[arg(long, default_value_t = 16)]
+        shard_mib: usize,
+        /// What the source serves, MiB/s.
+        #[arg(long, default_value_t = 32)]
+        source_mib: u64,
     },
     /// A process the compute benchmark runs under the shim.
     #[command(hide = true)]
@@ -568,6 +591,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let code = gpuslice::run::run(&StateDir::new(state), &want, &shim, &command)?;
             Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
         }
+        Command::Cache {
+            source,
+            pool,
+            state,
+        } => {
+            let (path, hit) =
+                gpuslice::run::cache_fetch(&StateDir::new(state), &source, pool.as_deref())?;
+            eprintln!("gpuslice cache: {}", if hit { "cached" } else { "fetched" });
+            println!("{}", path.display());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Operator {
             metrics_addr,
             lease_namespace,
@@ -689,6 +723,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 !no_overhead,
                 real_gpu,
             )?;
+            print!("{table}");
+            Ok(if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::Bench {
+            which:
+                Bench::Cache {
+                    shards,
+                    shard_mib,
+                    source_mib,
+                },
+        } => {
+            let (table, ok) = gpuslice_bench::cache::run(gpuslice_bench::cache::Plan {
+                shards,
+                shard_bytes: shard_mib << 20,
+                source_rate: source_mib << 20,
+            })?;
             print!("{table}");
             Ok(if ok {
                 ExitCode::SUCCESS

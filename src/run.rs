@@ -25,6 +25,8 @@ pub enum RunError {
     Lost(String),
     #[error("no slice: {0}")]
     Refused(String),
+    #[error("not cached: {0}")]
+    NotCached(String),
     #[error("the shim (libgpuslice.so) is not next to {0}; build the workspace or pass --shim")]
     NoShim(String),
     #[error("cannot start {command}: {source}")]
@@ -45,6 +47,34 @@ pub fn shim_library() -> Result<PathBuf, RunError> {
         .max()
         .map(|(_, p)| p)
         .ok_or_else(|| RunError::NoShim(exe.display().to_string()))
+}
+
+/// A dataset file through the node's local cache: the local path, and whether it was cached.
+pub fn cache_fetch(
+    state: &StateDir,
+    source: &str,
+    pool: Option<&str>,
+) -> Result<(PathBuf, bool), RunError> {
+    let path = state.socket();
+    let stream = UnixStream::connect(&path).map_err(|e| RunError::Agent {
+        path: path.display().to_string(),
+        state: state.root().display().to_string(),
+        source: e,
+    })?;
+    let lost = |e: std::io::Error| RunError::Lost(e.to_string());
+    (&stream)
+        .write_all(&socket::line(&Request::Cache {
+            source: source.to_string(),
+            pool: pool.map(str::to_string),
+        }))
+        .map_err(lost)?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).map_err(lost)?;
+    match serde_json::from_str(&line).map_err(|e| RunError::Lost(e.to_string()))? {
+        Reply::Cached { path, hit, .. } => Ok((path, hit)),
+        Reply::Refused { reason } => Err(RunError::NotCached(reason)),
+        other => Err(RunError::Lost(format!("unexpected answer {other:?}"))),
+    }
 }
 
 /// Runs `command` on a slice; returns its exit code (128 + signal when killed).
@@ -80,6 +110,7 @@ pub fn run(
                 device_uuid,
             } => break (slice, config, device_uuid),
             Reply::Refused { reason } => return Err(RunError::Refused(reason)),
+            other => return Err(RunError::Lost(format!("unexpected answer {other:?}"))),
         }
     };
     eprintln!("gpuslice run: on slice {slice} ({device_uuid})");

@@ -441,3 +441,64 @@ fn a_policys_host_cpu_and_memory_hold_its_command() {
         let _ = std::fs::remove_dir(group.parent().unwrap());
     }
 }
+
+/// A pool's `io.localCache`: `gpuslice cache SOURCE` on the node gives a read-only local copy,
+/// fetched once; asked again, the cached one; the cache outlives the agent.
+#[test]
+fn the_pools_dataset_cache_fetches_once_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    let cache = dir.path().join("cache");
+    std::fs::write(
+        source.join("pool.yaml"),
+        pool(2, "40Gi").replace(
+            "  memoryHeadroom: 1Gi\n",
+            &format!(
+                "  memoryHeadroom: 1Gi\n  io: {{localCache: {{path: {}, size: 1Mi}}}}\n",
+                cache.display()
+            ),
+        ),
+    )
+    .unwrap();
+    let dataset = dir.path().join("shard-0");
+    std::fs::write(&dataset, b"tokens tokens tokens").unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    children.keep(agent(dir.path(), &source, Stdio::null()));
+    let ask = |what: &str| {
+        Command::new(BIN)
+            .arg("cache")
+            .arg(what)
+            .arg("--state")
+            .arg(&state)
+            .output()
+            .unwrap()
+    };
+    eventually("the cache is open", || {
+        ask(dataset.to_str().unwrap()).status.success()
+    });
+    let out = ask(dataset.to_str().unwrap());
+    let local = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(
+        local.starts_with(cache.join("objects").to_str().unwrap()),
+        "{local}"
+    );
+    assert_eq!(std::fs::read(&local).unwrap(), b"tokens tokens tokens");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cached"));
+    let refused = ask("relative/path");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("neither an absolute path"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    // A new agent finds the cache as it was.
+    drop(children);
+    let mut children = Reaper(Vec::new());
+    children.keep(agent(dir.path(), &source, Stdio::null()));
+    eventually("the new agent answers from the cache", || {
+        let out = ask(dataset.to_str().unwrap());
+        out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cached")
+    });
+}

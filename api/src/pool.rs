@@ -215,7 +215,13 @@ pub struct IoLimits {
     pub local_cache: Option<LocalCache>,
 }
 
-/// A node-local dataset cache.
+/// A node-local dataset cache: a read-through cache of dataset files on the node's local disk,
+/// shared by the slices of the node. A workload asks the node agent for a source (a file path,
+/// such as a network file system's mount, or an `http://` URL; `gpuslice cache fetch SOURCE`, or
+/// the `cache` request on the agent's socket) and gets a read-only local file with the same bytes,
+/// fetched once however many ask. Files are stored by content (SHA-256); the least recently used
+/// go when the cache passes `size`; the cache survives agent restarts. Pods of the pool find it
+/// read-only at `/run/gpuslice/cache`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LocalCache {
@@ -223,6 +229,11 @@ pub struct LocalCache {
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("path must be absolute"))]
     pub path: String,
+    /// The most the cached files may take (for example `500Gi`); half of the file system the
+    /// path is on when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("size must be a positive quantity such as 500Gi"))]
+    pub size: Option<Size>,
 }
 
 /// Fault isolation: what the node agent does about XID errors (NVML events) on the pool's GPUs.

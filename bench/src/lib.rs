@@ -1,7 +1,9 @@
 //! The benchmarks behind `gpuslice bench`: each prints a table whose last column is PASS or FAIL
 //! against its target. [`placement`] replays the Alibaba GPU-sharing traces under each placement
 //! policy; [`compute`] runs real processes under the shim on the emulated (or a real) GPU and
-//! measures the shares the agent's arbiter gives them.
+//! measures the shares the agent's arbiter gives them; [`cache`] reads a dataset twice through
+//! the node's dataset cache from a rate-limited source.
 
+pub mod cache;
 pub mod compute;
 pub mod placement;

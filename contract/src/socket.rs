@@ -42,6 +42,13 @@ pub enum Request {
     Compute {
         slice: String,
     },
+    /// A dataset file through the node's local cache: `source` is an absolute path or an
+    /// `http://` URL; `pool` names whose cache when the node has several.
+    Cache {
+        source: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pool: Option<String>,
+    },
 }
 
 /// The agent's answer to a claim (and its refusal of a compute session).
@@ -59,6 +66,14 @@ pub enum Reply {
     },
     Refused {
         reason: String,
+    },
+    /// The local, read-only file with the source's bytes: `path` on the node; `object` its name
+    /// under `objects/` of the cache (in a pod: `/run/gpuslice/cache/objects/<object>`).
+    Cached {
+        path: PathBuf,
+        object: String,
+        size: u64,
+        hit: bool,
     },
 }
 

@@ -515,6 +515,11 @@ pub struct Metrics {
     gpu_switches: Family<GpuLabel, Counter>,
     gpu_xids: Family<XidLabel, Counter>,
     quarantined: Family<QuarantineLabel, Gauge>,
+    cache_hits: Family<CacheLabel, Counter>,
+    cache_misses: Family<CacheLabel, Counter>,
+    cache_evictions: Family<CacheLabel, Counter>,
+    cache_bytes: Family<CacheLabel, Gauge>,
+    cache_capacity: Family<CacheLabel, Gauge>,
     slice_memory: Family<HolderLabel, Gauge>,
     slice_memory_used: Family<HolderLabel, Gauge>,
     slice_memory_peak: Family<HolderLabel, Gauge>,
@@ -540,8 +545,9 @@ struct SliceKey {
 
 /// Brings a counter up to `total`, a running total kept elsewhere (a ledger, an arbiter); one
 /// whose source started again from zero starts again too.
-fn follow<N, A>(family: &Family<SliceKey, Counter<N, A>>, key: &SliceKey, total: N)
+fn follow<K, N, A>(family: &Family<K, Counter<N, A>>, key: &K, total: N)
 where
+    K: Clone + std::hash::Hash + Eq,
     N: Copy + PartialOrd + std::ops::Sub<Output = N>,
     A: prometheus_client::metrics::counter::Atomic<N> + Default,
 {
@@ -583,6 +589,12 @@ struct HolderLabel {
 struct XidLabel {
     gpu: String,
     xid: String,
+}
+
+/// A pool's dataset cache.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheLabel {
+    pool: String,
 }
 
 /// A slice or GPU (slice empty) out of service.
@@ -638,6 +650,11 @@ impl Metrics {
             gpu_switches: Family::default(),
             gpu_xids: Family::default(),
             quarantined: Family::default(),
+            cache_hits: Family::default(),
+            cache_misses: Family::default(),
+            cache_evictions: Family::default(),
+            cache_bytes: Family::default(),
+            cache_capacity: Family::default(),
             slice_memory: Family::default(),
             slice_memory_used: Family::default(),
             slice_memory_peak: Family::default(),
@@ -704,6 +721,31 @@ impl Metrics {
             "gpu_xid_errors",
             "XID critical errors NVML reported for each GPU since the agent started, by XID code",
             m.gpu_xids.clone(),
+        );
+        r.register(
+            "cache_hits",
+            "Dataset files the pool's local cache gave from disk, since the agent started",
+            m.cache_hits.clone(),
+        );
+        r.register(
+            "cache_misses",
+            "Dataset files the pool's local cache fetched from their source, since the agent started",
+            m.cache_misses.clone(),
+        );
+        r.register(
+            "cache_evictions",
+            "Files the pool's local cache dropped (least recently used) to stay within its size",
+            m.cache_evictions.clone(),
+        );
+        r.register(
+            "cache_bytes",
+            "Bytes the pool's local cache holds now",
+            m.cache_bytes.clone(),
+        );
+        r.register(
+            "cache_capacity_bytes",
+            "The most the pool's local cache may hold",
+            m.cache_capacity.clone(),
         );
         r.register(
             "quarantined",
@@ -777,6 +819,28 @@ impl Metrics {
             m.slice_guarantee.clone(),
         );
         m
+    }
+
+    /// The dataset caches' figures now.
+    pub fn record_caches(&self, caches: &BTreeMap<String, std::sync::Arc<crate::cache::Cache>>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        for (pool, cache) in caches {
+            let key = CacheLabel { pool: pool.clone() };
+            follow(&self.cache_hits, &key, cache.stats.hits.load(Relaxed));
+            follow(&self.cache_misses, &key, cache.stats.misses.load(Relaxed));
+            follow(
+                &self.cache_evictions,
+                &key,
+                cache.stats.evictions.load(Relaxed),
+            );
+            let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+            self.cache_bytes
+                .get_or_create(&key)
+                .set(gauge(cache.used()));
+            self.cache_capacity
+                .get_or_create(&key)
+                .set(gauge(cache.capacity()));
+        }
     }
 
     /// The quarantines in force now.
@@ -1200,8 +1264,13 @@ pub async fn run(
     let mut quarantines = Quarantines::load(agent.state())?;
     agent.serve_socket()?;
     if let Some(paths) = settings.kubelet.clone() {
-        let plugin =
-            crate::kubelet::Plugin::new(client.clone(), &node, agent.state().clone(), paths);
+        let plugin = crate::kubelet::Plugin::new(
+            client.clone(),
+            &node,
+            agent.state().clone(),
+            paths,
+            agent.caches(),
+        );
         tokio::spawn(async move {
             if let Err(e) = plugin.serve().await {
                 tracing::error!("{e}");
@@ -1281,6 +1350,7 @@ pub async fn run(
         };
         tell_faults(&recorder, &gpu_node, &node, &notices).await;
         metrics.record_quarantines(&quarantines.list);
+        metrics.record_caches(&agent.caches().all());
         let readings = Readings {
             state: agent.state(),
             telemetry: &agent.telemetry(),

@@ -4,6 +4,7 @@
 //! contract, and serves claims and compute shares on its socket. Design: `docs/agent.md`.
 
 pub mod arbiter;
+pub mod cache;
 pub mod claims;
 pub mod cluster;
 pub mod compute;

@@ -161,6 +161,11 @@ impl Agent {
         }
     }
 
+    /// The dataset caches of the node's pools.
+    pub fn caches(&self) -> std::sync::Arc<crate::cache::Caches> {
+        self.socket.caches.clone()
+    }
+
     /// The node's cgroup I/O controller, or why it has none.
     pub fn io(&self) -> Result<&crate::iolimit::Cgroups, &str> {
         self.io.as_ref().map_err(String::as_str)
@@ -244,6 +249,16 @@ impl Agent {
             .flat_map(|n| &n.gpus)
             .filter_map(|g| Some((g.index, g.pool.clone()?)))
             .collect();
+        let caches = local_caches(&pass.plan, &intent.config);
+        let cached_gpus = pass
+            .plan
+            .nodes
+            .iter()
+            .flat_map(|n| &n.gpus)
+            .filter_map(|g| Some((g.index, g.pool.clone()?)))
+            .filter(|(_, pool)| caches.contains_key(pool))
+            .collect();
+        self.socket.caches.set(&caches, cached_gpus);
         let bandwidth = bandwidths(&pass.plan, &intent.config);
         if !bandwidth.is_empty()
             && let Err(why) = &self.io
@@ -515,6 +530,34 @@ impl Agent {
         pass.draining = waiting;
         Ok(())
     }
+}
+
+/// The dataset caches of the pools with GPUs on this node: pool → path and size.
+fn local_caches(
+    plan: &ClusterPlan,
+    config: &Config,
+) -> BTreeMap<String, (std::path::PathBuf, Option<u64>)> {
+    plan.nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .filter_map(|gpu| {
+            let pool = gpu.pool.as_deref()?;
+            let spec = &config
+                .pools
+                .iter()
+                .find(|p| p.metadata.name.as_deref() == Some(pool))?
+                .spec;
+            let cache = spec.io.as_ref()?.local_cache.as_ref()?;
+            let size = cache
+                .size
+                .as_ref()
+                .and_then(|s| gpuslice_api::bytes_of(&s.0).ok());
+            Some((
+                pool.to_string(),
+                (std::path::PathBuf::from(&cache.path), size),
+            ))
+        })
+        .collect()
 }
 
 /// Each GPU's I/O limit per slice (bytes/s): its pool's `io.bandwidthPerSlice`.

@@ -1,7 +1,7 @@
 //! The agent's Unix socket (`<state>/agent.sock`, messages: `gpuslice_contract::socket`), open to
 //! every local user: the agent tells callers apart by the socket's peer credentials. A
-//! connection's first request decides what it is: a claim ([`crate::claims`]) or a shim's compute
-//! session ([`crate::compute`]). One thread per connection; a timer thread for the arbiters.
+//! connection's first request decides what it is: a claim ([`crate::claims`]), a shim's compute
+//! session ([`crate::compute`]) or a dataset file through the local cache ([`crate::cache`]). One thread per connection; a timer thread for the arbiters.
 
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -21,11 +21,12 @@ pub struct SocketError {
     source: std::io::Error,
 }
 
-/// What the socket serves: the node's claims and its compute arbiters.
+/// What the socket serves: the node's claims, its compute arbiters and its dataset caches.
 #[derive(Clone, Default)]
 pub struct Node {
     pub claims: Arc<Claims>,
     pub compute: Arc<Compute>,
+    pub caches: Arc<crate::cache::Caches>,
 }
 
 impl Node {
@@ -73,8 +74,20 @@ impl Node {
                 let claims = self.claims.held();
                 self.compute.serve(stream, reader, &slice, client, &claims)
             }
+            Ok(Request::Cache { source, pool }) => {
+                let reply = match self.caches.fetch(&source, pool.as_deref()) {
+                    Ok(f) => Reply::Cached {
+                        path: f.path,
+                        object: f.object,
+                        size: f.size,
+                        hit: f.hit,
+                    },
+                    Err(reason) => Reply::Refused { reason },
+                };
+                (&stream).write_all(&socket::line(&reply))
+            }
             _ => (&stream).write_all(&socket::line(&Reply::Refused {
-                reason: "the first request must be a `want` or `compute`".into(),
+                reason: "the first request must be a `want`, `compute` or `cache`".into(),
             })),
         }
     }

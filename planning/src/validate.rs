@@ -125,9 +125,6 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
         if spec.compaction.is_some() {
             warn("spec.compaction", "nothing compacts a pool's slices");
         }
-        if spec.io.as_ref().is_some_and(|io| io.local_cache.is_some()) {
-            warn("spec.io.localCache", "no local cache is set up for slices");
-        }
     }
     for policy in &repo.policies {
         let spec = &policy.object.spec;

@@ -35,6 +35,8 @@ pub const CDI_KIND: &str = "gpuslice.io/slice";
 pub const CONTAINER_STATE: &str = "/run/gpuslice";
 /// Where a container finds the shim.
 pub const CONTAINER_SHIM: &str = "/run/gpuslice/lib/libgpuslice.so";
+/// Where a container finds its pool's dataset cache (read-only).
+pub const CONTAINER_CACHE: &str = "/run/gpuslice/cache";
 
 /// Why the plugin could not start or a claim could not be prepared.
 #[derive(Debug, thiserror::Error)]
@@ -180,6 +182,7 @@ pub fn cdi_spec(
     state: &StateDir,
     paths: &Paths,
     devices: &[(String, SliceConfig, PathBuf)],
+    cache_of: &dyn Fn(u32) -> Option<PathBuf>,
 ) -> serde_json::Value {
     let container_state = StateDir::new(CONTAINER_STATE);
     let preload = records(state).join("ld.so.preload");
@@ -204,6 +207,10 @@ pub fn cdi_spec(
                 ),
                 bind(claim_config, &container_state.slice_config(&slice.id), "ro"),
             ];
+            // The dataset cache of the slice's pool, read-only.
+            if let Some(cache) = cache_of(slice.gpu) {
+                mounts.push(bind(&cache, Path::new(CONTAINER_CACHE), "ro"));
+            }
             if slice.kind == SliceKind::Software {
                 env.push(format!(
                     "{}={}",
@@ -240,17 +247,26 @@ pub struct Plugin {
     node: String,
     state: StateDir,
     paths: Paths,
+    /// The dataset caches, mounted read-only into containers of their pools' slices.
+    caches: std::sync::Arc<crate::cache::Caches>,
     /// One claim change at a time: the kubelet may call concurrently.
     lock: tokio::sync::Mutex<()>,
 }
 
 impl Plugin {
-    pub fn new(client: kube::Client, node: &str, state: StateDir, paths: Paths) -> Plugin {
+    pub fn new(
+        client: kube::Client,
+        node: &str,
+        state: StateDir,
+        paths: Paths,
+        caches: std::sync::Arc<crate::cache::Caches>,
+    ) -> Plugin {
         Plugin {
             client,
             node: node.to_string(),
             state,
             paths,
+            caches,
             lock: tokio::sync::Mutex::new(()),
         }
     }
@@ -362,7 +378,9 @@ impl Plugin {
             )?;
             named.push((name.clone(), slice.clone(), path));
         }
-        let spec = cdi_spec(&self.state, &self.paths, &named);
+        let spec = cdi_spec(&self.state, &self.paths, &named, &|gpu| {
+            self.caches.root_for_gpu(gpu)
+        });
         write_atomically(
             &self.paths.cdi_spec(&claim.uid),
             &serde_json::to_vec_pretty(&spec).unwrap_or_default(),

@@ -1,0 +1,597 @@
+//! The node-local dataset cache (`GpuPool.spec.io.localCache`): a read-through cache on the
+//! node's disk shared by the slices of the node. A workload asks the agent for a source — a file
+//! path (a network file system's mount, say) or an `http://` URL — and gets back a local file
+//! holding the same bytes: from the cache when it has them, else fetched once, however many ask
+//! at the same time. Files are stored by the SHA-256 of their content (`objects/<hex>`, read-only),
+//! so two sources with the same bytes share one; an index maps each source to its object and
+//! when it was last used. When the objects pass the size bound, the least recently used go. The
+//! index is kept on disk, so the cache survives an agent restart. The agent is the only writer;
+//! a workload reads (an evicted file stays readable to whoever has it open).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+/// Why a source cannot be given.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "{0:?} is neither an absolute path nor an http:// URL: name a file on the node (a mounted dataset) or a URL"
+    )]
+    BadSource(String),
+    #[error("fetching {url}: {reason}")]
+    Http { url: String, reason: String },
+    #[error(
+        "{source_name} is {size} bytes, more than the cache holds ({capacity} bytes); raise the cache's size or read it directly"
+    )]
+    TooBig {
+        source_name: String,
+        size: u64,
+        capacity: u64,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CacheError + '_ {
+    move |source| CacheError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Where a dataset file comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    Path(PathBuf),
+    Http(String),
+}
+
+impl Source {
+    pub fn parse(text: &str) -> Result<Source, CacheError> {
+        if text.starts_with("http://") {
+            Ok(Source::Http(text.to_string()))
+        } else if text.starts_with('/') {
+            Ok(Source::Path(PathBuf::from(text)))
+        } else {
+            Err(CacheError::BadSource(text.to_string()))
+        }
+    }
+
+    /// What identifies the bytes: a file by its path, size and modification time (a changed
+    /// file is fetched again); a URL by itself (URLs of datasets are taken to be immutable).
+    fn key(&self) -> Result<String, CacheError> {
+        match self {
+            Source::Path(path) => {
+                let meta = std::fs::metadata(path).map_err(io(path))?;
+                let modified = meta
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_nanos());
+                Ok(format!("{}@{}:{modified}", path.display(), meta.len()))
+            }
+            Source::Http(url) => Ok(url.clone()),
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Source::Path(path) => path.display().to_string(),
+            Source::Http(url) => url.clone(),
+        }
+    }
+}
+
+/// One source in the index.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Entry {
+    object: String,
+    size: u64,
+    /// Milliseconds since the epoch.
+    last_used: u64,
+}
+
+/// What a fetch gave.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fetched {
+    /// The local file (read-only).
+    pub path: PathBuf,
+    /// Its name under `objects/` (the content's SHA-256).
+    pub object: String,
+    pub size: u64,
+    /// Whether the cache had it.
+    pub hit: bool,
+}
+
+/// Counters for the agent's metrics.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub evictions: AtomicU64,
+    pub fetched_bytes: AtomicU64,
+}
+
+/// A cache directory.
+pub struct Cache {
+    root: PathBuf,
+    capacity: u64,
+    index: Mutex<BTreeMap<String, Entry>>,
+    /// Sources being fetched now: others asking for them wait.
+    fetching: Mutex<BTreeSet<String>>,
+    fetched: Condvar,
+    pub stats: Stats,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Cache {
+    /// Opens (or makes) the cache at `root`, holding at most `capacity` bytes: reads its index,
+    /// forgets sources whose object is gone and removes objects no source names (a fetch an
+    /// earlier agent did not finish).
+    pub fn open(root: &Path, capacity: u64) -> Result<Cache, CacheError> {
+        for dir in [root.join("objects"), root.join("tmp")] {
+            std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        }
+        let tmp = root.join("tmp");
+        for entry in std::fs::read_dir(&tmp).map_err(io(&tmp))?.flatten() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+        let index_path = root.join("index.json");
+        let mut index: BTreeMap<String, Entry> = match std::fs::read(&index_path) {
+            Ok(text) => serde_json::from_slice(&text).unwrap_or_else(|e| {
+                tracing::warn!("{}: unreadable ({e}); starting empty", index_path.display());
+                BTreeMap::new()
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => return Err(io(&index_path)(e)),
+        };
+        let objects = root.join("objects");
+        index.retain(|_, e| objects.join(&e.object).exists());
+        let named: BTreeSet<&str> = index.values().map(|e| e.object.as_str()).collect();
+        for entry in std::fs::read_dir(&objects).map_err(io(&objects))?.flatten() {
+            if !named.contains(entry.file_name().to_string_lossy().as_ref()) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        let cache = Cache {
+            root: root.to_path_buf(),
+            capacity,
+            index: Mutex::new(index),
+            fetching: Mutex::new(BTreeSet::new()),
+            fetched: Condvar::new(),
+            stats: Stats::default(),
+        };
+        cache.save(&cache.lock_index())?;
+        Ok(cache)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    fn lock_index(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn save(&self, index: &BTreeMap<String, Entry>) -> Result<(), CacheError> {
+        let path = self.root.join("index.json");
+        let tmp = tempfile::NamedTempFile::new_in(self.root.join("tmp")).map_err(io(&path))?;
+        serde_json::to_writer(&tmp, index).map_err(|e| io(&path)(e.into()))?;
+        tmp.persist(&path).map_err(|e| io(&path)(e.error))?;
+        Ok(())
+    }
+
+    /// Bytes the objects take now.
+    pub fn used(&self) -> u64 {
+        distinct_size(&self.lock_index())
+    }
+
+    /// The local file for `source`: the cached one, else fetched now (once, for all who ask).
+    pub fn fetch(&self, source: &Source) -> Result<Fetched, CacheError> {
+        let key = source.key()?;
+        loop {
+            {
+                let mut index = self.lock_index();
+                if let Some(entry) = index.get_mut(&key) {
+                    entry.last_used = now_ms();
+                    let fetched = Fetched {
+                        path: self.root.join("objects").join(&entry.object),
+                        object: entry.object.clone(),
+                        size: entry.size,
+                        hit: true,
+                    };
+                    self.save(&index)?;
+                    self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(fetched);
+                }
+            }
+            let mut fetching = self.fetching.lock().unwrap_or_else(|p| p.into_inner());
+            if fetching.insert(key.clone()) {
+                break;
+            }
+            // Someone else fetches it: wait, then look again.
+            while fetching.contains(&key) {
+                fetching = self
+                    .fetched
+                    .wait(fetching)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+        }
+        let result = self.fill(source, &key);
+        self.fetching
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key);
+        self.fetched.notify_all();
+        result
+    }
+
+    /// Fetches `source` into an object and indexes it, evicting the least recently used.
+    fn fill(&self, source: &Source, key: &str) -> Result<Fetched, CacheError> {
+        let tmp = tempfile::NamedTempFile::new_in(self.root.join("tmp"))
+            .map_err(io(&self.root.join("tmp")))?;
+        let mut hasher = ring::digest::Context::new(&ring::digest::SHA256);
+        let mut writer = std::io::BufWriter::new(tmp.as_file());
+        let mut sink = |chunk: &[u8]| -> std::io::Result<()> {
+            hasher.update(chunk);
+            writer.write_all(chunk)
+        };
+        let size = match source {
+            Source::Path(path) => copy_file(path, &mut sink)?,
+            Source::Http(url) => crate::cache::http::get(url, &mut sink)?,
+        };
+        writer.flush().map_err(io(tmp.path()))?;
+        drop(writer);
+        if size > self.capacity {
+            return Err(CacheError::TooBig {
+                source_name: source.name(),
+                size,
+                capacity: self.capacity,
+            });
+        }
+        let object: String = hasher
+            .finish()
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let path = self.root.join("objects").join(&object);
+        if !path.exists() {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o444))
+                .map_err(io(tmp.path()))?;
+            tmp.persist(&path).map_err(|e| io(&path)(e.error))?;
+        }
+        let mut index = self.lock_index();
+        index.insert(
+            key.to_string(),
+            Entry {
+                object: object.clone(),
+                size,
+                last_used: now_ms(),
+            },
+        );
+        self.evict(&mut index, key);
+        self.save(&index)?;
+        self.stats.misses.fetch_add(1, Ordering::Relaxed);
+        self.stats.fetched_bytes.fetch_add(size, Ordering::Relaxed);
+        Ok(Fetched {
+            path,
+            object,
+            size,
+            hit: false,
+        })
+    }
+
+    /// Drops the least recently used sources (never `keep`) until the objects fit, removing
+    /// each object no source names any more.
+    fn evict(&self, index: &mut BTreeMap<String, Entry>, keep: &str) {
+        while distinct_size(index) > self.capacity {
+            let Some(oldest) = index
+                .iter()
+                .filter(|(k, _)| k.as_str() != keep)
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(k, _)| k.clone())
+            else {
+                return;
+            };
+            let Some(gone) = index.remove(&oldest) else {
+                return;
+            };
+            if !index.values().any(|e| e.object == gone.object) {
+                let _ = std::fs::remove_file(self.root.join("objects").join(&gone.object));
+                self.stats.evictions.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The bytes of the distinct objects the index names.
+fn distinct_size(index: &BTreeMap<String, Entry>) -> u64 {
+    let mut seen = BTreeSet::new();
+    index
+        .values()
+        .filter(|e| seen.insert(e.object.as_str()))
+        .map(|e| e.size)
+        .sum()
+}
+
+/// The caches of the node's pools (`io.localCache`), opened as the pass finds them.
+#[derive(Default)]
+pub struct Caches {
+    open: Mutex<BTreeMap<String, std::sync::Arc<Cache>>>,
+    /// GPU index → its pool, for the GPUs whose pool has a cache.
+    gpus: Mutex<BTreeMap<u32, String>>,
+}
+
+impl Caches {
+    /// Opens the caches `wanted` names (pool → path and size; `None`: half the file system),
+    /// keeping those already open at the same place and size. A cache that cannot be opened is
+    /// logged and left out.
+    pub fn set(
+        &self,
+        wanted: &BTreeMap<String, (PathBuf, Option<u64>)>,
+        gpus: BTreeMap<u32, String>,
+    ) {
+        *self.gpus.lock().unwrap_or_else(|p| p.into_inner()) = gpus;
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|pool, cache| {
+            wanted.get(pool).is_some_and(|(path, size)| {
+                cache.root() == path && size.is_none_or(|s| s == cache.capacity())
+            })
+        });
+        for (pool, (path, size)) in wanted {
+            if open.contains_key(pool) {
+                continue;
+            }
+            let capacity = size.unwrap_or_else(|| half_of_file_system(path));
+            match Cache::open(path, capacity) {
+                Ok(cache) => {
+                    tracing::info!(
+                        "pool {pool}: dataset cache at {} ({capacity} bytes)",
+                        path.display()
+                    );
+                    open.insert(pool.clone(), std::sync::Arc::new(cache));
+                }
+                Err(e) => tracing::warn!("pool {pool}: the dataset cache is not available: {e}"),
+            }
+        }
+    }
+
+    /// The directory of the cache of GPU `gpu`'s pool, if it has one.
+    pub fn root_for_gpu(&self, gpu: u32) -> Option<PathBuf> {
+        let pool = self
+            .gpus
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&gpu)
+            .cloned()?;
+        self.all().get(&pool).map(|c| c.root().to_path_buf())
+    }
+
+    /// Pool → its cache, as open now.
+    pub fn all(&self) -> BTreeMap<String, std::sync::Arc<Cache>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// `source` through `pool`'s cache (the node's only one when `pool` is not given).
+    pub fn fetch(&self, source: &str, pool: Option<&str>) -> Result<Fetched, String> {
+        let all = self.all();
+        let cache = match pool {
+            Some(pool) => all
+                .get(pool)
+                .ok_or_else(|| format!("pool {pool} has no dataset cache on this node"))?,
+            None => match all.values().collect::<Vec<_>>().as_slice() {
+                [one] => *one,
+                [] => return Err("no pool of this node has a dataset cache (io.localCache)".into()),
+                _ => {
+                    return Err(format!(
+                        "this node has the caches of pools {}: name one",
+                        all.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ));
+                }
+            },
+        };
+        let source = Source::parse(source).map_err(|e| e.to_string())?;
+        cache.fetch(&source).map_err(|e| e.to_string())
+    }
+}
+
+/// Half the size of the file system `path` is on (or would be, once made): the default bound.
+fn half_of_file_system(path: &Path) -> u64 {
+    let existing = path
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("/"));
+    rustix::fs::statvfs(existing)
+        .map(|s| s.f_blocks.saturating_mul(s.f_frsize) / 2)
+        .unwrap_or(0)
+}
+
+fn copy_file(
+    path: &Path,
+    sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+) -> Result<u64, CacheError> {
+    let mut file = std::fs::File::open(path).map_err(io(path))?;
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = file.read(&mut buffer).map_err(io(path))?;
+        if n == 0 {
+            return Ok(total);
+        }
+        sink(&buffer[..n]).map_err(io(path))?;
+        total += n as u64;
+    }
+}
+
+mod http {
+    use http_body_util::BodyExt as _;
+
+    use super::CacheError;
+
+    /// GETs `url` (HTTP/1.1), handing the body to `sink` as it comes.
+    pub fn get(
+        url: &str,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<u64, CacheError> {
+        let fail = |reason: String| CacheError::Http {
+            url: url.to_string(),
+            reason,
+        };
+        let uri: hyper::Uri = url.parse().map_err(|e| fail(format!("{e}")))?;
+        let host = uri
+            .host()
+            .ok_or_else(|| fail("no host".into()))?
+            .to_string();
+        let port = uri.port_u16().unwrap_or(80);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| fail(e.to_string()))?;
+        runtime.block_on(async {
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            let (mut sender, connection) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
+            tokio::spawn(connection);
+            let request = hyper::Request::get(uri.clone())
+                .header(hyper::header::HOST, host.as_str())
+                .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+                .map_err(|e| fail(e.to_string()))?;
+            let response = sender
+                .send_request(request)
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            if !response.status().is_success() {
+                return Err(fail(format!("the server answered {}", response.status())));
+            }
+            let mut body = response.into_body();
+            let mut total = 0u64;
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| fail(e.to_string()))?;
+                if let Some(data) = frame.data_ref() {
+                    sink(data).map_err(|e| fail(e.to_string()))?;
+                    total += data.len() as u64;
+                }
+            }
+            Ok(total)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(dir: &Path, name: &str, bytes: &[u8]) -> Source {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        Source::Path(path)
+    }
+
+    #[test]
+    fn a_second_read_is_a_hit_and_equal_contents_share_one_object() {
+        let data = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path(), 1 << 20).unwrap();
+        let a = file(data.path(), "a", b"same bytes");
+        let b = file(data.path(), "b", b"same bytes");
+        let first = cache.fetch(&a).unwrap();
+        assert!(!first.hit);
+        assert_eq!(std::fs::read(&first.path).unwrap(), b"same bytes");
+        assert!(cache.fetch(&a).unwrap().hit);
+        let other = cache.fetch(&b).unwrap();
+        assert_eq!(other.object, first.object, "content-addressed");
+        assert_eq!(cache.used(), 10);
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&first.path).unwrap().permissions(),
+        );
+        assert_eq!(mode & 0o222, 0, "read-only");
+        // A changed source is fetched again.
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        file(data.path(), "a", b"new bytes!");
+        assert!(!cache.fetch(&a).unwrap().hit);
+    }
+
+    #[test]
+    fn the_least_recently_used_go_when_the_bound_is_passed_and_the_rest_survive_a_restart() {
+        let data = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path(), 30).unwrap();
+        let sources: Vec<Source> = (0..3)
+            .map(|i| file(data.path(), &format!("f{i}"), &[i as u8; 12]))
+            .collect();
+        cache.fetch(&sources[0]).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        cache.fetch(&sources[1]).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        cache.fetch(&sources[0]).unwrap(); // 0 is now more recent than 1
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        cache.fetch(&sources[2]).unwrap(); // 36 bytes > 30: 1 goes
+        assert_eq!(cache.stats.evictions.load(Ordering::Relaxed), 1);
+        assert_eq!(cache.used(), 24);
+        drop(cache);
+        let again = Cache::open(dir.path(), 30).unwrap();
+        assert!(
+            again.fetch(&sources[0]).unwrap().hit,
+            "kept across a restart"
+        );
+        assert!(again.fetch(&sources[2]).unwrap().hit);
+        assert!(!again.fetch(&sources[1]).unwrap().hit, "evicted");
+        let big = file(data.path(), "big", &[9; 64]);
+        assert!(matches!(again.fetch(&big), Err(CacheError::TooBig { .. })));
+    }
+
+    #[test]
+    fn many_readers_of_one_source_fetch_it_once() {
+        let data = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cache = std::sync::Arc::new(Cache::open(dir.path(), 1 << 30).unwrap());
+        let source = file(data.path(), "shard", &vec![3u8; 8 << 20]);
+        let readers: Vec<_> = (0..8)
+            .map(|_| {
+                let cache = cache.clone();
+                let source = source.clone();
+                std::thread::spawn(move || cache.fetch(&source).unwrap())
+            })
+            .collect();
+        let got: Vec<Fetched> = readers.into_iter().map(|r| r.join().unwrap()).collect();
+        assert!(got.iter().all(|f| f.object == got[0].object));
+        assert_eq!(cache.stats.misses.load(Ordering::Relaxed), 1);
+        assert_eq!(cache.stats.hits.load(Ordering::Relaxed), 7);
+    }
+
+    #[test]
+    fn sources_are_paths_or_urls() {
+        assert!(matches!(Source::parse("/data/x"), Ok(Source::Path(_))));
+        assert!(matches!(Source::parse("http://h/x"), Ok(Source::Http(_))));
+        assert!(
+            Source::parse("data/x")
+                .unwrap_err()
+                .to_string()
+                .contains("absolute path")
+        );
+    }
+}
