@@ -254,6 +254,24 @@ enum Bench {
         #[arg(long)]
         real_gpu: bool,
     },
+    /// Compaction on the Alibaba default trace: place pods to a load, plan the moves that free
+    /// whole GPUs (threshold 30 %), and show GPUs freed against workloads moved.
+    Compaction {
+        /// The folder of cluster-trace-gpu-v2023 CSVs.
+        #[arg(long)]
+        data: PathBuf,
+        /// Stop placing when pods have asked for this % of the cluster's GPUs.
+        #[arg(long, default_value_t = 70.0)]
+        load: f64,
+        /// Share of GPU-sharing pods that may move (0–1).
+        #[arg(long, default_value_t = 0.5)]
+        movable: f64,
+        /// Share of placed pods that end before compaction runs (0–1).
+        #[arg(long, default_value_t = 0.4)]
+        depart: f64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// The dataset cache: two epochs over shards from an HTTP source held to a rate; the second,
     /// from the cache, against the local disk's direct-I/O read speed.
     Cache {
@@ -724,6 +742,34 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 real_gpu,
             )?;
             print!("{table}");
+            Ok(if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::Bench {
+            which:
+                Bench::Compaction {
+                    data,
+                    load,
+                    movable,
+                    depart,
+                    seed,
+                },
+        } => {
+            let trace = data.join("openb_pod_list_default.csv");
+            let (report, ok) = gpuslice_bench::compaction::run(
+                &data,
+                &trace,
+                gpuslice_bench::compaction::Plan {
+                    load,
+                    movable: movable.clamp(0.0, 1.0),
+                    depart: depart.clamp(0.0, 1.0),
+                    seed,
+                },
+            )?;
+            print!("{report}");
             Ok(if ok {
                 ExitCode::SUCCESS
             } else {

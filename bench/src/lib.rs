@@ -5,5 +5,6 @@
 //! the node's dataset cache from a rate-limited source.
 
 pub mod cache;
+pub mod compaction;
 pub mod compute;
 pub mod placement;

@@ -4,6 +4,7 @@
 pub mod catalog;
 pub mod clock;
 pub mod cluster;
+pub mod compaction;
 pub mod diff;
 pub mod driver;
 pub mod fit;
