@@ -70,6 +70,10 @@ enum Command {
         /// Output format; markdown (with --against) is for a pull-request comment.
         #[arg(long, short, value_enum, default_value_t = PlanOutput::Text)]
         output: PlanOutput,
+        /// Show what compaction would move in each pool with `spec.compaction` (from the
+        /// GpuNodes' claims: who holds which software slice), instead of the layouts.
+        #[arg(long, conflicts_with = "against")]
+        compaction: bool,
     },
     /// The node agent. Standalone: converge this node's GPUs to the pools of a folder or Git
     /// repository, every interval and at each window boundary (or once, with --once).
@@ -342,6 +346,23 @@ fn pools_of(
     at: chrono::DateTime<chrono::Utc>,
     revision: &str,
 ) -> anyhow::Result<Option<Vec<gpuslice_api::GpuPool>>> {
+    Ok(config_of(location, git_ref, sub_path, at, revision)?.map(|(pools, _)| pools))
+}
+
+/// The pools and policies of a source's revision; `None` (after saying why) when it does not
+/// validate.
+fn config_of(
+    location: &str,
+    git_ref: Option<String>,
+    sub_path: Option<String>,
+    at: chrono::DateTime<chrono::Utc>,
+    revision: &str,
+) -> anyhow::Result<
+    Option<(
+        Vec<gpuslice_api::GpuPool>,
+        Vec<gpuslice_api::GpuSlicePolicy>,
+    )>,
+> {
     let spec = SourceSpec {
         location: location.to_string(),
         git_ref,
@@ -360,7 +381,10 @@ fn pools_of(
         );
         return Ok(None);
     }
-    Ok(Some(repo.pools.into_iter().map(|p| p.object).collect()))
+    Ok(Some((
+        repo.pools.into_iter().map(|p| p.object).collect(),
+        repo.policies.into_iter().map(|p| p.object).collect(),
+    )))
 }
 
 /// `NAMESPACE/NAME`.
@@ -436,15 +460,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             against,
             path,
             output,
+            compaction,
         } => {
             let at = at.map_or_else(chrono::Utc::now, |t| t.with_timezone(&chrono::Utc));
             let text = std::fs::read_to_string(&nodes)
                 .with_context(|| format!("reading {}", nodes.display()))?;
             let inventory = gpuslice::plan::parse_inventory(&nodes.display().to_string(), &text)?;
             let head_name = git_ref.clone().unwrap_or_else(|| "the working tree".into());
-            let Some(head) = pools_of(&source, git_ref, path.clone(), at, &head_name)? else {
+            let Some((head, policies)) = config_of(&source, git_ref, path.clone(), at, &head_name)?
+            else {
                 return Ok(ExitCode::FAILURE);
             };
+            if compaction {
+                let plan = gpuslice_planning::cluster::plan_cluster(&head, &inventory.nodes, at);
+                let plans = gpuslice::plan::compaction(&head, &policies, &plan, &inventory);
+                match output {
+                    PlanOutput::Json => println!("{}", serde_json::to_string_pretty(&plans)?),
+                    _ => print!("{}", gpuslice::plan::render_compaction(&plans)),
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             let Some(base_ref) = against else {
                 let plan = gpuslice_planning::cluster::plan_cluster(&head, &inventory.nodes, at);
                 match output {

@@ -421,3 +421,147 @@ pub fn render_diff_markdown(
     }
     out
 }
+
+/// What compaction would do in one pool.
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolCompaction {
+    pub pool: String,
+    pub threshold: f64,
+    /// `node/gpu` freed, in order.
+    pub freed: Vec<String>,
+    /// `claim: node/gpu → node/gpu`.
+    pub moves: Vec<String>,
+    /// Node → fragmentation before and after, percent.
+    pub fragmentation: BTreeMap<String, (f64, f64)>,
+    pub kept: Vec<String>,
+}
+
+/// The compaction plan of each pool with `spec.compaction`: its GPUs cut into software slices
+/// (as `plan` lays them out now), held as the GpuNodes' claims say; a claim may move when its
+/// policy is preemptible and has a CheckpointPolicy (its own or the pool's). MIG instances and
+/// whole GPUs are not compacted.
+pub fn compaction(
+    pools: &[gpuslice_api::GpuPool],
+    policies: &[gpuslice_api::GpuSlicePolicy],
+    plan: &ClusterPlan,
+    inventory: &Inventory,
+) -> Vec<PoolCompaction> {
+    use gpuslice_planning::compaction::{Capacity, GpuState, Workload};
+    use gpuslice_planning::transition::Desired;
+    let mut out = Vec::new();
+    for pool in pools {
+        let Some(settings) = &pool.spec.compaction else {
+            continue;
+        };
+        let name = pool.metadata.name.clone().unwrap_or_default();
+        let threshold = settings.fragmentation_threshold.unwrap_or(0.3);
+        let headroom = pool
+            .spec
+            .memory_headroom
+            .as_ref()
+            .and_then(|h| gpuslice_api::bytes_of(&h.0).ok())
+            .unwrap_or(0);
+        let mut gpus = Vec::new();
+        for node in &plan.nodes {
+            let claims = inventory.claims.get(&node.node);
+            for gpu in node
+                .gpus
+                .iter()
+                .filter(|g| g.pool.as_deref() == Some(&name))
+            {
+                let Some(Desired::Software(table)) = &gpu.desired else {
+                    continue;
+                };
+                let prefix = format!("gpu{}-s", gpu.index);
+                let workloads: Vec<Workload> = claims
+                    .into_iter()
+                    .flatten()
+                    .filter(|c| c.slice.starts_with(&prefix))
+                    .map(|c| {
+                        let policy = c.policy.as_ref().and_then(|p| {
+                            policies
+                                .iter()
+                                .find(|q| q.metadata.name.as_deref() == Some(p.as_str()))
+                        });
+                        let size = policy
+                            .and_then(|p| gpuslice_api::bytes_of(&p.spec.memory.0).ok())
+                            .map_or(table.memory, |m| m + headroom);
+                        let movable = policy.is_some_and(|p| {
+                            p.spec.preemptible
+                                && (p.spec.checkpoint_policy.is_some()
+                                    || pool.spec.checkpoint_policy.is_some())
+                        });
+                        Workload {
+                            id: c
+                                .resource_claim
+                                .clone()
+                                .or(c.pid.map(|p| format!("pid {p}")))
+                                .unwrap_or_else(|| c.slice.clone()),
+                            size,
+                            movable,
+                        }
+                    })
+                    .collect();
+                gpus.push(GpuState {
+                    node: node.node.clone(),
+                    gpu: gpu.index,
+                    capacity: Capacity::Slices {
+                        size: table.memory,
+                        total: table.slices,
+                        free: table.slices.saturating_sub(workloads.len() as u32),
+                    },
+                    workloads,
+                });
+            }
+        }
+        let planned = gpuslice_planning::compaction::plan(&gpus, threshold);
+        let at = |(node, gpu): &(String, u32)| format!("{node}/gpu{gpu}");
+        out.push(PoolCompaction {
+            pool: name,
+            threshold,
+            freed: planned.freed.iter().map(at).collect(),
+            moves: planned
+                .moves
+                .iter()
+                .map(|m| format!("{}: {} → {}", m.workload, at(&m.from), at(&m.to)))
+                .collect(),
+            fragmentation: planned
+                .fragmentation
+                .into_iter()
+                .map(|(n, (a, b))| (n, (100.0 * a, 100.0 * b)))
+                .collect(),
+            kept: planned.kept,
+        });
+    }
+    out
+}
+
+/// Compaction plans as text.
+pub fn render_compaction(plans: &[PoolCompaction]) -> String {
+    let mut out = String::new();
+    if plans.is_empty() {
+        out.push_str("no pool sets spec.compaction\n");
+    }
+    for p in plans {
+        out.push_str(&format!(
+            "pool {} (threshold {:.0} %): {} GPUs freed by {} moves\n",
+            p.pool,
+            100.0 * p.threshold,
+            p.freed.len(),
+            p.moves.len()
+        ));
+        for (node, (before, after)) in &p.fragmentation {
+            out.push_str(&format!(
+                "  node {node}: fragmentation {before:.0} % → {after:.0} %\n"
+            ));
+        }
+        for m in &p.moves {
+            out.push_str(&format!("  move {m}\n"));
+        }
+        for k in &p.kept {
+            out.push_str(&format!("  keep {k}\n"));
+        }
+    }
+    out
+}

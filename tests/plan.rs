@@ -328,3 +328,53 @@ fn a_pull_request_is_planned_against_its_base_naming_the_gpus_it_recuts_and_the_
         "{err}"
     );
 }
+
+/// `gpuslice plan --compaction` on the cluster's GpuNodes: the A100 pool compacts a node whose
+/// GPU 0 holds one notebook while GPU 1 has a free slice beside three; a non-preemptible
+/// workload keeps its GPU.
+#[test]
+fn the_compaction_plan_empties_the_least_used_gpu_into_one_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = dir.path().join("gpunodes.yaml");
+    let claim = |slice: &str, name: &str, policy: &str| {
+        format!(
+            "    - {{slice: {slice}, resourceClaim: ml/{name}, pods: [ml/{name}], policy: {policy}}}\n"
+        )
+    };
+    let mut text = String::from(
+        "apiVersion: v1\nkind: List\nitems:\n- apiVersion: gpuslice.io/v1alpha1\n  kind: GpuNode\n  metadata: {name: a100-a}\n  spec: {}\n  status:\n    inventory:\n      name: a100-a\n      labels: {gpuslice.io/pool: shared-a100}\n      gpus:\n      - {index: 0, model: NVIDIA A100-SXM4-80GB, slices: [{id: gpu0-s0, memory: 20Gi, compute: 25}, {id: gpu0-s1, memory: 20Gi, compute: 25}, {id: gpu0-s2, memory: 20Gi, compute: 25}, {id: gpu0-s3, memory: 20Gi, compute: 25}]}\n      - {index: 1, model: NVIDIA A100-SXM4-80GB, slices: [{id: gpu1-s0, memory: 20Gi, compute: 25}, {id: gpu1-s1, memory: 20Gi, compute: 25}, {id: gpu1-s2, memory: 20Gi, compute: 25}, {id: gpu1-s3, memory: 20Gi, compute: 25}]}\n      - {index: 2, model: NVIDIA A100-SXM4-80GB, slices: [{id: gpu2-s0, memory: 20Gi, compute: 25}, {id: gpu2-s1, memory: 20Gi, compute: 25}, {id: gpu2-s2, memory: 20Gi, compute: 25}, {id: gpu2-s3, memory: 20Gi, compute: 25}]}\n    claims:\n",
+    );
+    text.push_str(&claim("gpu0-s0", "nb-0", "notebook"));
+    for (i, s) in ["gpu1-s0", "gpu1-s1", "gpu1-s2"].iter().enumerate() {
+        text.push_str(&claim(s, &format!("nb-{}", i + 1), "notebook"));
+    }
+    text.push_str(&claim("gpu2-s0", "serve-0", "llm-inference"));
+    std::fs::write(&nodes, text).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(BIN)
+        .args([
+            "plan",
+            root.join("examples/gitops").to_str().unwrap(),
+            "--nodes",
+            nodes.to_str().unwrap(),
+            "--at",
+            "2026-12-02T10:00:00Z",
+            "--compaction",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("pool shared-a100 (threshold 30 %): 1 GPUs freed by 1 moves"),
+        "{text}"
+    );
+    assert!(
+        text.contains("move ml/nb-0: a100-a/gpu0 → a100-a/gpu1"),
+        "{text}"
+    );
+}
