@@ -418,6 +418,42 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     assert_eq!(phase(&pods, "notebook-2").await, "Running");
     assert_eq!(setup.kubelet.containers().len(), 3);
 
+    // The GPU reports an XID the workload caused (31, a page fault) and no kernel record names
+    // the process: notebook-2's is the only slice held on the GPU, so it is quarantined and the
+    // pod is told why; it keeps running.
+    gpuslice_emulator::Store::open(&machine)
+        .unwrap()
+        .mutate(|m| m.inject_xid(0, 31))
+        .unwrap()
+        .unwrap();
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    eventually("notebook-2 gets an Event naming the XID", || {
+        let events = events.clone();
+        async move {
+            let notes: Vec<String> = events
+                .list(&Default::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .into_iter()
+                .filter(|e| {
+                    e.reason.as_deref() == Some("GpuFault")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                            == Some("notebook-2")
+                })
+                .filter_map(|e| e.note)
+                .collect();
+            notes
+                .iter()
+                .any(|n| n.contains("XID 31 (GPU memory page fault)") && n.contains("keep running"))
+                .then_some(())
+                .ok_or(format!("{notes:?}"))
+        }
+    })
+    .await;
+    assert_eq!(phase(&pods, "notebook-2").await, "Running");
+
     std::fs::write(stop("notebook-2"), "").unwrap();
     wait_for_phases(&pods, &names, ["Succeeded", "gone", "Succeeded"]).await;
     wait_for_holders(&gpu_nodes, &setup.kubelet, &[]).await;
