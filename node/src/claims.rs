@@ -86,6 +86,9 @@ struct Board {
     next: u64,
     /// What `gpuslice run` commands are held to.
     limits: Limits,
+    /// Slices no new claim gets (quarantined after an XID, or software slices on a driver too
+    /// old for the shim); a claim waits for another.
+    closed: std::collections::BTreeSet<String>,
 }
 
 /// The cgroups `gpuslice run` commands are put in, and what each pool asks.
@@ -115,7 +118,11 @@ impl Board {
             let best = self
                 .slices
                 .iter()
-                .filter(|s| !taken.contains(&s.id.as_str()) && need.fits(s, &self.pools))
+                .filter(|s| {
+                    !taken.contains(&s.id.as_str())
+                        && !self.closed.contains(&s.id)
+                        && need.fits(s, &self.pools)
+                })
                 .min_by_key(|s| (s.memory_bytes, s.compute_percent, s.id.clone()))
                 .map(|s| s.id.clone());
             match best {
@@ -183,6 +190,16 @@ impl Claims {
         board.pinned = pinned;
         board.assign();
         self.changed.notify_all();
+    }
+
+    /// Closes these slices to new claims (and opens all others); waiters may now fit.
+    pub fn set_closed(&self, closed: std::collections::BTreeSet<String>) {
+        let mut board = self.lock();
+        if board.closed != closed {
+            board.closed = closed;
+            board.assign();
+            self.changed.notify_all();
+        }
     }
 
     /// The cgroups and limits `gpuslice run` commands granted from now on are held to.
@@ -467,6 +484,28 @@ mod tests {
         board.claims.remove(&2);
         board.assign();
         assert_eq!(board.claims[&3].slice, "big", "3 gets the slice 2 left");
+    }
+
+    #[test]
+    fn a_closed_slice_is_given_to_nobody_new() {
+        let mut board = Board {
+            slices: vec![slice("small", 10, 25), slice("big", 40, 50)],
+            closed: std::collections::BTreeSet::from(["small".to_string()]),
+            ..Board::default()
+        };
+        board.queue = VecDeque::from([(
+            1,
+            Need {
+                memory: 5 << 30,
+                ..Need::default()
+            },
+            None,
+        )]);
+        board.assign();
+        assert_eq!(
+            board.claims[&1].slice, "big",
+            "the quarantined one is skipped"
+        );
     }
 
     #[test]

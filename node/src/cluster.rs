@@ -1375,6 +1375,18 @@ pub async fn run(
         if driver_supported.status == "False" && was_supported != Some(false) {
             tracing::warn!("node {node}: {}", driver_supported.message);
         }
+        // What DRA does not offer, `gpuslice run` is not given either.
+        let closed = crate::slices::configs(&pass.inventory)
+            .into_iter()
+            .filter(|c| {
+                let pool = current.spec.gpus.iter().find(|a| a.index == c.gpu);
+                let outdated = c.kind == SliceKind::Software
+                    && pool.is_some_and(|a| outdated.contains_key(&a.pool));
+                outdated || !quarantines.taints(c.gpu, &c.id).is_empty()
+            })
+            .map(|c| c.id)
+            .collect();
+        agent.close_slices(closed);
         let report = status(
             &pass,
             current.metadata.generation,

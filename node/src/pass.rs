@@ -161,6 +161,11 @@ impl Agent {
         }
     }
 
+    /// Closes these slices to new `gpuslice run` claims (the others are open).
+    pub fn close_slices(&self, closed: std::collections::BTreeSet<String>) {
+        self.socket.claims.set_closed(closed);
+    }
+
     /// The dataset caches of the node's pools.
     pub fn caches(&self) -> std::sync::Arc<crate::cache::Caches> {
         self.socket.caches.clone()
