@@ -134,7 +134,7 @@ impl HostCgroups {
                     write(&group.join("cpu.cfs_period_us"), &PERIOD_US.to_string())?;
                     write(
                         &group.join("cpu.cfs_quota_us"),
-                        &(millicores * PERIOD_US / 1000).to_string(),
+                        &(millicores.saturating_mul(PERIOD_US) / 1000).to_string(),
                     )?;
                     write(&group.join("cgroup.procs"), &pid.to_string())?;
                     if millicores.is_multiple_of(1000) {
@@ -170,7 +170,10 @@ impl HostCgroups {
                 if let Some(millicores) = limit.millicores {
                     write(
                         &group.join("cpu.max"),
-                        &format!("{} {PERIOD_US}", millicores * PERIOD_US / 1000),
+                        &format!(
+                            "{} {PERIOD_US}",
+                            millicores.saturating_mul(PERIOD_US) / 1000
+                        ),
                     )?;
                     if millicores.is_multiple_of(1000) {
                         let node_dir = group.parent().unwrap_or(&group).to_path_buf();

@@ -426,6 +426,18 @@ fn check_policy(
     let doc = policy.doc;
     let spec = &policy.object.spec;
     check_checkpoint_reference(doc, spec.checkpoint_policy.as_deref(), checkpoints, out);
+    if let Some(host) = &spec.host {
+        if let Some(cpu) = &host.cpu
+            && let Err(e) = gpuslice_api::millicores_of(&cpu.0)
+        {
+            out.error(doc, "spec.host.cpu", e.to_string());
+        }
+        if let Some(memory) = &host.memory
+            && let Err(e) = memory.bytes()
+        {
+            out.error(doc, "spec.host.memory", e.to_string());
+        }
+    }
     let Some(pool) = pools.get(spec.pool.as_str()) else {
         out.error(
             doc,
