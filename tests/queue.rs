@@ -473,14 +473,22 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         .await
         .unwrap();
     // The node's five CPUs are taken (four by the queue's pods, one by the bystander). An urgent
-    // pod preempts the bystander, the only pod of lower priority: preemption works here.
-    default
-        .create(
-            &PostParams::default(),
-            &plain_pod("urgent-0", Some("urgent-web")),
-        )
-        .await
-        .unwrap();
+    // pod preempts the bystander, the only pod of lower priority: preemption works here. (The
+    // API server's Priority admission finds a new PriorityClass a moment after it is created.)
+    eventually("the urgent pod is admitted", || {
+        let default = default.clone();
+        async move {
+            default
+                .create(
+                    &PostParams::default(),
+                    &plain_pod("urgent-0", Some("urgent-web")),
+                )
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+    })
+    .await;
     eventually("the urgent pod preempts the bystander", || {
         let default = default.clone();
         async move {
