@@ -339,6 +339,16 @@ enum PlanOutput {
 
 /// The pools of one revision of a source, or `None` (after printing why) when it does not
 /// validate: a plan of a broken revision would mislead.
+/// Prints a benchmark's table; the exit status says whether every row passed.
+fn print_table(table: &str, ok: bool) -> ExitCode {
+    print!("{table}");
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 fn pools_of(
     location: &str,
     git_ref: Option<String>,
@@ -736,12 +746,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     }
                 }
                 let (table, ok) = bench::render(&results, seeds);
-                print!("{table}");
-                return Ok(if ok {
-                    ExitCode::SUCCESS
-                } else {
-                    ExitCode::FAILURE
-                });
+                return Ok(print_table(&table, ok));
             }
             let files = if traces.is_empty() {
                 gpuslice_bench::placement::traces(&data)?
@@ -754,12 +759,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 eprintln!("replayed {}", file.display());
             }
             let (table, ok) = gpuslice_bench::placement::render(&results, seeds);
-            print!("{table}");
-            Ok(if ok {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            Ok(print_table(&table, ok))
         }
         Command::Bench {
             which:
@@ -776,12 +776,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 !no_overhead,
                 real_gpu,
             )?;
-            print!("{table}");
-            Ok(if ok {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            Ok(print_table(&table, ok))
         }
         Command::Bench {
             which:
@@ -804,12 +799,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     seed,
                 },
             )?;
-            print!("{report}");
-            Ok(if ok {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            Ok(print_table(&report, ok))
         }
         Command::Bench {
             which:
@@ -824,12 +814,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 shard_bytes: shard_mib << 20,
                 source_rate: source_mib << 20,
             })?;
-            print!("{table}");
-            Ok(if ok {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            Ok(print_table(&table, ok))
         }
         Command::Bench {
             which:

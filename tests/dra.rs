@@ -521,16 +521,7 @@ async fn slices_a_window_change_will_recut_take_no_new_pods() {
         },
     )
     .await;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    pods.create(&PostParams::default(), &pod("late-notebook", "notebook"))
-        .await
-        .unwrap();
-    pods.create(&PostParams::default(), &pod("inference", "llm-inference"))
-        .await
-        .unwrap();
-    let (bound, waiting) = settled(&pods, 1, 1, "the notebook waits, the inference pod runs").await;
-    assert_eq!(bound, [("inference".to_string(), "h200-a".to_string())]);
-    assert!(waiting[0].starts_with("late-notebook: "), "{waiting:?}");
+    notebook_waits_inference_runs(&client, "late-notebook").await;
 }
 
 #[tokio::test]
@@ -618,8 +609,14 @@ async fn a_driver_too_old_for_the_shim_offers_only_mig_slices() {
     })
     .await;
     // A notebook (software slice) waits; an inference pod gets a MIG instance.
+    notebook_waits_inference_runs(&client, "notebook").await;
+}
+
+/// A notebook pod (`name`) and an inference pod: the inference pod is placed on the H200, the
+/// notebook waits (no A100 slice is offered to it).
+async fn notebook_waits_inference_runs(client: &Client, name: &str) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    pods.create(&PostParams::default(), &pod("notebook", "notebook"))
+    pods.create(&PostParams::default(), &pod(name, "notebook"))
         .await
         .unwrap();
     pods.create(&PostParams::default(), &pod("inference", "llm-inference"))
@@ -627,7 +624,7 @@ async fn a_driver_too_old_for_the_shim_offers_only_mig_slices() {
         .unwrap();
     let (bound, waiting) = settled(&pods, 1, 1, "the notebook waits, the inference pod runs").await;
     assert_eq!(bound, [("inference".to_string(), "h200-a".to_string())]);
-    assert!(waiting[0].starts_with("notebook: "), "{waiting:?}");
+    assert!(waiting[0].starts_with(&format!("{name}: ")), "{waiting:?}");
 }
 
 /// A `gpuslice run` on node `node` of `running` by `policy`, whose workload prints its slice

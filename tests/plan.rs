@@ -8,9 +8,10 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuslice");
 
-fn plan(at: &str, inventory: &Path) -> (Option<i32>, Value) {
+/// `gpuslice plan` of the example repository for `inventory` at `at`, with `extra` arguments.
+fn plan_examples(at: &str, inventory: &Path, extra: &[&str]) -> std::process::Output {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(BIN)
+    Command::new(BIN)
         .args([
             "plan",
             root.join("examples/gitops").to_str().unwrap(),
@@ -18,11 +19,14 @@ fn plan(at: &str, inventory: &Path) -> (Option<i32>, Value) {
             inventory.to_str().unwrap(),
             "--at",
             at,
-            "--output",
-            "json",
         ])
+        .args(extra)
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+fn plan(at: &str, inventory: &Path) -> (Option<i32>, Value) {
+    let out = plan_examples(at, inventory, &["--output", "json"]);
     let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
             "{e}: {}{}",
@@ -350,19 +354,7 @@ fn the_compaction_plan_empties_the_least_used_gpu_into_one_in_use() {
     }
     text.push_str(&claim("gpu2-s0", "serve-0", "llm-inference"));
     std::fs::write(&nodes, text).unwrap();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(BIN)
-        .args([
-            "plan",
-            root.join("examples/gitops").to_str().unwrap(),
-            "--nodes",
-            nodes.to_str().unwrap(),
-            "--at",
-            "2026-12-02T10:00:00Z",
-            "--compaction",
-        ])
-        .output()
-        .unwrap();
+    let out = plan_examples("2026-12-02T10:00:00Z", &nodes, &["--compaction"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -261,6 +261,30 @@ fn the_claims_checkpoint_policy_wins_over_the_pools() {
     });
 }
 
+/// Whether the tests run as root (cgroup limits need it).
+fn is_root() -> bool {
+    std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap()) == 0
+}
+
+/// The agent on the emulated lab node, following one pool file: `pool(2, "40Gi")` as `edit`
+/// changes it (given the test's folder). Returns the folder, the agent's state and the agent,
+/// once the slices exist.
+fn lab(
+    edit: impl FnOnce(String, &Path) -> String,
+) -> (tempfile::TempDir, std::path::PathBuf, Reaper) {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("pool.yaml"), edit(pool(2, "40Gi"), dir.path())).unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    children.keep(agent(dir.path(), &source, Stdio::null()));
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s1/config").exists()
+    });
+    (dir, state, children)
+}
+
 /// `dd`'s rate in bytes per second, from its last line (`67108864 bytes (…) copied, 3.2 s, …`).
 fn dd_rate(stderr: &str) -> f64 {
     let line = stderr
@@ -283,32 +307,16 @@ fn dd_rate(stderr: &str) -> f64 {
 fn a_slices_workload_reads_and_writes_at_its_pools_io_limit() {
     let root = Path::new("/sys/fs/cgroup");
     let cgroups = match gpuslice_node::iolimit::Cgroups::detect(root, Path::new("/sys/block")) {
-        Ok(c)
-            if std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap())
-                == 0 =>
-        {
-            c
-        }
+        Ok(c) if is_root() => c,
         Ok(_) => return eprintln!("skipped: cgroup limits need root"),
         Err(e) => return eprintln!("skipped: {e}"),
     };
-    let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("gitops");
-    std::fs::create_dir_all(&source).unwrap();
     const LIMIT: f64 = 20.0 * 1024.0 * 1024.0;
-    std::fs::write(
-        source.join("pool.yaml"),
-        pool(2, "40Gi").replace(
+    let (dir, state, children) = lab(|pool, _| {
+        pool.replace(
             "  memoryHeadroom: 1Gi\n",
             "  memoryHeadroom: 1Gi\n  io: {bandwidthPerSlice: 20Mi}\n",
-        ),
-    )
-    .unwrap();
-    let state = dir.path().join("state");
-    let mut children = Reaper(Vec::new());
-    children.keep(agent(dir.path(), &source, Stdio::null()));
-    eventually("the slices exist", || {
-        state.join("slices/gpu0-s1/config").exists()
+        )
     });
     // 48 MiB on the local disk, written and synced before anything is timed.
     let data = dir.path().join("data");
@@ -371,31 +379,15 @@ fn a_slices_workload_reads_and_writes_at_its_pools_io_limit() {
 fn a_policys_host_cpu_and_memory_hold_its_command() {
     let root = Path::new("/sys/fs/cgroup");
     let cgroups = match gpuslice_node::hostlimit::HostCgroups::detect(root) {
-        Ok(c)
-            if std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap())
-                == 0 =>
-        {
-            c
-        }
+        Ok(c) if is_root() => c,
         Ok(_) => return eprintln!("skipped: cgroup limits need root"),
         Err(e) => return eprintln!("skipped: {e}"),
     };
-    let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("gitops");
-    std::fs::create_dir_all(&source).unwrap();
-    std::fs::write(
-        source.join("pool.yaml"),
-        pool(2, "40Gi").replace(
+    let (_dir, state, children) = lab(|pool, _| {
+        pool.replace(
             "  compute: {limit: 25}\n",
             "  compute: {limit: 25}\n  host: {cpu: \"1\", memory: 64Mi}\n",
-        ),
-    )
-    .unwrap();
-    let state = dir.path().join("state");
-    let mut children = Reaper(Vec::new());
-    children.keep(agent(dir.path(), &source, Stdio::null()));
-    eventually("the slices exist", || {
-        state.join("slices/gpu0-s1/config").exists()
+        )
     });
     // What the command may use, then an allocation four times its memory.
     let out = run(&state, &["--policy", "small", "--", "sh", "-c"])
@@ -446,26 +438,19 @@ fn a_policys_host_cpu_and_memory_hold_its_command() {
 /// fetched once; asked again, the cached one; the cache outlives the agent.
 #[test]
 fn the_pools_dataset_cache_fetches_once_and_survives_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("gitops");
-    std::fs::create_dir_all(&source).unwrap();
-    let cache = dir.path().join("cache");
-    std::fs::write(
-        source.join("pool.yaml"),
-        pool(2, "40Gi").replace(
+    let (dir, state, children) = lab(|pool, dir| {
+        pool.replace(
             "  memoryHeadroom: 1Gi\n",
             &format!(
                 "  memoryHeadroom: 1Gi\n  io: {{localCache: {{path: {}, size: 1Mi}}}}\n",
-                cache.display()
+                dir.join("cache").display()
             ),
-        ),
-    )
-    .unwrap();
+        )
+    });
+    let cache = dir.path().join("cache");
+    let source = dir.path().join("gitops");
     let dataset = dir.path().join("shard-0");
     std::fs::write(&dataset, b"tokens tokens tokens").unwrap();
-    let state = dir.path().join("state");
-    let mut children = Reaper(Vec::new());
-    children.keep(agent(dir.path(), &source, Stdio::null()));
     let ask = |what: &str| {
         Command::new(BIN)
             .arg("cache")

@@ -1296,10 +1296,9 @@ pub async fn run(
             .pools
             .iter()
             .filter_map(|p| {
-                let limit = p.spec.io.as_ref()?.bandwidth_per_slice.as_ref()?;
                 Some((
                     p.metadata.name.clone()?,
-                    gpuslice_api::bytes_of(&limit.0).ok()?,
+                    crate::iolimit::bandwidth_of(&p.spec)?,
                 ))
             })
             .collect();

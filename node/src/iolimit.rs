@@ -34,6 +34,12 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> IoLimitError + '_ {
     }
 }
 
+/// A pool's I/O limit per slice (`io.bandwidthPerSlice`), bytes per second.
+pub fn bandwidth_of(pool: &gpuslice_api::GpuPoolSpec) -> Option<u64> {
+    let limit = pool.io.as_ref()?.bandwidth_per_slice.as_ref()?;
+    gpuslice_api::bytes_of(&limit.0).ok()
+}
+
 /// A block device, `major:minor`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Disk {

@@ -255,13 +255,9 @@ impl Agent {
             .filter_map(|g| Some((g.index, g.pool.clone()?)))
             .collect();
         let caches = local_caches(&pass.plan, &intent.config);
-        let cached_gpus = pass
-            .plan
-            .nodes
-            .iter()
-            .flat_map(|n| &n.gpus)
-            .filter_map(|g| Some((g.index, g.pool.clone()?)))
-            .filter(|(_, pool)| caches.contains_key(pool))
+        let cached_gpus = gpu_pools(&pass.plan, &intent.config)
+            .filter(|(_, pool, _)| caches.contains_key(*pool))
+            .map(|(index, pool, _)| (index, pool.to_string()))
             .collect();
         self.socket.caches.set(&caches, cached_gpus);
         let bandwidth = bandwidths(&pass.plan, &intent.config);
@@ -537,21 +533,30 @@ impl Agent {
     }
 }
 
+/// Each planned GPU with its pool's name and spec (GPUs in no pool, or in a pool the config
+/// lacks, are left out).
+fn gpu_pools<'a>(
+    plan: &'a ClusterPlan,
+    config: &'a Config,
+) -> impl Iterator<Item = (u32, &'a str, &'a gpuslice_api::GpuPoolSpec)> + 'a {
+    plan.nodes.iter().flat_map(|n| &n.gpus).filter_map(|gpu| {
+        let pool = gpu.pool.as_deref()?;
+        let spec = &config
+            .pools
+            .iter()
+            .find(|p| p.metadata.name.as_deref() == Some(pool))?
+            .spec;
+        Some((gpu.index, pool, spec))
+    })
+}
+
 /// The dataset caches of the pools with GPUs on this node: pool → path and size.
 fn local_caches(
     plan: &ClusterPlan,
     config: &Config,
 ) -> BTreeMap<String, (std::path::PathBuf, Option<u64>)> {
-    plan.nodes
-        .iter()
-        .flat_map(|n| &n.gpus)
-        .filter_map(|gpu| {
-            let pool = gpu.pool.as_deref()?;
-            let spec = &config
-                .pools
-                .iter()
-                .find(|p| p.metadata.name.as_deref() == Some(pool))?
-                .spec;
+    gpu_pools(plan, config)
+        .filter_map(|(_, pool, spec)| {
             let cache = spec.io.as_ref()?.local_cache.as_ref()?;
             let size = cache
                 .size
@@ -567,19 +572,8 @@ fn local_caches(
 
 /// Each GPU's I/O limit per slice (bytes/s): its pool's `io.bandwidthPerSlice`.
 fn bandwidths(plan: &ClusterPlan, config: &Config) -> BTreeMap<u32, u64> {
-    plan.nodes
-        .iter()
-        .flat_map(|n| &n.gpus)
-        .filter_map(|gpu| {
-            let pool = gpu.pool.as_deref()?;
-            let spec = &config
-                .pools
-                .iter()
-                .find(|p| p.metadata.name.as_deref() == Some(pool))?
-                .spec;
-            let limit = spec.io.as_ref()?.bandwidth_per_slice.as_ref()?;
-            Some((gpu.index, gpuslice_api::bytes_of(&limit.0).ok()?))
-        })
+    gpu_pools(plan, config)
+        .filter_map(|(index, _, spec)| Some((index, crate::iolimit::bandwidth_of(spec)?)))
         .collect()
 }
 

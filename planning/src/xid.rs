@@ -88,11 +88,7 @@ pub fn rule_for(code: u64) -> XidRule {
         .iter()
         .find(|r| r.code == code)
         .copied()
-        .unwrap_or(XidRule {
-            code,
-            meaning: "not in gpuslice's XID table",
-            action: XidAction::Count,
-        })
+        .unwrap_or(rule(code, "not in gpuslice's XID table", XidAction::Count))
 }
 
 #[cfg(test)]

@@ -21,23 +21,19 @@ if ready ~= nil and ready.status == "False" and ready.reason == "Failed" then
   hs.message = ready.message
   return hs
 end
-local driver = conditions["DriverSupported"]
-if driver ~= nil and driver.status == "False" then
-  hs.status = "Degraded"
-  hs.message = driver.message
-  return hs
-end
-local quarantined = conditions["Quarantined"]
-if quarantined ~= nil and quarantined.status == "True" then
-  hs.status = "Degraded"
-  hs.message = quarantined.message
-  return hs
-end
-local io = conditions["IoLimited"]
-if io ~= nil and io.status == "False" then
-  hs.status = "Degraded"
-  hs.message = io.message
-  return hs
+-- Each condition whose status here means the node is degraded, in the order they are shown.
+local degraded = {
+  {type = "DriverSupported", status = "False"},
+  {type = "Quarantined", status = "True"},
+  {type = "IoLimited", status = "False"},
+}
+for _, d in ipairs(degraded) do
+  local c = conditions[d.type]
+  if c ~= nil and c.status == d.status then
+    hs.status = "Degraded"
+    hs.message = c.message
+    return hs
+  end
 end
 if blocked ~= nil and blocked.status == "True" then
   hs.status = "Progressing"
