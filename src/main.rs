@@ -185,6 +185,13 @@ enum Command {
         #[arg(long, default_value = gpuslice_contract::paths::DEFAULT)]
         state: PathBuf,
     },
+    /// Ask the operator to compact a pool now, outside its compaction window: annotates the
+    /// GpuPool gpuslice.io/compact-now; the round shows in its status.compaction. Uses the
+    /// in-cluster config or KUBECONFIG.
+    Compact {
+        /// The GpuPool (its spec.compaction must be enabled).
+        pool: String,
+    },
     /// The operator: reconcile GpuPools into each node's desired layout (GpuNode) and pool status.
     /// Uses the in-cluster config or KUBECONFIG.
     Operator {
@@ -664,6 +671,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             eprintln!("gpuslice cache: {}", if hit { "cached" } else { "fetched" });
             println!("{}", path.display());
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Compact { pool } => {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(async {
+                let client = kube::Client::try_default().await.context(
+                    "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
+                )?;
+                gpuslice_operator::compaction::ask(&client, &pool).await?;
+                println!(
+                    "GpuPool/{pool}: compaction asked for; `kubectl get gpupool {pool} -o jsonpath='{{.status.compaction}}'` shows the round"
+                );
+                Ok(ExitCode::SUCCESS)
+            })
         }
         Command::Operator {
             metrics_addr,

@@ -45,6 +45,12 @@ pub const RECUT_TAINT: &str = "gpuslice.io/recut";
 /// The device taint of a slice or GPU taken out of service after an XID error (value: the XID);
 /// NoSchedule: what runs there keeps running (a GPU's workloads are drained by the agent).
 pub const XID_TAINT: &str = "gpuslice.io/xid";
+/// The device taint (NoSchedule, value `true`) on the devices of a GPU that compaction is
+/// emptying, until the workloads moved off it run elsewhere.
+pub const COMPACTING_TAINT: &str = "gpuslice.io/compacting";
+/// The GpuPool annotation that asks for a compaction now, outside the pool's compaction window
+/// (any value; the operator removes it when it has planned the round).
+pub const COMPACT_NOW_ANNOTATION: &str = "gpuslice.io/compact-now";
 /// The GpuNode annotation that says GPUs were reset (`1`, `0,3` or `all`): the agent lifts
 /// their XID quarantines and removes the annotation.
 pub const GPU_RESET_ANNOTATION: &str = "gpuslice.io/gpu-reset";

@@ -33,9 +33,9 @@ pub use policy::{
     WorkloadClass,
 };
 pub use pool::{
-    Compaction, DriverMinimum, FairShareStatus, FaultIsolation, GpuPool, GpuPoolSpec,
-    GpuPoolStatus, GpuSelector, IoLimits, LocalCache, NamespaceUsage, Scheduling, SchedulingPolicy,
-    SliceCounts, TimeWindow,
+    Compaction, CompactionMove, CompactionStatus, DriverMinimum, FairShareStatus, FaultIsolation,
+    GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits, LocalCache, NamespaceUsage,
+    Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,
 };
 pub use quantity::{QuantityError, Size, bytes_of, format_bytes, millicores_of};
 pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};

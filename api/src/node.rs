@@ -49,6 +49,13 @@ pub struct GpuNodeSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 1024), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["resourceClaim"]))]
     pub preemptions: Vec<Preemption>,
+    /// GPUs (indices) that compaction is emptying: the agent gives each of their devices the
+    /// `NoSchedule` device taint `gpuslice.io/compacting`, so that the workloads moved off them
+    /// (and any new pod) are placed elsewhere. Written by the queue under its own field manager,
+    /// with the moves themselves in `preemptions`; cleared once the moved workloads run again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), extend("x-kubernetes-list-type" = "set"))]
+    pub compacting: Vec<u32>,
 }
 
 /// A pod's slice taken back for a waiting pod.
@@ -58,7 +65,9 @@ pub struct Preemption {
     /// The ResourceClaim (`namespace/name`) whose slice is taken.
     #[schemars(length(max = 507))]
     pub resource_claim: String,
-    /// The waiting pod the slice is for (`namespace/name`).
+    /// The waiting pod the slice is for (`namespace/name`); empty when compaction moves the
+    /// pod to free its GPU (the pod is evicted and its controller's replacement is placed on
+    /// another GPU).
     #[schemars(length(max = 507))]
     pub for_pod: String,
     /// Why, in words (said in the Event on the preempted pod).

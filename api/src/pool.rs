@@ -180,20 +180,31 @@ pub enum SchedulingPolicy {
     PriorityFair,
 }
 
-/// Periodic compaction: repack slices so that free capacity is contiguous.
+/// Compaction: moving checkpointable workloads so that whole GPUs come free. Inside `window`
+/// (or at once when the pool is annotated `gpuslice.io/compact-now`, which `gpuslice compact
+/// POOL` sets), for each node whose fragmentation passes the threshold the operator empties the
+/// node's least-used GPUs into free software slices of GPUs already in use: each workload moved
+/// is drained like a preemption (its CheckpointPolicy's signal, the checkpoint-done marker or the
+/// grace period, the Eviction API) and its replacement is placed elsewhere by the queue, while
+/// the GPUs being emptied carry the device taint `gpuslice.io/compacting`. Only pods of
+/// preemptible policies with a CheckpointPolicy (the policy's or the pool's) move; a GPU with any
+/// other workload is kept. MIG instances and whole GPUs are not compacted. The round is shown in
+/// `status.compaction`; `gpuslice plan --compaction` shows what a round would do.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!self.enabled || has(self.window)").message("compaction is enabled but has no window: add window {start, end, timeZone}"))]
 pub struct Compaction {
-    /// Whether compaction runs at all.
+    /// Whether compaction runs at all (the window and the annotation both need it).
     #[serde(default)]
     pub enabled: bool,
-    /// Fragmentation (0–1, the share of free capacity that no pending request can use) above which
-    /// compaction runs. Default 0.3.
+    /// A node's fragmentation (0–1: the share of its free slice capacity that sits on GPUs
+    /// something already runs on, where no whole-GPU workload or larger layout can use it) above
+    /// which its GPUs are compacted. Default 0.3.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub fragmentation_threshold: Option<f64>,
-    /// Daily window in which compaction may move workloads. Required when enabled.
+    /// Daily window in which compaction may move workloads (one round per opening). Required
+    /// when enabled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window: Option<DailyWindow>,
 }
@@ -286,6 +297,48 @@ pub struct GpuPoolStatus {
     /// leader carries on from it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fair_share: Option<FairShareStatus>,
+    /// The last compaction round: what it moves (or moved) and which GPUs it frees. Written by
+    /// the admission queue, which carries the moves out through the preemption path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compaction: Option<CompactionStatus>,
+}
+
+/// A workload a compaction round moves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CompactionMove {
+    /// The ResourceClaim (`namespace/name`) whose pod moves.
+    pub resource_claim: String,
+    /// The GPU it leaves, `node/gpuN`.
+    pub from: String,
+    /// Where the plan found room for it, `node/gpuN` (the queue places the replacement pod by
+    /// its own engine, on any GPU but the ones being emptied).
+    pub to: String,
+}
+
+/// One compaction round of a pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CompactionStatus {
+    /// When the round was planned.
+    pub started_at: Time,
+    /// What started it: `window` (the compaction window, fragmentation over the threshold) or
+    /// `manual` (the annotation `gpuslice.io/compact-now`, which `gpuslice compact` sets).
+    pub trigger: String,
+    /// GPUs the round empties, `node/gpuN`; their devices are tainted `gpuslice.io/compacting`
+    /// until the round ends.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub freeing: Vec<String>,
+    /// The workloads it moves.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub moves: Vec<CompactionMove>,
+    /// GPUs that could not be emptied, and why (a workload that may not move, no room).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kept: Vec<String>,
+    /// When the round ended: the GPUs are empty and the moved workloads run again elsewhere
+    /// (or nothing was over the threshold). Unset while it is under way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -1431,6 +1431,9 @@ pub async fn run(
                 )
             };
             let mut taints: Vec<_> = recut.into_iter().collect();
+            if current.spec.compacting.contains(&a.index) {
+                taints.push(dra::compacting_taint());
+            }
             taints.extend(quarantines.taints(a.index, &slice.id));
             Some(taints)
         });
@@ -1559,6 +1562,7 @@ async fn evict(
                         type_: EventType::Warning,
                         reason: match eviction.cause {
                             "preemption" => "Preempted",
+                            "compaction" => "Compacted",
                             "fault" => "GpuFault",
                             _ => "Resliced",
                         }

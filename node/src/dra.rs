@@ -150,6 +150,16 @@ pub fn recut_taint(
     })
 }
 
+/// The taint of a GPU that compaction is emptying (the GpuNode's `spec.compacting`).
+pub fn compacting_taint() -> DeviceTaint {
+    DeviceTaint {
+        key: dra::COMPACTING_TAINT.to_string(),
+        value: Some("true".to_string()),
+        effect: "NoSchedule".to_string(),
+        time_added: None,
+    }
+}
+
 /// The re-cut taint of a GPU whose new layout is waiting for busy slices to be freed.
 pub fn pending_recut_taint() -> DeviceTaint {
     DeviceTaint {

@@ -98,6 +98,8 @@ pub enum Cause {
     Recut,
     /// The operator's queue takes it for a waiting pod.
     Preempted(Taken),
+    /// Compaction moves its workload to free its GPU (`reason`: which GPU, of which pool).
+    Compaction { reason: String },
     /// Its GPU reported an error that takes the whole GPU out of service (`what`: the XID and
     /// its meaning).
     Fault { gpu: u32, what: String },
@@ -109,6 +111,7 @@ impl Cause {
         match self {
             Cause::Recut => "window",
             Cause::Preempted(_) => "preemption",
+            Cause::Compaction { .. } => "compaction",
             Cause::Fault { .. } => "fault",
         }
     }
@@ -218,6 +221,9 @@ pub fn decide(
                         "preempted for pod {} ({}): {outcome}",
                         taken.for_pod, taken.reason
                     ),
+                    Cause::Compaction { reason } => {
+                        format!("moved by {reason}, to run on another GPU: {outcome}")
+                    }
                     Cause::Recut => format!(
                         "its slice {} is re-cut for a window change: {outcome}",
                         blocked.slice

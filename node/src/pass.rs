@@ -470,10 +470,17 @@ impl Agent {
                 holder: pod_holder(claim),
                 slice: claim.slice.clone(),
                 policy: policy_of(Some(claim), &claim.slice),
-                cause: drain::Cause::Preempted(drain::Taken {
-                    for_pod: taken.for_pod.clone(),
-                    reason: taken.reason.clone(),
-                }),
+                // A preemption for no pod is compaction's move.
+                cause: if taken.for_pod.is_empty() {
+                    drain::Cause::Compaction {
+                        reason: taken.reason.clone(),
+                    }
+                } else {
+                    drain::Cause::Preempted(drain::Taken {
+                        for_pod: taken.for_pod.clone(),
+                        reason: taken.reason.clone(),
+                    })
+                },
             });
         }
         let mut drains = Drains::load(&self.state)?;

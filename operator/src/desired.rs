@@ -131,6 +131,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                 source_revision: None,
                 // The queue's, under its own field manager.
                 preemptions: Vec::new(),
+                compacting: Vec::new(),
             },
         );
     }
@@ -290,6 +291,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                 },
                 driver_outdated: outdated.len() as u32,
                 fair_share: None,
+                compaction: None,
             },
         );
     }

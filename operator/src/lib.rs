@@ -4,6 +4,7 @@
 
 pub mod admission;
 pub mod classes;
+pub mod compaction;
 pub mod controller;
 pub mod desired;
 pub mod election;

@@ -132,6 +132,7 @@ struct Published {
     pool: String,
     device: FreeDevice,
     tainted: bool,
+    software: bool,
 }
 
 /// Every gpuslice device published, by (ResourceSlice pool, device name).
@@ -189,6 +190,7 @@ fn published(
                             recut_at: recut_at.get(&(node.clone(), gpu)).copied(),
                         },
                         tainted: device.taints.as_ref().is_some_and(|t| !t.is_empty()),
+                        software,
                     },
                     gpu,
                 ),
@@ -387,6 +389,8 @@ pub struct Queue {
     last: Option<chrono::DateTime<chrono::Utc>>,
     /// What each waiting pod was last told, so that an unchanged condition is not written again.
     told: BTreeMap<String, (String, String)>,
+    /// Pools' compaction rounds.
+    rounds: crate::compaction::Rounds,
 }
 
 /// What one pass writes.
@@ -398,6 +402,12 @@ pub struct Plan {
     pub tell: Vec<(String, String, String)>,
     /// GpuNode → the preemptions it should carry (empty: none any more).
     pub preemptions: BTreeMap<String, Vec<Preemption>>,
+    /// GpuNode → the GPUs compaction is emptying there (empty: none any more).
+    pub compacting: BTreeMap<String, Vec<u32>>,
+    /// Pool → its compaction round to record in its status.
+    pub compaction: BTreeMap<String, gpuslice_api::CompactionStatus>,
+    /// Pools whose `gpuslice.io/compact-now` annotation was taken up.
+    pub compact_asked: Vec<String>,
     /// Pods waiting per (pool, namespace).
     pub waiting: BTreeMap<(String, String), i64>,
     /// The pool of each pod admitted.
@@ -481,8 +491,9 @@ impl Queue {
         let mut draining: BTreeMap<String, String> = BTreeMap::new();
         let mut plan = Plan::default();
         for node in &gpu_nodes {
-            if !node.spec.preemptions.is_empty() {
+            if !node.spec.preemptions.is_empty() || !node.spec.compacting.is_empty() {
                 plan.preemptions.insert(node.name_any(), Vec::new());
+                plan.compacting.insert(node.name_any(), Vec::new());
             }
             for p in &node.spec.preemptions {
                 under_way.insert(
@@ -506,6 +517,13 @@ impl Queue {
             self.usage = recorded_usage(&pools, wall);
         }
         let mut free = free_devices(&devices, &allocated);
+        // Nothing is admitted onto GPUs that compaction is emptying.
+        for pool in &pools {
+            let freeing = self.rounds.freeing(pool);
+            if let Some(devices) = free.get_mut(&pool.name_any()) {
+                devices.retain(|d| !freeing.contains(&(d.node.clone(), d.gpu)));
+            }
+        }
         let elapsed = self
             .last
             .map_or(0.0, |t| (now - t).num_milliseconds().max(0) as f64 / 1000.0);
@@ -824,10 +842,108 @@ impl Queue {
                 plan.tell.push((pod, reason.to_string(), message));
             }
         }
+        self.compact(
+            &mut plan, &pools, &policies, &pool_list, &devices, &allocated, &held, &under_way,
+            &pods, now,
+        );
         plan.tell.retain(|(pod, reason, message)| {
             self.told.get(pod) != Some(&(reason.clone(), message.clone()))
         });
         plan
+    }
+}
+
+impl Queue {
+    /// Compaction rounds (`crate::compaction`): the moves as preemptions for no pod, the GPUs
+    /// being emptied, the rounds to record.
+    #[allow(clippy::too_many_arguments)]
+    fn compact(
+        &mut self,
+        plan: &mut Plan,
+        pools: &[Arc<GpuPool>],
+        policies: &[Arc<GpuSlicePolicy>],
+        pool_list: &[GpuPool],
+        devices: &BTreeMap<(String, String), Published>,
+        allocated: &BTreeSet<(String, String)>,
+        held: &[Held],
+        under_way: &BTreeMap<String, (String, String)>,
+        pods: &[Arc<Pod>],
+        now: chrono::DateTime<chrono::Utc>,
+    ) {
+        use crate::compaction::{Holder, Slice};
+        let claims: BTreeSet<String> = held.iter().map(|h| h.claim.clone()).collect();
+        let pool_of_policy = |policy: &str| {
+            policies
+                .iter()
+                .find(|p| p.name_any() == policy)
+                .map(|p| p.spec.pool.clone())
+        };
+        for pool in pools {
+            let name = pool.name_any();
+            if !pool.spec.compaction.as_ref().is_some_and(|c| c.enabled) {
+                continue;
+            }
+            let slices: Vec<Slice> = devices
+                .iter()
+                .filter(|(_, p)| p.pool == name && p.software)
+                .map(|(key, p)| {
+                    let holder = held
+                        .iter()
+                        .find(|h| {
+                            h.device.node == p.device.node && h.device.device == p.device.device
+                        })
+                        .map(|h| {
+                            let policy = h
+                                .policy
+                                .as_ref()
+                                .and_then(|x| policies.iter().find(|q| q.name_any() == *x));
+                            Holder {
+                                claim: h.claim.clone(),
+                                size: policy.map_or(p.device.memory_bytes, |q| {
+                                    crate::classes::memory_limit(q, pool_list)
+                                }),
+                                movable: policy.is_some_and(|q| {
+                                    q.spec.preemptible
+                                        && (q.spec.checkpoint_policy.is_some()
+                                            || pool.spec.checkpoint_policy.is_some())
+                                }) && !h.tainted
+                                    && !under_way.contains_key(&h.claim),
+                            }
+                        });
+                    Slice {
+                        node: p.device.node.clone(),
+                        gpu: p.device.gpu,
+                        memory_bytes: p.device.memory_bytes,
+                        free: !p.tainted && !allocated.contains(key),
+                        holder,
+                    }
+                })
+                .collect();
+            // Quiet: nothing of the pool admitted this pass or admitted and not bound yet.
+            let quiet = !plan.admitted_pool.values().any(|p| *p == name)
+                && !pods.iter().any(|p| {
+                    admitted_to(p).is_some()
+                        && p.labels()
+                            .get(POLICY_LABEL)
+                            .and_then(|policy| pool_of_policy(policy))
+                            .is_some_and(|p| p == name)
+                });
+            let step = self.rounds.step(pool, &slices, &claims, quiet, now);
+            for (node, moves) in step.preemptions {
+                plan.compacting.entry(node.clone()).or_default();
+                plan.preemptions.entry(node).or_default().extend(moves);
+            }
+            for (node, gpu) in step.compacting {
+                plan.preemptions.entry(node.clone()).or_default();
+                plan.compacting.entry(node).or_default().push(gpu);
+            }
+            if let Some(round) = step.record {
+                plan.compaction.insert(name.clone(), round);
+            }
+            if step.clear_annotation {
+                plan.compact_asked.push(name);
+            }
+        }
     }
 }
 
@@ -880,17 +996,19 @@ async fn admit(client: &Client, pod: &Pod, node: &str) -> Result<(), kube::Error
     Ok(())
 }
 
-/// States the node's preemptions (all of them, under the queue's own field manager).
+/// States the node's preemptions and the GPUs compaction empties there (all of them, under the
+/// queue's own field manager).
 async fn take_back(
     client: &Client,
     node: &str,
     preemptions: &[Preemption],
+    compacting: &[u32],
 ) -> Result<(), kube::Error> {
     let body = gpuslice_runtime::apply_body(
         "GpuNode",
         node,
         "spec",
-        &serde_json::json!({ "preemptions": preemptions }),
+        &serde_json::json!({ "preemptions": preemptions, "compacting": compacting }),
     );
     Api::<GpuNode>::all(client.clone())
         .patch(
@@ -954,6 +1072,39 @@ async fn record_fair_share(
             &PatchParams::apply(MANAGER).force(),
             &Patch::Apply(&body),
         )
+        .await?;
+    Ok(())
+}
+
+/// Records a pool's compaction round (its own field manager on the pool's status).
+async fn record_compaction(
+    client: &Client,
+    pool: &str,
+    round: &gpuslice_api::CompactionStatus,
+) -> Result<(), kube::Error> {
+    let body = gpuslice_runtime::apply_body(
+        "GpuPool",
+        pool,
+        "status",
+        &serde_json::json!({ "compaction": round }),
+    );
+    Api::<GpuPool>::all(client.clone())
+        .patch_status(
+            pool,
+            &PatchParams::apply(crate::compaction::MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Removes the pool's `gpuslice.io/compact-now` annotation: its round is planned.
+async fn taken_up(client: &Client, pool: &str) -> Result<(), kube::Error> {
+    let patch = serde_json::json!({
+        "metadata": {"annotations": {(dra::COMPACT_NOW_ANNOTATION): null}}
+    });
+    Api::<GpuPool>::all(client.clone())
+        .patch(pool, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
     Ok(())
 }
@@ -1037,15 +1188,21 @@ pub async fn run(
             }
             for (node, preemptions) in &plan.preemptions {
                 let current = caches.gpu_nodes.get(&ObjectRef::new(node));
-                let before = current
-                    .map(|c| c.spec.preemptions.clone())
+                let (before, compacting_before) = current
+                    .map(|c| (c.spec.preemptions.clone(), c.spec.compacting.clone()))
                     .unwrap_or_default();
-                if before == *preemptions {
+                let mut compacting = plan.compacting.get(node).cloned().unwrap_or_default();
+                compacting.sort_unstable();
+                compacting.dedup();
+                if before == *preemptions && compacting_before == compacting {
                     continue;
                 }
-                match take_back(&client, node, preemptions).await {
+                match take_back(&client, node, preemptions, &compacting).await {
                     Ok(()) => {
-                        for p in preemptions.iter().filter(|p| !before.contains(p)) {
+                        for p in preemptions
+                            .iter()
+                            .filter(|p| !before.contains(p) && !p.for_pod.is_empty())
+                        {
                             let pool = find(&p.for_pod)
                                 .and_then(|x| x.labels().get(POLICY_LABEL).cloned())
                                 .and_then(|policy| {
@@ -1076,6 +1233,19 @@ pub async fn run(
                         }
                     }
                     Err(e) => tracing::warn!("GpuNode/{node}: writing preemptions: {e}"),
+                }
+            }
+            for (pool, round) in &plan.compaction {
+                if let Err(e) = record_compaction(&client, pool, round).await {
+                    tracing::warn!("GpuPool/{pool}: recording its compaction: {e}");
+                }
+            }
+            for pool in &plan.compact_asked {
+                if let Err(e) = taken_up(&client, pool).await {
+                    tracing::warn!(
+                        "GpuPool/{pool}: removing the annotation {}: {e}",
+                        dra::COMPACT_NOW_ANNOTATION
+                    );
                 }
             }
             for (pool, fair_share) in &plan.fair_share {

@@ -119,13 +119,6 @@ pub const NOT_ENFORCED: &str = "declared but not enforced yet";
 
 /// Warns about every field that is accepted but has no effect yet, so nobody relies on it.
 fn inert_fields(repo: &Repo, out: &mut Findings) {
-    for pool in &repo.pools {
-        let spec = &pool.object.spec;
-        let mut warn = |path: &str, what: &str| out.inert(pool.doc, path, what);
-        if spec.compaction.is_some() {
-            warn("spec.compaction", "nothing compacts a pool's slices");
-        }
-    }
     for policy in &repo.policies {
         let spec = &policy.object.spec;
         let mut warn = |path: &str, what: &str| out.inert(policy.doc, path, what);
