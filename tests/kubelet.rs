@@ -18,7 +18,7 @@ use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, Kubelet, eventu
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::Client;
+use kube::{Client, ResourceExt as _};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 const NODE: &str = "gpu-a";
@@ -49,6 +49,11 @@ struct Setup {
 
 impl Setup {
     async fn start(clock: &str, agent_args: &[&str]) -> Option<Setup> {
+        Setup::start_with_gpus(clock, agent_args, 1).await
+    }
+
+    /// As [`Setup::start`], with `gpus` emulated A100s on the node.
+    async fn start_with_gpus(clock: &str, agent_args: &[&str], gpus: u32) -> Option<Setup> {
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
         let kubelet = cluster
             .start_kubelet(NODE, &[("gpuslice.io/pool", "shared-a100")])
@@ -60,11 +65,10 @@ impl Setup {
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let node_file = dir.path().join("node.yaml");
-        std::fs::write(
-            &node_file,
-            format!("name: {NODE}\ngpus:\n- {{index: 0, model: NVIDIA A100-SXM4-80GB}}\n"),
-        )
-        .unwrap();
+        let gpu_lines: String = (0..gpus)
+            .map(|i| format!("- {{index: {i}, model: NVIDIA A100-SXM4-80GB}}\n"))
+            .collect();
+        std::fs::write(&node_file, format!("name: {NODE}\ngpus:\n{gpu_lines}")).unwrap();
         let state = dir.path().join("state");
         let agent_log = dir.path().join("agent.log");
         let metrics_port = gpuslice_testcluster::free_port().unwrap();
@@ -508,7 +512,8 @@ async fn wait_for_holders(
 }
 
 /// The agent's devices: name, memory capacity, re-cut taint value.
-async fn devices(client: &Client) -> Vec<(String, String, Option<String>)> {
+/// Each published device: (name, memory, the value of its taint `key`).
+async fn devices(client: &Client, key: &str) -> Vec<(String, String, Option<String>)> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let mut out = Vec::new();
     for s in slices.list(&ListParams::default()).await.unwrap() {
@@ -523,7 +528,7 @@ async fn devices(client: &Client) -> Vec<(String, String, Option<String>)> {
                 .taints
                 .iter()
                 .flatten()
-                .find(|t| t.key == "gpuslice.io/recut")
+                .find(|t| t.key == key)
                 .and_then(|t| t.value.clone());
             out.push((d.name, memory, taint));
         }
@@ -597,7 +602,7 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
     eventually("the slices are tainted ahead of 20:00", || {
         let client = client.clone();
         async move {
-            let all = devices(&client).await;
+            let all = devices(&client, "gpuslice.io/recut").await;
             (all.len() == 4
                 && all
                     .iter()
@@ -618,7 +623,7 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
         let (pods, client, first) = (pods.clone(), client.clone(), first.clone());
         async move {
             let names = running(pods.clone()).await?;
-            let all = devices(&client).await;
+            let all = devices(&client, "gpuslice.io/recut").await;
             let new_layout =
                 all.len() == 2 && all.iter().all(|(_, m, t)| m == "40Gi" && t.is_none());
             match names.as_slice() {
@@ -1021,5 +1026,331 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
         !log.contains("evicted pod default/stubborn")
             && !log.contains("evicted pod default/pinned"),
         "{log}"
+    );
+}
+
+/// A one-pod Deployment `name` of policy `policy`, created as the chart's admission policies
+/// would leave its pods: labelled, asking for the policy's extended resource, gated.
+fn queued_deployment(setup: &Setup, name: &str, policy: &str, script: &str) -> Deployment {
+    let mut spec = pod_spec(&["/bin/sh", "-c", script], &setup.lib, &setup.machine);
+    spec["containers"][0]["resources"] =
+        serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): "1"}});
+    spec["schedulingGates"] = serde_json::json!([{"name": "gpuslice.io/queue"}]);
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name, "gpuslice.io/policy": policy}},
+                "spec": spec,
+            }
+        }
+    }))
+    .unwrap()
+}
+
+/// The running pod of Deployment `app` (not being deleted), if one runs.
+async fn running_pod(pods: &Api<Pod>, app: &str) -> Option<String> {
+    pods.list(&ListParams::default().labels(&format!("app={app}")))
+        .await
+        .ok()?
+        .into_iter()
+        .find(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+        })
+        .and_then(|p| p.metadata.name)
+}
+
+/// The GPU index of the slice the agent reports for each claim (`default/<name>`).
+async fn gpu_of_claims(
+    gpu_nodes: &Api<gpuslice_api::GpuNode>,
+) -> std::collections::BTreeMap<String, u32> {
+    let node = gpu_nodes.get(NODE).await.unwrap();
+    node.status
+        .iter()
+        .flat_map(|s| &s.claims)
+        .filter_map(|c| {
+            let gpu = c
+                .slice
+                .strip_prefix("gpu")?
+                .split('-')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((c.resource_claim.clone()?, gpu))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn compaction_asked_for_moves_a_checkpointed_pod_off_its_gpu_and_keeps_that_gpu_free() {
+    // Two A100s in shared-a100 (four 20 GiB slices each by day); the pool compacts at 03:00
+    // UTC, and now by hand.
+    let Some(setup) = Setup::start_with_gpus(CLOCK, &[], 2).await else {
+        return;
+    };
+    let client = setup.client.clone();
+    let policies = "
+apiVersion: gpuslice.io/v1alpha1
+kind: CheckpointPolicy
+metadata: {name: quick}
+spec: {signal: SIGUSR1, gracePeriod: 30s}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: batch}
+spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: quick}
+";
+    let file = setup.dir.path().join("policies.yaml");
+    std::fs::write(&file, policies).unwrap();
+    apply_examples(&client, &[file.to_str().unwrap()]).await;
+    eventually("the batch DeviceClass exists", || {
+        let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
+        async move {
+            classes
+                .get_opt("batch.gpuslice.io")
+                .await
+                .map_err(|e| e.to_string())?
+                .map(|_| ())
+                .ok_or_else(|| "not yet".to_string())
+        }
+    })
+    .await;
+    // Six jobs, each a one-pod Deployment that checkpoints when told.
+    let script = "trap 'echo checkpointing; touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"' USR1; while :; do sleep 0.2; done";
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), "default");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let mut jobs = std::collections::BTreeMap::new();
+    for i in 0..6 {
+        let app = format!("job-{i}");
+        deployments
+            .create(
+                &PostParams::default(),
+                &queued_deployment(&setup, &app, "batch", script),
+            )
+            .await
+            .unwrap();
+        let pod = eventually(&format!("{app} runs"), || {
+            let (pods, app) = (pods.clone(), app.clone());
+            async move {
+                match running_pod(&pods, &app).await {
+                    Some(p) => Ok(p),
+                    None => Err(pod_states(&pods).await),
+                }
+            }
+        })
+        .await;
+        jobs.insert(app, pod);
+    }
+    let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
+    let mut claims = std::collections::BTreeMap::new();
+    for (app, pod) in &jobs {
+        claims.insert(app.clone(), claim_of(&pods, pod).await);
+    }
+    let on_gpu = eventually("the agent reports the six claims", || {
+        let (gpu_nodes, claims) = (gpu_nodes.clone(), claims.clone());
+        async move {
+            let by_claim = gpu_of_claims(&gpu_nodes).await;
+            let on: std::collections::BTreeMap<String, u32> = claims
+                .iter()
+                .filter_map(|(app, c)| Some((app.clone(), *by_claim.get(c)?)))
+                .collect();
+            (on.len() == 6)
+                .then_some(on)
+                .ok_or_else(|| format!("{by_claim:?}"))
+        }
+    })
+    .await;
+    // Leave one job on one GPU and two on the other: three of eight slices in use, and all five
+    // free ones stranded beside them (fragmentation 100 % over the pool's 30 %).
+    let apps_on = |gpu: u32| -> Vec<String> {
+        on_gpu
+            .iter()
+            .filter(|(_, g)| **g == gpu)
+            .map(|(a, _)| a.clone())
+            .collect()
+    };
+    let (sparse, full) = if apps_on(0).len() <= apps_on(1).len() {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    let lone = apps_on(sparse)[0].clone();
+    let pair: Vec<String> = apps_on(full).into_iter().take(2).collect();
+    for app in on_gpu.keys() {
+        if *app != lone && !pair.contains(app) {
+            deployments
+                .delete(app, &DeleteParams::foreground())
+                .await
+                .unwrap();
+        }
+    }
+    eventually("three jobs hold slices", || {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let n = gpu_of_claims(&gpu_nodes).await.len();
+            (n == 3).then_some(()).ok_or_else(|| format!("{n} claims"))
+        }
+    })
+    .await;
+
+    // `gpuslice compact` asks for a round now.
+    let out = Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+        .args(["compact", "shared-a100"])
+        .env("KUBECONFIG", setup.cluster.kubeconfig_path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let refused = Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+        .args(["compact", "no-such-pool"])
+        .env("KUBECONFIG", setup.cluster.kubeconfig_path())
+        .output()
+        .unwrap();
+    assert!(
+        !refused.status.success()
+            && String::from_utf8_lossy(&refused.stderr)
+                .contains("GpuPool no-such-pool does not exist"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    // The round: the lone job moves off its GPU into the other; the annotation is taken up.
+    let pools: Api<gpuslice_api::GpuPool> = Api::all(client.clone());
+    let round = eventually("the pool records the round", || {
+        let pools = pools.clone();
+        async move {
+            let pool = pools.get("shared-a100").await.map_err(|e| e.to_string())?;
+            let asked = pool.annotations().contains_key("gpuslice.io/compact-now");
+            match pool.status.and_then(|s| s.compaction) {
+                Some(round) if !asked => Ok(round),
+                other => Err(format!("annotated {asked}, {other:?}")),
+            }
+        }
+    })
+    .await;
+    let sparse_ref = format!("{NODE}/gpu{sparse}");
+    assert_eq!(round.trigger, "manual");
+    assert_eq!(round.freeing, [sparse_ref.clone()]);
+    assert_eq!(
+        round
+            .moves
+            .iter()
+            .map(|m| (m.resource_claim.as_str(), m.from.as_str(), m.to.as_str()))
+            .collect::<Vec<_>>(),
+        [(
+            claims[&lone].as_str(),
+            sparse_ref.as_str(),
+            format!("{NODE}/gpu{full}").as_str()
+        )]
+    );
+    // While it moves, nothing new may land on the GPU being emptied.
+    let prefix = format!("gpu{sparse}-");
+    eventually("the GPU being emptied is tainted", || {
+        let (client, prefix) = (client.clone(), prefix.clone());
+        async move {
+            let all = devices(&client, "gpuslice.io/compacting").await;
+            let mine: Vec<_> = all.iter().filter(|d| d.0.starts_with(&prefix)).collect();
+            (mine.len() == 4 && mine.iter().all(|d| d.2.is_some()))
+                .then_some(())
+                .ok_or_else(|| format!("{all:?}"))
+        }
+    })
+    .await;
+    // The lone job checkpoints, is evicted, and its Deployment's new pod runs on the other GPU;
+    // the pair there was never asked.
+    let moved = eventually("the lone job runs again, on the other GPU", || {
+        let (pods, gpu_nodes, lone) = (pods.clone(), gpu_nodes.clone(), lone.clone());
+        let old = jobs[&lone].clone();
+        async move {
+            let Some(pod) = running_pod(&pods, &lone).await.filter(|p| *p != old) else {
+                return Err(pod_states(&pods).await);
+            };
+            let Some(claim) = pods
+                .get(&pod)
+                .await
+                .ok()
+                .and_then(|p| p.status?.extended_resource_claim_status)
+                .map(|c| format!("default/{}", c.resource_claim_name))
+            else {
+                return Err(format!("{pod} has no claim yet"));
+            };
+            match gpu_of_claims(&gpu_nodes).await.get(&claim) {
+                Some(gpu) if *gpu == full => Ok(pod),
+                other => Err(format!("{pod} on {other:?}")),
+            }
+        }
+    })
+    .await;
+    let old = setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == jobs[&lone])
+        .unwrap();
+    assert!(setup.kubelet.output(&old).contains("checkpointing"));
+    for app in &pair {
+        assert_eq!(running_pod(&pods, app).await.as_ref(), Some(&jobs[app]));
+    }
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    let note = eventually("the moved pod's Compacted event", || {
+        let (events, old) = (events.clone(), jobs[&lone].clone());
+        async move {
+            events
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some("Compacted")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                            == Some(old.as_str())
+                })
+                .and_then(|e| e.note)
+                .ok_or_else(|| "no event".to_string())
+        }
+    })
+    .await;
+    assert!(
+        note.contains(&format!("emptying {sparse_ref}")) && note.ends_with("checkpoint taken"),
+        "{note}"
+    );
+    // Once the moved pod runs and nothing else is being admitted, the round ends and the GPU,
+    // now empty, is open again.
+    eventually("the round ends and the GPU is open", || {
+        let (client, pools, gpu_nodes) = (client.clone(), pools.clone(), gpu_nodes.clone());
+        async move {
+            let round = pools
+                .get("shared-a100")
+                .await
+                .map_err(|e| e.to_string())?
+                .status
+                .and_then(|s| s.compaction);
+            let spec = gpu_nodes.get(NODE).await.map_err(|e| e.to_string())?.spec;
+            let tainted = devices(&client, "gpuslice.io/compacting")
+                .await
+                .into_iter()
+                .filter(|d| d.2.is_some())
+                .count();
+            (round.as_ref().is_some_and(|r| r.finished_at.is_some())
+                && spec.compacting.is_empty()
+                && spec.preemptions.is_empty()
+                && tainted == 0)
+                .then_some(())
+                .ok_or_else(|| format!("{round:?} {spec:?} {tainted} tainted"))
+        }
+    })
+    .await;
+    let held = gpu_of_claims(&gpu_nodes).await;
+    assert!(
+        held.values().all(|g| *g == full) && held.len() == 3,
+        "all three jobs on GPU {full}: {held:?} ({moved})"
     );
 }
