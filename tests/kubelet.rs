@@ -18,8 +18,8 @@ use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, Kubelet, eventu
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::{Client, ResourceExt as _};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::{Client, ResourceExt as _};
 
 const NODE: &str = "gpu-a";
 const CLOCK: &str = "2026-12-02T10:00:00Z";
@@ -1221,23 +1221,23 @@ spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: quick}
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
-    // The round: the lone job moves off its GPU into the other; the annotation is taken up.
+    // The round: the lone job moves off its GPU into the other; it took up the annotation.
     let pools: Api<gpuslice_api::GpuPool> = Api::all(client.clone());
     let round = eventually("the pool records the round", || {
         let pools = pools.clone();
         async move {
             let pool = pools.get("shared-a100").await.map_err(|e| e.to_string())?;
-            let asked = pool.annotations().contains_key("gpuslice.io/compact-now");
+            let asked = pool.annotations().get("gpuslice.io/compact-now").cloned();
             match pool.status.and_then(|s| s.compaction) {
-                Some(round) if !asked => Ok(round),
-                other => Err(format!("annotated {asked}, {other:?}")),
+                Some(round) if asked.is_some() && round.request == asked => Ok(round),
+                other => Err(format!("annotated {asked:?}, {other:?}")),
             }
         }
     })
     .await;
     let sparse_ref = format!("{NODE}/gpu{sparse}");
     assert_eq!(round.trigger, "manual");
-    assert_eq!(round.freeing, [sparse_ref.clone()]);
+    assert_eq!(round.freeing, std::slice::from_ref(&sparse_ref));
     assert_eq!(
         round
             .moves

@@ -48,8 +48,9 @@ pub const XID_TAINT: &str = "gpuslice.io/xid";
 /// The device taint (NoSchedule, value `true`) on the devices of a GPU that compaction is
 /// emptying, until the workloads moved off it run elsewhere.
 pub const COMPACTING_TAINT: &str = "gpuslice.io/compacting";
-/// The GpuPool annotation that asks for a compaction now, outside the pool's compaction window
-/// (any value; the operator removes it when it has planned the round).
+/// The GpuPool annotation that asks for a compaction now, outside the pool's compaction window:
+/// each new value asks for one round (`gpuslice compact` writes the time); the round records
+/// the value it took up in `status.compaction.request`.
 pub const COMPACT_NOW_ANNOTATION: &str = "gpuslice.io/compact-now";
 /// The GpuNode annotation that says GPUs were reset (`1`, `0,3` or `all`): the agent lifts
 /// their XID quarantines and removes the annotation.

@@ -325,6 +325,10 @@ pub struct CompactionStatus {
     /// What started it: `window` (the compaction window, fragmentation over the threshold) or
     /// `manual` (the annotation `gpuslice.io/compact-now`, which `gpuslice compact` sets).
     pub trigger: String,
+    /// The value of the pool's `gpuslice.io/compact-now` annotation this round took up (a new
+    /// value asks for another round).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<String>,
     /// GPUs the round empties, `node/gpuN`; their devices are tainted `gpuslice.io/compacting`
     /// until the round ends.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -1,6 +1,6 @@
 //! Compaction rounds (`GpuPool.spec.compaction`), carried out by the admission queue through
 //! its preemption path. A round starts in the pool's compaction window (once per opening) or
-//! when the pool is annotated `gpuslice.io/compact-now`, and only while nothing of the pool is
+//! when the pool's annotation `gpuslice.io/compact-now` takes a new value, and only while nothing of the pool is
 //! being admitted. It plans with [`gpuslice_planning::compaction::plan`]; each move becomes a
 //! preemption for no pod (the agent drains the workload by its CheckpointPolicy and evicts it,
 //! its controller's replacement waits in the queue), and each GPU being emptied is listed in its
@@ -59,8 +59,6 @@ pub struct Step {
     pub compacting: BTreeSet<(String, u32)>,
     /// The round to record in the pool's status.
     pub record: Option<CompactionStatus>,
-    /// Remove the pool's `gpuslice.io/compact-now` annotation (the ask was taken up).
-    pub clear_annotation: bool,
 }
 
 /// `node/gpuN`.
@@ -122,12 +120,20 @@ impl Rounds {
         let Some(settings) = pool.spec.compaction.as_ref().filter(|c| c.enabled) else {
             return step;
         };
-        let asked = pool.annotations().contains_key(dra::COMPACT_NOW_ANNOTATION);
         let last = self.last(pool);
+        // A value of the annotation no round has taken up yet.
+        let asked = pool
+            .annotations()
+            .get(dra::COMPACT_NOW_ANNOTATION)
+            .filter(|v| last.as_ref().is_none_or(|r| r.request.as_ref() != Some(*v)))
+            .cloned();
         let recorded = pool.status.as_ref().and_then(|s| s.compaction.clone());
         if let Some(mut round) = last.clone().filter(|r| r.finished_at.is_none()) {
             // Under way: an ask meanwhile is folded into it.
-            step.clear_annotation = asked;
+            if asked.is_some() {
+                round.request = asked;
+                self.written.insert(name.clone(), round.clone());
+            }
             let left: Vec<&CompactionMove> = round
                 .moves
                 .iter()
@@ -184,7 +190,7 @@ impl Rounds {
                 .and_then(|r| gpuslice_api::chrono_of(&r.started_at))
                 .is_none_or(|started| started < o.start)
         });
-        if !(asked || by_window) || !quiet {
+        if !(asked.is_some() || by_window) || !quiet {
             return step;
         }
         let threshold = settings.fragmentation_threshold.unwrap_or(0.3);
@@ -195,7 +201,8 @@ impl Rounds {
         let at = |(node, gpu): &(String, u32)| gpu_ref(node, *gpu);
         let round = CompactionStatus {
             started_at,
-            trigger: if asked { "manual" } else { "window" }.to_string(),
+            trigger: if asked.is_some() { "manual" } else { "window" }.to_string(),
+            request: asked.or_else(|| last.and_then(|r| r.request)),
             freeing: planned.freed.iter().map(at).collect(),
             moves: planned
                 .moves
@@ -221,7 +228,6 @@ impl Rounds {
             round.freeing.len()
         );
         self.written.insert(name, round.clone());
-        step.clear_annotation = asked;
         step.record = Some(round);
         step
     }
@@ -245,7 +251,7 @@ pub enum AskError {
 }
 
 /// Asks the operator for a compaction round of `pool` now: annotates the pool
-/// `gpuslice.io/compact-now` (the operator removes it when it has planned the round).
+/// `gpuslice.io/compact-now` with the time (a new value, so a new round).
 pub async fn ask(client: &kube::Client, pool: &str) -> Result<(), AskError> {
     use kube::api::{Api, Patch, PatchParams};
     let api: Api<GpuPool> = Api::all(client.clone());
@@ -261,7 +267,7 @@ pub async fn ask(client: &kube::Client, pool: &str) -> Result<(), AskError> {
     if !current.spec.compaction.as_ref().is_some_and(|c| c.enabled) {
         return Err(AskError::NotEnabled(pool.to_string()));
     }
-    let at = Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let at = Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     let patch = serde_json::json!({
         "metadata": {"annotations": {(dra::COMPACT_NOW_ANNOTATION): at}}
     });
@@ -373,8 +379,10 @@ mod tests {
         assert!(busy.record.is_none());
         let started = rounds.step(&pool(true), &slices(), &held, true, now);
         let round = started.record.unwrap();
-        assert!(started.clear_annotation);
-        assert_eq!(round.trigger, "manual");
+        assert_eq!(
+            (round.trigger.as_str(), round.request.as_deref()),
+            ("manual", Some("1"))
+        );
         assert_eq!(round.freeing, ["n/gpu0"]);
         assert_eq!(
             round.moves,
@@ -417,7 +425,23 @@ mod tests {
             later + chrono::Duration::seconds(SETTLE_SECONDS),
         );
         assert!(done.compacting.is_empty());
-        assert!(done.record.unwrap().finished_at.is_some());
+        let finished = done.record.unwrap();
+        assert!(finished.finished_at.is_some());
+        // The annotation still says what this round took up: no new round; a new value asks
+        // for one.
+        let mut asked = pool(true);
+        asked.status = Some(GpuPoolStatus {
+            compaction: Some(finished),
+            ..GpuPoolStatus::default()
+        });
+        let much_later = later + chrono::Duration::minutes(5);
+        let same = rounds.step(&asked, &slices(), &held, true, much_later);
+        assert!(same.record.is_none(), "{same:?}");
+        asked
+            .annotations_mut()
+            .insert(dra::COMPACT_NOW_ANNOTATION.into(), "2".into());
+        let again = rounds.step(&asked, &slices(), &held, true, much_later);
+        assert_eq!(again.record.unwrap().request.as_deref(), Some("2"));
     }
 
     #[test]

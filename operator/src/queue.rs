@@ -406,8 +406,6 @@ pub struct Plan {
     pub compacting: BTreeMap<String, Vec<u32>>,
     /// Pool → its compaction round to record in its status.
     pub compaction: BTreeMap<String, gpuslice_api::CompactionStatus>,
-    /// Pools whose `gpuslice.io/compact-now` annotation was taken up.
-    pub compact_asked: Vec<String>,
     /// Pods waiting per (pool, namespace).
     pub waiting: BTreeMap<(String, String), i64>,
     /// The pool of each pod admitted.
@@ -940,9 +938,6 @@ impl Queue {
             if let Some(round) = step.record {
                 plan.compaction.insert(name.clone(), round);
             }
-            if step.clear_annotation {
-                plan.compact_asked.push(name);
-            }
         }
     }
 }
@@ -1098,17 +1093,6 @@ async fn record_compaction(
     Ok(())
 }
 
-/// Removes the pool's `gpuslice.io/compact-now` annotation: its round is planned.
-async fn taken_up(client: &Client, pool: &str) -> Result<(), kube::Error> {
-    let patch = serde_json::json!({
-        "metadata": {"annotations": {(dra::COMPACT_NOW_ANNOTATION): null}}
-    });
-    Api::<GpuPool>::all(client.clone())
-        .patch(pool, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
-    Ok(())
-}
-
 async fn tell(
     client: &Client,
     namespace: &str,
@@ -1238,14 +1222,6 @@ pub async fn run(
             for (pool, round) in &plan.compaction {
                 if let Err(e) = record_compaction(&client, pool, round).await {
                     tracing::warn!("GpuPool/{pool}: recording its compaction: {e}");
-                }
-            }
-            for pool in &plan.compact_asked {
-                if let Err(e) = taken_up(&client, pool).await {
-                    tracing::warn!(
-                        "GpuPool/{pool}: removing the annotation {}: {e}",
-                        dra::COMPACT_NOW_ANNOTATION
-                    );
                 }
             }
             for (pool, fair_share) in &plan.fair_share {
