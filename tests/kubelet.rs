@@ -463,8 +463,8 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     wait_for_holders(&gpu_nodes, &setup.kubelet, &[]).await;
 }
 
-async fn wait_for_phases(pods: &Api<Pod>, names: &[&str], want: [&str; 3]) {
-    eventually(&format!("the notebooks are {want:?}"), || async move {
+async fn wait_for_phases<const N: usize>(pods: &Api<Pod>, names: &[&str], want: [&str; N]) {
+    eventually(&format!("the pods are {want:?}"), || async move {
         let mut phases = Vec::new();
         for name in names {
             phases.push(phase(pods, name).await);
@@ -1352,5 +1352,52 @@ spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: quick}
     assert!(
         held.values().all(|g| *g == full) && held.len() == 3,
         "all three jobs on GPU {full}: {held:?} ({moved})"
+    );
+}
+
+#[tokio::test]
+async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
+    // One notebook (compute limit 25 %) alone on the GPU, launching 2 ms kernels back to back
+    // for 4 s: the shim the CDI spec preloads asks the agent's arbiter for each turn, so the
+    // pod gets a quarter of the GPU's time, not all of it.
+    let Some(setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let worker = format!(
+        "{} bench compute-worker --kernel-us 2000 --seconds 4",
+        env!("CARGO_BIN_EXE_gpuslice")
+    );
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "kernels",
+            &["/bin/sh", "-c", &worker],
+            &setup.lib,
+            &setup.machine,
+        ),
+    )
+    .await
+    .unwrap();
+    wait_for_phases(&pods, &["kernels"], ["Succeeded"]).await;
+    let container = setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == "kernels")
+        .unwrap();
+    let output = setup.kubelet.output(&container);
+    let report: serde_json::Value = output
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no report in the container's output:\n{output}"));
+    let number = |key: &str| report[key].as_u64().unwrap_or_else(|| panic!("{report}"));
+    let busy_ns = number("kernels") * 2_000_000;
+    let share = busy_ns as f64 / (number("endNs") - number("startNs")) as f64;
+    assert!(
+        (0.20..=0.30).contains(&share),
+        "the pod's kernels had {:.1} % of the GPU's time (limit 25 %): {report}",
+        100.0 * share
     );
 }
