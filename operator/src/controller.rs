@@ -523,6 +523,7 @@ pub async fn run(
         ))
         .await;
         // Wake on a change (a burst settles first) or at the next window boundary.
+        tracing::debug!("pass took {:.2} s", started.elapsed().as_secs_f64());
         let until_boundary = want
             .next_change
             .map_or(IDLE_PASS, |t| clock.until(t) + BOUNDARY_MARGIN);
@@ -704,10 +705,18 @@ impl Writer {
                 }
             })
         });
-        failed += futures::stream::iter(writes)
+        let started = std::time::Instant::now();
+        let (written, node_failures) = futures::stream::iter(writes)
             .buffer_unordered(WRITES_IN_FLIGHT)
-            .fold(0u64, |sum, f| async move { sum + f })
+            .fold((0u64, 0u64), |(n, sum), f| async move { (n + 1, sum + f) })
             .await;
+        if written > 0 {
+            tracing::info!(
+                "wrote {written} GpuNode layouts in {:.2} s ({node_failures} failed)",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        failed += node_failures;
         let pool_api: Api<GpuPool> = Api::all(self.client.clone());
         for (name, status) in &want.pool_status {
             let current = pools.get(&reflector::ObjectRef::new(name));
@@ -716,9 +725,11 @@ impl Writer {
                 .and_then(|p| p.status.clone())
                 .unwrap_or_default();
             let status = with_transition_times(status, &old);
-            // The namespaces' use is the queue's to write (its own field manager).
+            // The namespaces' use and the compaction round are the queue's to write (their own
+            // field managers).
             let unchanged = GpuPoolStatus {
                 fair_share: old.fair_share.clone(),
+                compaction: old.compaction.clone(),
                 ..status.clone()
             } == old;
             if unchanged {

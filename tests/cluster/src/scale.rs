@@ -46,12 +46,23 @@ pub fn operator(
     cluster: &ControlPlane,
     clock: &str,
 ) -> std::io::Result<KillOnDrop> {
+    // GPUSLICE_BENCH_OPERATOR_LOG=FILE keeps the operator's log (appended), to see where a
+    // benchmark's time goes.
+    let log = match std::env::var_os("GPUSLICE_BENCH_OPERATOR_LOG") {
+        Some(path) => Stdio::from(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?,
+        ),
+        None => Stdio::null(),
+    };
     Command::new(gpuslice)
         .arg("operator")
         .env("KUBECONFIG", cluster.kubeconfig_path())
         .env("GPUSLICE_CLOCK_START", clock)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .map(KillOnDrop)
 }
