@@ -257,7 +257,8 @@ pub struct FaultIsolation {
     /// the slice comes back when that workload releases it. An error of the GPU itself (for
     /// example 48, 79, 95) drains every workload on the GPU through its CheckpointPolicy and
     /// taints all its devices until the GPU is reset and annotated (`gpuslice.io/gpu-reset`).
-    /// When false, XIDs are only counted.
+    /// When false, XIDs are only counted. The in-cluster agent acts on it; the standalone agent
+    /// does not watch XIDs yet.
     #[serde(default)]
     pub enabled: bool,
 }

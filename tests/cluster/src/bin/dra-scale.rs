@@ -44,7 +44,13 @@ use kube::runtime::{WatchStreamExt as _, watcher};
 /// every quarter second would itself load the API server that the measurement is about.
 fn watched<K>(api: Api<K>) -> (Store<K>, tokio::task::JoinHandle<()>)
 where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K: kube::Resource
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
 {
     let (reader, writer) = reflector::store();
