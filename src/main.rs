@@ -136,9 +136,9 @@ enum Command {
         /// Where the container runtime reads CDI specs; the plugin writes one per prepared claim.
         #[arg(long, default_value = "/var/run/cdi", requires = "kubelet_dir")]
         cdi_dir: PathBuf,
-        /// With --kube: the kernel log whose NVRM XID records name the process that caused an
-        /// XID (NVML's events do not), so that fault isolation quarantines its slice.
-        #[arg(long, default_value = "/dev/kmsg", requires = "kube")]
+        /// The kernel log whose NVRM XID records name the process that caused an XID (NVML's
+        /// events do not), so that fault isolation quarantines its slice.
+        #[arg(long, default_value = "/dev/kmsg")]
         kernel_log: PathBuf,
         /// The instant to plan for (RFC 3339), with --once; now by default.
         #[arg(long, requires = "once")]
@@ -181,6 +181,15 @@ enum Command {
         /// The pool whose cache, when the node has several.
         #[arg(long)]
         pool: Option<String>,
+        /// The agent's state directory.
+        #[arg(long, default_value = gpuslice_contract::paths::DEFAULT)]
+        state: PathBuf,
+    },
+    /// Tell this node's agent that GPUs were reset (after `nvidia-smi -r`), so that it lifts
+    /// their XID quarantines: `1`, `0,3` or `all`. Root only. In a cluster, annotating the
+    /// GpuNode `gpuslice.io/gpu-reset=<gpus>` does the same.
+    GpuReset {
+        gpus: String,
         /// The agent's state directory.
         #[arg(long, default_value = gpuslice_contract::paths::DEFAULT)]
         state: PathBuf,
@@ -625,6 +634,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 at: at.map(|t| t.with_timezone(&chrono::Utc)),
                 interval: interval.into(),
                 clock,
+                kernel_log,
             };
             let mut shown = String::new();
             let last = gpuslice_node::standalone::run(&options, |pass| {
@@ -670,6 +680,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 gpuslice::run::cache_fetch(&StateDir::new(state), &source, pool.as_deref())?;
             eprintln!("gpuslice cache: {}", if hit { "cached" } else { "fetched" });
             println!("{}", path.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::GpuReset { gpus, state } => {
+            gpuslice::run::gpu_reset(&StateDir::new(state), &gpus)?;
+            println!("GPU(s) {gpus}: the agent lifts their quarantines at its next pass");
             Ok(ExitCode::SUCCESS)
         }
         Command::Compact { pool } => {
@@ -953,7 +968,8 @@ fn agent_in_cluster(
     const STALE_INTERVALS: u32 = 3;
     const STALE_SLACK: std::time::Duration = std::time::Duration::from_secs(60);
     let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
-    let agent = gpuslice_node::pass::Agent::new(gpus, &node, state, true);
+    let agent = gpuslice_node::pass::Agent::new(gpus, &node, state, true)
+        .with_faults(settings.faults.clone());
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -27,6 +27,8 @@ pub enum RunError {
     Refused(String),
     #[error("not cached: {0}")]
     NotCached(String),
+    #[error("GPU reset not taken: {0}")]
+    ResetRefused(String),
     #[error("the shim (libgpuslice.so) is not next to {0}; build the workspace or pass --shim")]
     NoShim(String),
     #[error("cannot start {command}: {source}")]
@@ -55,6 +57,36 @@ pub fn cache_fetch(
     source: &str,
     pool: Option<&str>,
 ) -> Result<(PathBuf, bool), RunError> {
+    match ask(
+        state,
+        &Request::Cache {
+            source: source.to_string(),
+            pool: pool.map(str::to_string),
+        },
+    )? {
+        Reply::Cached { path, hit, .. } => Ok((path, hit)),
+        Reply::Refused { reason } => Err(RunError::NotCached(reason)),
+        other => Err(RunError::Lost(format!("unexpected answer {other:?}"))),
+    }
+}
+
+/// Tells the node's agent that `gpus` (`1`, `0,3` or `all`) were reset, so that it lifts their
+/// XID quarantines; the agent takes it from root only.
+pub fn gpu_reset(state: &StateDir, gpus: &str) -> Result<(), RunError> {
+    match ask(
+        state,
+        &Request::GpuReset {
+            gpus: gpus.to_string(),
+        },
+    )? {
+        Reply::ResetTaken { .. } => Ok(()),
+        Reply::Refused { reason } => Err(RunError::ResetRefused(reason)),
+        other => Err(RunError::Lost(format!("unexpected answer {other:?}"))),
+    }
+}
+
+/// One request to the agent's socket, and its one answer.
+fn ask(state: &StateDir, request: &Request) -> Result<Reply, RunError> {
     let path = state.socket();
     let stream = UnixStream::connect(&path).map_err(|e| RunError::Agent {
         path: path.display().to_string(),
@@ -62,19 +94,10 @@ pub fn cache_fetch(
         source: e,
     })?;
     let lost = |e: std::io::Error| RunError::Lost(e.to_string());
-    (&stream)
-        .write_all(&socket::line(&Request::Cache {
-            source: source.to_string(),
-            pool: pool.map(str::to_string),
-        }))
-        .map_err(lost)?;
+    (&stream).write_all(&socket::line(request)).map_err(lost)?;
     let mut line = String::new();
     BufReader::new(stream).read_line(&mut line).map_err(lost)?;
-    match serde_json::from_str(&line).map_err(|e| RunError::Lost(e.to_string()))? {
-        Reply::Cached { path, hit, .. } => Ok((path, hit)),
-        Reply::Refused { reason } => Err(RunError::NotCached(reason)),
-        other => Err(RunError::Lost(format!("unexpected answer {other:?}"))),
-    }
+    serde_json::from_str(&line).map_err(|e| RunError::Lost(e.to_string()))
 }
 
 /// Runs `command` on a slice; returns its exit code (128 + signal when killed).

@@ -45,6 +45,11 @@ fn run(state: &Path, args: &[&str]) -> Command {
 /// The agent as a service on an emulated one-A100 node in the `lab` pool, following `source`,
 /// with its state in `<dir>/state` and its passes (JSON lines) to `passes`.
 fn agent(dir: &Path, source: &Path, passes: Stdio) -> Child {
+    agent_with(dir, source, passes, &[])
+}
+
+/// [`agent`] with more arguments.
+fn agent_with(dir: &Path, source: &Path, passes: Stdio, extra: &[&str]) -> Child {
     let node = dir.join("node.yaml");
     std::fs::write(
         &node,
@@ -66,6 +71,7 @@ fn agent(dir: &Path, source: &Path, passes: Stdio) -> Child {
         .arg(&node)
         .arg("--state")
         .arg(dir.join("state"))
+        .args(extra)
         .stdout(passes)
         .stderr(Stdio::null())
         .spawn()
@@ -73,7 +79,7 @@ fn agent(dir: &Path, source: &Path, passes: Stdio) -> Child {
 }
 
 /// Waits (within a guard against hanging) until `check` holds.
-fn eventually(what: &str, check: impl Fn() -> bool) {
+fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !check() {
         assert!(Instant::now() < deadline, "never: {what}");
@@ -486,4 +492,149 @@ fn the_pools_dataset_cache_fetches_once_and_survives_a_restart() {
         let out = ask(dataset.to_str().unwrap());
         out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cached")
     });
+}
+
+/// A `gpuslice run` of policy `small` holding its slice until `end` exists; returns it with
+/// the slice it got, once its command runs.
+fn hold(state: &Path, end: &Path) -> (Child, String) {
+    let mut child = run(state, &["--policy", "small", "--", "sh", "-c"])
+        .arg(format!(
+            "echo \"$GPUSLICE_SLICE_CONFIG\"; while [ ! -e {} ]; do sleep 0.1; done",
+            end.display()
+        ))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let slice = Path::new(line.trim())
+        .parent()
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| panic!("no slice config in {line:?}"));
+    (child, slice)
+}
+
+/// The standalone agent isolates faults as the in-cluster one does, for pools with
+/// `faultIsolation`: an XID the kernel traces to a `gpuslice run` quarantines that run's slice
+/// only, until the run lets go of it; a fatal XID takes the GPU out of service — its runs are
+/// drained by the pool's CheckpointPolicy and no new run gets a slice — until root says the GPU
+/// was reset (`gpuslice gpu-reset`).
+#[test]
+fn xid_errors_quarantine_a_runs_slice_or_take_the_gpu_out_until_root_resets_it() {
+    if !is_root() {
+        // `gpuslice gpu-reset` is root's.
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    let pool = pool(4, "20Gi").replace(
+        "  memoryHeadroom: 1Gi\n",
+        "  memoryHeadroom: 1Gi\n  faultIsolation: {enabled: true}\n  checkpointPolicy: quick\n",
+    ) + "---\napiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: quick}\nspec: {signal: SIGTERM, gracePeriod: 1s}\n";
+    std::fs::write(source.join("pool.yaml"), pool).unwrap();
+    // The kernel log is a file written as the kernel would; the emulator puts GPU 0 at PCI
+    // 0000:10:00.
+    let kmsg = dir.path().join("kmsg");
+    std::fs::write(&kmsg, "").unwrap();
+    let kernel = |code: u64, pid: u32| {
+        use std::io::Write as _;
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&kmsg)
+            .unwrap();
+        writeln!(
+            log,
+            "4,1234,5678901,-;NVRM: Xid (PCI:0000:10:00): {code}, pid={pid}, name=sh, Ch 00000008"
+        )
+        .unwrap();
+    };
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    children.keep(agent_with(
+        dir.path(),
+        &source,
+        Stdio::null(),
+        &["--kernel-log", kmsg.to_str().unwrap()],
+    ));
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s3/config").exists()
+    });
+    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
+    let inject = |code: u64| {
+        gpuslice_emulator::Store::open(&machine)
+            .unwrap()
+            .mutate(|m| m.inject_xid(0, code))
+            .unwrap()
+            .unwrap()
+    };
+    let quarantined = || -> Vec<(Option<String>, u64)> {
+        std::fs::read_to_string(state.join("quarantine.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<Vec<serde_json::Value>>(&t).ok())
+            .unwrap_or_default()
+            .iter()
+            .map(|q| {
+                (
+                    q["slice"].as_str().map(str::to_string),
+                    q["xid"].as_u64().unwrap_or_default(),
+                )
+            })
+            .collect()
+    };
+    let (end_a, end_b) = (dir.path().join("end-a"), dir.path().join("end-b"));
+    let (a, slice_a) = hold(&state, &end_a);
+    let pid_a = a.id();
+    children.keep(a);
+    let (b, slice_b) = hold(&state, &end_b);
+    let b = children.keep(b);
+    assert_ne!(slice_a, slice_b);
+
+    // XID 31 that the kernel traces to run A: A's slice only.
+    kernel(31, pid_a);
+    inject(31);
+    eventually("A's slice is quarantined", || {
+        quarantined() == [(Some(slice_a.clone()), 31)]
+    });
+    // A lets go of its slice: it comes back.
+    std::fs::write(&end_a, "").unwrap();
+    eventually("A's slice is back", || quarantined().is_empty());
+
+    // XID 79 (the GPU fell off the bus): the GPU is out; B is told (SIGTERM) and stopped.
+    inject(79);
+    eventually("the GPU is out of service", || {
+        quarantined() == [(None, 79)]
+    });
+    eventually("B is drained", || b.try_wait().unwrap().is_some());
+    let refused = run(&state, &["--policy", "small", "--no-wait", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(
+        !refused.status.success(),
+        "a run got a slice of a GPU out of service"
+    );
+    // Root says the GPU was reset: it is back.
+    let reset = Command::new(BIN)
+        .args(["gpu-reset", "0", "--state"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(
+        reset.status.success(),
+        "{}",
+        String::from_utf8_lossy(&reset.stderr)
+    );
+    eventually("the GPU is back", || quarantined().is_empty());
+    let ran = run(&state, &["--policy", "small", "--no-wait", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(
+        ran.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
 }

@@ -257,8 +257,9 @@ pub struct FaultIsolation {
     /// the slice comes back when that workload releases it. An error of the GPU itself (for
     /// example 48, 79, 95) drains every workload on the GPU through its CheckpointPolicy and
     /// taints all its devices until the GPU is reset and annotated (`gpuslice.io/gpu-reset`).
-    /// When false, XIDs are only counted. The in-cluster agent acts on it; the standalone agent
-    /// does not watch XIDs yet.
+    /// When false, XIDs are only counted. The standalone agent does the same for `gpuslice run`
+    /// workloads (its log says what it did; root lifts a GPU's quarantine with `gpuslice
+    /// gpu-reset`).
     #[serde(default)]
     pub enabled: bool,
 }

@@ -49,6 +49,11 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pool: Option<String>,
     },
+    /// Root says these GPUs were reset (`1`, `0,3` or `all`): the agent lifts their XID
+    /// quarantines at its next pass.
+    GpuReset {
+        gpus: String,
+    },
 }
 
 /// The agent's answer to a claim (and its refusal of a compute session).
@@ -74,6 +79,10 @@ pub enum Reply {
         object: String,
         size: u64,
         hit: bool,
+    },
+    /// A GPU reset was taken; the agent's next pass lifts the quarantines.
+    ResetTaken {
+        gpus: String,
     },
 }
 

@@ -37,7 +37,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::dra::{self, NodeRef};
-use crate::faults::{self, Holding, Notice, Quarantine, Quarantines};
+use crate::faults::{self, Notice, Quarantine, Quarantines};
 use crate::pass::{Agent, Eviction, Intent, Pass, PassError};
 
 /// The field manager of what the agent writes.
@@ -172,46 +172,6 @@ fn quarantine_condition(list: &[Quarantine], node: &str, generation: Option<i64>
     )
 }
 
-/// The held slices of a pass, as fault isolation sees them.
-fn holdings(pass: &Pass) -> Vec<Holding> {
-    let configs = crate::slices::configs(&pass.inventory);
-    pass.claims
-        .iter()
-        .filter_map(|c| {
-            let gpu = configs.iter().find(|s| s.id == c.slice)?.gpu;
-            let (holder, pids) = match &c.resource_claim {
-                Some(claim) => (format!("pod claim {claim}"), Vec::new()),
-                None => (
-                    format!("gpuslice run pid {}", c.client),
-                    std::iter::once(c.client).chain(c.workload).collect(),
-                ),
-            };
-            Some(Holding {
-                slice: c.slice.clone(),
-                gpu,
-                holder,
-                pids,
-                pod_uids: c.pods.clone(),
-                pods: c.pod_names.clone(),
-            })
-        })
-        .collect()
-}
-
-/// Whether a process runs on a slice, as NVML and the claims show the node.
-fn slice_busy(inventory: &NodeInventory, slice: &str) -> bool {
-    inventory.gpus.iter().any(|g| {
-        g.slices
-            .iter()
-            .any(|s| s.id == slice && !s.processes.is_empty())
-            || g.mig.iter().flat_map(|m| &m.instances).any(|i| {
-                gpuslice_contract::slice::mig_slice_id(g.index, i.placement.start, &i.profile)
-                    == slice
-                    && !i.processes.is_empty()
-            })
-    })
-}
-
 /// Tells what fault isolation did: Events on the GpuNode and on the pods of a quarantined
 /// slice, and the log.
 async fn tell_faults(
@@ -235,93 +195,51 @@ async fn tell_faults(
         }
     };
     for notice in notices {
-        match notice {
-            Notice::SliceQuarantined {
-                quarantine,
-                pods,
-                uids,
-            } => {
-                let text = quarantine.describe(node);
-                tracing::warn!("node {node}: {text}");
-                publish(
-                    EventType::Warning,
-                    "SliceQuarantined",
-                    text,
-                    gpu_node.clone(),
-                )
-                .await;
-                for (i, pod) in pods.iter().enumerate() {
-                    let Some((namespace, name)) = pod.split_once('/') else {
-                        continue;
-                    };
-                    let note = format!(
-                        "{} on its slice {}{}: the slice takes no new work until this pod releases it; the other slices of GPU {} keep running",
-                        quarantine.what(),
-                        quarantine.slice.as_deref().unwrap_or_default(),
-                        quarantine
-                            .pid
-                            .map(|p| format!(" (pid {p})"))
-                            .unwrap_or_default(),
-                        quarantine.gpu
-                    );
-                    let regarding = ObjectReference {
-                        api_version: Some("v1".into()),
-                        kind: Some("Pod".into()),
-                        namespace: Some(namespace.into()),
-                        name: Some(name.into()),
-                        uid: uids.get(i).cloned(),
-                        ..ObjectReference::default()
-                    };
-                    publish(EventType::Warning, "GpuFault", note, regarding).await;
-                }
-            }
-            Notice::GpuOut(quarantine) => {
-                let text = quarantine.describe(node);
-                tracing::warn!("node {node}: {text}");
-                publish(
-                    EventType::Warning,
-                    "GpuOutOfService",
-                    text,
-                    gpu_node.clone(),
-                )
-                .await;
-            }
-            Notice::Lifted { quarantine, why } => {
-                let what = match &quarantine.slice {
-                    Some(slice) => format!("slice {slice}"),
-                    None => format!("GPU {}", quarantine.gpu),
+        let (warning, text) = notice.text(node);
+        if warning {
+            tracing::warn!("node {node}: {text}");
+        } else {
+            tracing::info!("node {node}: {text}");
+        }
+        let (reason, type_) = match notice {
+            Notice::SliceQuarantined { .. } => ("SliceQuarantined", EventType::Warning),
+            Notice::GpuOut(_) => ("GpuOutOfService", EventType::Warning),
+            Notice::Lifted { .. } => ("QuarantineLifted", EventType::Normal),
+            Notice::Unattributed { .. } => ("XidUnattributed", EventType::Warning),
+            Notice::BadReset { .. } => ("BadGpuReset", EventType::Warning),
+            // Counted only: the log and the metric say it.
+            Notice::Counted { .. } => continue,
+        };
+        publish(type_, reason, text, gpu_node.clone()).await;
+        if let Notice::SliceQuarantined {
+            quarantine,
+            pods,
+            uids,
+        } = notice
+        {
+            for (i, pod) in pods.iter().enumerate() {
+                let Some((namespace, name)) = pod.split_once('/') else {
+                    continue;
                 };
-                let text = format!("{what} back in service ({why}) after {}", quarantine.what());
-                tracing::info!("node {node}: {text}");
-                publish(
-                    EventType::Normal,
-                    "QuarantineLifted",
-                    text,
-                    gpu_node.clone(),
-                )
-                .await;
-            }
-            Notice::Unattributed { gpu, what, why } => {
-                let text = format!("{what} on GPU {gpu}: no slice quarantined: {why}");
-                tracing::warn!("node {node}: {text}");
-                publish(
-                    EventType::Warning,
-                    "XidUnattributed",
-                    text,
-                    gpu_node.clone(),
-                )
-                .await;
-            }
-            Notice::Counted { gpu, what, why } => {
-                tracing::info!("node {node}: {what} on GPU {gpu} counted only: {why}");
-            }
-            Notice::BadReset { value, why } => {
-                let text = format!(
-                    "annotation {}={value:?}: {why}; nothing lifted",
-                    gpuslice_api::dra::GPU_RESET_ANNOTATION
+                let note = format!(
+                    "{} on its slice {}{}: the slice takes no new work until this pod releases it; the other slices of GPU {} keep running",
+                    quarantine.what(),
+                    quarantine.slice.as_deref().unwrap_or_default(),
+                    quarantine
+                        .pid
+                        .map(|p| format!(" (pid {p})"))
+                        .unwrap_or_default(),
+                    quarantine.gpu
                 );
-                tracing::warn!("node {node}: {text}");
-                publish(EventType::Warning, "BadGpuReset", text, gpu_node.clone()).await;
+                let regarding = ObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    namespace: Some(namespace.into()),
+                    name: Some(name.into()),
+                    uid: uids.get(i).cloned(),
+                    ..ObjectReference::default()
+                };
+                publish(EventType::Warning, "GpuFault", note, regarding).await;
             }
         }
     }
@@ -1474,7 +1392,7 @@ async fn isolate_faults(
     clock: &Clock,
 ) -> Vec<Notice> {
     let before = quarantines.list.clone();
-    let held = holdings(pass);
+    let held = pass.holdings();
     let events = inbox.take(std::time::Instant::now());
     let isolating_gpu = |gpu: u32| {
         current
@@ -1483,35 +1401,27 @@ async fn isolate_faults(
             .iter()
             .any(|a| a.index == gpu && isolating.contains(&a.pool))
     };
-    let mut notices = faults::handle(
+    let node = &pass.node;
+    let key = gpuslice_api::dra::GPU_RESET_ANNOTATION;
+    let annotated = current
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .cloned();
+    // Root may also say so on the node (`gpuslice gpu-reset`).
+    let mut resets = inbox.take_resets();
+    resets.extend(annotated.clone());
+    let notices = faults::isolate(
         &mut quarantines.list,
         &events,
         &pass.inventory,
         &held,
         &isolating_gpu,
-        &faults::owner_of,
+        &resets,
         clock.now(),
     );
-    notices.extend(faults::lift_released(
-        &mut quarantines.list,
-        &held,
-        &|slice| slice_busy(&pass.inventory, slice),
-    ));
-    let node = &pass.node;
-    let key = gpuslice_api::dra::GPU_RESET_ANNOTATION;
-    if let Some(value) = current
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(key))
-    {
-        match faults::parse_reset(value, &pass.inventory) {
-            Ok(gpus) => notices.extend(faults::reset(&mut quarantines.list, &gpus)),
-            Err(why) => notices.push(Notice::BadReset {
-                value: value.clone(),
-                why,
-            }),
-        }
+    if annotated.is_some() {
         // Said once: the annotation is a request, not a state.
         let patch = serde_json::json!({"metadata": {"annotations": {key: null}}});
         if let Err(e) = api

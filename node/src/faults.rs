@@ -107,6 +107,7 @@ pub fn parse_kernel_line(line: &str) -> Option<KernelXid> {
 struct Received {
     xids: Vec<(Instant, XidSeen)>,
     kernel: VecDeque<(Instant, KernelXid)>,
+    resets: Vec<String>,
 }
 
 /// What the watcher threads received and the agent's loop has not handled yet; the loop wakes
@@ -132,6 +133,28 @@ impl Inbox {
         self.wake.notify_one();
     }
 
+    /// Root said these GPUs were reset (the socket's `gpuReset`; the value as the GpuNode
+    /// annotation takes it).
+    pub fn reset(&self, gpus: String) {
+        self.received().resets.push(gpus);
+        self.wake.notify_one();
+    }
+
+    /// The resets said since the last call.
+    pub fn take_resets(&self) -> Vec<String> {
+        std::mem::take(&mut self.received().resets)
+    }
+
+    /// Whether a reset, or an XID that [`Inbox::take`] would give now, waits to be handled.
+    pub fn ready(&self, now: Instant) -> bool {
+        let received = self.received();
+        !received.resets.is_empty()
+            || received
+                .xids
+                .iter()
+                .any(|(at, seen)| ready(seen, *at, &received.kernel, now).is_some())
+    }
+
     /// Resolves when something was received since the last call.
     pub async fn changed(&self) {
         self.wake.notified().await;
@@ -142,28 +165,22 @@ impl Inbox {
     /// (NVML named the MIG instance, or the XID quarantines no slice).
     pub fn take(&self, now: Instant) -> Vec<(XidSeen, Option<u32>)> {
         let mut received = self.received();
-        let Received { xids, kernel } = &mut *received;
+        let Received { xids, kernel, .. } = &mut *received;
         kernel.retain(|(at, _)| now.saturating_duration_since(*at) < KERNEL_KEEP);
-        let mut ready = Vec::new();
-        xids.retain(|(at, seen)| {
-            let record = kernel
-                .iter()
-                .position(|(_, k)| Some(k.bus) == seen.bus && k.code == seen.code);
-            // Only a slice's error without its MIG instance needs the process named.
-            let needs_pid =
-                seen.instance.is_none() && rule_for(seen.code).action == XidAction::QuarantineSlice;
-            if let Some(i) = record {
+        let mut out = Vec::new();
+        xids.retain(|(at, seen)| match ready(seen, *at, kernel, now) {
+            Some(Some(i)) => {
                 let pid = kernel.remove(i).and_then(|(_, k)| k.pid);
-                ready.push((seen.clone(), pid));
+                out.push((seen.clone(), pid));
                 false
-            } else if !needs_pid || now.saturating_duration_since(*at) >= KERNEL_WAIT {
-                ready.push((seen.clone(), None));
-                false
-            } else {
-                true
             }
+            Some(None) => {
+                out.push((seen.clone(), None));
+                false
+            }
+            None => true,
         });
-        ready
+        out
     }
 
     /// How long until a waiting XID is handled without its kernel record.
@@ -174,6 +191,27 @@ impl Inbox {
             .map(|(at, _)| (*at + KERNEL_WAIT).saturating_duration_since(now))
             .min()
     }
+}
+
+/// Whether an XID seen at `at` can be handled now: `Some(Some(i))` with the kernel's record
+/// `i` of it; `Some(None)` without one (none is needed, or it was waited for long enough);
+/// `None` while its record may still come. Only a slice's error without its MIG instance needs
+/// the process named.
+fn ready(
+    seen: &XidSeen,
+    at: Instant,
+    kernel: &VecDeque<(Instant, KernelXid)>,
+    now: Instant,
+) -> Option<Option<usize>> {
+    if let Some(i) = kernel
+        .iter()
+        .position(|(_, k)| Some(k.bus) == seen.bus && k.code == seen.code)
+    {
+        return Some(Some(i));
+    }
+    let needs_pid =
+        seen.instance.is_none() && rule_for(seen.code).action == XidAction::QuarantineSlice;
+    (!needs_pid || now.saturating_duration_since(at) >= KERNEL_WAIT).then_some(None)
 }
 
 /// Follows the kernel log at `path` (`/dev/kmsg`, or a file a test writes) from its end, on a
@@ -574,6 +612,80 @@ pub fn reset(quarantines: &mut Vec<Quarantine>, gpus: &[u32]) -> Vec<Notice> {
         !lifted
     });
     notices
+}
+
+/// One round of fault isolation: the XIDs ready (`events`) handled by the table, quarantines
+/// whose faulting workload let go lifted, and the GPU resets said (the GpuNode annotation in a
+/// cluster, root's `gpuslice gpu-reset` through the socket) applied.
+pub fn isolate(
+    quarantines: &mut Vec<Quarantine>,
+    events: &[(XidSeen, Option<u32>)],
+    node: &NodeInventory,
+    held: &[Holding],
+    isolating: &dyn Fn(u32) -> bool,
+    resets: &[String],
+    now: DateTime<Utc>,
+) -> Vec<Notice> {
+    let mut notices = handle(quarantines, events, node, held, isolating, &owner_of, now);
+    notices.extend(lift_released(quarantines, held, &|slice| {
+        slice_busy(node, slice)
+    }));
+    for value in resets {
+        match parse_reset(value, node) {
+            Ok(gpus) => notices.extend(reset(quarantines, &gpus)),
+            Err(why) => notices.push(Notice::BadReset {
+                value: value.clone(),
+                why,
+            }),
+        }
+    }
+    notices
+}
+
+/// Whether a process runs on a slice, as NVML and the claims show the node.
+fn slice_busy(node: &NodeInventory, slice: &str) -> bool {
+    node.gpus.iter().any(|g| {
+        g.slices
+            .iter()
+            .any(|s| s.id == slice && !s.processes.is_empty())
+            || g.mig.iter().flat_map(|m| &m.instances).any(|i| {
+                gpuslice_contract::slice::mig_slice_id(g.index, i.placement.start, &i.profile)
+                    == slice
+                    && !i.processes.is_empty()
+            })
+    })
+}
+
+impl Notice {
+    /// What the agent says of it (its log; the GpuNode's Event in a cluster), and whether it
+    /// is a warning.
+    pub fn text(&self, node: &str) -> (bool, String) {
+        match self {
+            Notice::SliceQuarantined { quarantine, .. } | Notice::GpuOut(quarantine) => {
+                (true, quarantine.describe(node))
+            }
+            Notice::Lifted { quarantine, why } => {
+                let what = match &quarantine.slice {
+                    Some(slice) => format!("slice {slice}"),
+                    None => format!("GPU {}", quarantine.gpu),
+                };
+                (
+                    false,
+                    format!("{what} back in service ({why}) after {}", quarantine.what()),
+                )
+            }
+            Notice::Unattributed { gpu, what, why } => (
+                true,
+                format!("{what} on GPU {gpu}: no slice quarantined: {why}"),
+            ),
+            Notice::Counted { gpu, what, why } => {
+                (false, format!("{what} on GPU {gpu} counted only: {why}"))
+            }
+            Notice::BadReset { value, why } => {
+                (true, format!("GPU reset {value:?}: {why}; nothing lifted"))
+            }
+        }
+    }
 }
 
 #[cfg(test)]

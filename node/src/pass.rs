@@ -102,6 +102,32 @@ pub struct Pass {
 }
 
 impl Pass {
+    /// The held slices of the pass, as fault isolation sees them.
+    pub fn holdings(&self) -> Vec<crate::faults::Holding> {
+        let configs = crate::slices::configs(&self.inventory);
+        self.claims
+            .iter()
+            .filter_map(|c| {
+                let gpu = configs.iter().find(|s| s.id == c.slice)?.gpu;
+                let (holder, pids) = match &c.resource_claim {
+                    Some(claim) => (format!("pod claim {claim}"), Vec::new()),
+                    None => (
+                        format!("gpuslice run pid {}", c.client),
+                        std::iter::once(c.client).chain(c.workload).collect(),
+                    ),
+                };
+                Some(crate::faults::Holding {
+                    slice: c.slice.clone(),
+                    gpu,
+                    holder,
+                    pids,
+                    pod_uids: c.pods.clone(),
+                    pods: c.pod_names.clone(),
+                })
+            })
+            .collect()
+    }
+
     /// Whether the pass left something wrong: a bad source, a failed GPU, a layout not reached.
     pub fn failed(&self) -> bool {
         !self.source.ok()
@@ -159,6 +185,13 @@ impl Agent {
                 .ok(),
             io_warned: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Takes GPU resets said on the socket into `inbox` (where the XID watchers deliver), so
+    /// that the loop handling faults sees them. Before the socket is served.
+    pub fn with_faults(mut self, inbox: crate::faults::Inbox) -> Self {
+        self.socket.faults = inbox;
+        self
     }
 
     /// Closes these slices to new `gpuslice run` claims (the others are open).

@@ -1,7 +1,9 @@
 //! The agent's Unix socket (`<state>/agent.sock`, messages: `gpuslice_contract::socket`), open to
 //! every local user: the agent tells callers apart by the socket's peer credentials. A
 //! connection's first request decides what it is: a claim ([`crate::claims`]), a shim's compute
-//! session ([`crate::compute`]) or a dataset file through the local cache ([`crate::cache`]). One thread per connection; a timer thread for the arbiters.
+//! session ([`crate::compute`]), a dataset file through the local cache ([`crate::cache`]) or
+//! root's word that GPUs were reset ([`crate::faults`]). One thread per connection; a timer
+//! thread for the arbiters.
 
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -21,12 +23,14 @@ pub struct SocketError {
     source: std::io::Error,
 }
 
-/// What the socket serves: the node's claims, its compute arbiters and its dataset caches.
+/// What the socket serves: the node's claims, its compute arbiters, its dataset caches, and
+/// the inbox of fault events (GPU resets go there).
 #[derive(Clone, Default)]
 pub struct Node {
     pub claims: Arc<Claims>,
     pub compute: Arc<Compute>,
     pub caches: Arc<crate::cache::Caches>,
+    pub faults: crate::faults::Inbox,
 }
 
 impl Node {
@@ -62,9 +66,10 @@ impl Node {
     }
 
     fn connection(&self, stream: UnixStream, state: &StateDir) -> std::io::Result<()> {
-        let client = rustix::net::sockopt::socket_peercred(&stream)
-            .map(|c| c.pid.as_raw_nonzero().get() as u32)
-            .unwrap_or(0);
+        let credentials = rustix::net::sockopt::socket_peercred(&stream).ok();
+        let client = credentials
+            .as_ref()
+            .map_or(0, |c| c.pid.as_raw_nonzero().get() as u32);
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut line = String::new();
         reader.read_line(&mut line)?;
@@ -86,8 +91,21 @@ impl Node {
                 };
                 (&stream).write_all(&socket::line(&reply))
             }
+            Ok(Request::GpuReset { gpus }) => {
+                // Lifting a quarantine puts a GPU back in service: root's call only.
+                let reply = if credentials.is_some_and(|c| c.uid.is_root()) {
+                    self.faults.reset(gpus.clone());
+                    Reply::ResetTaken { gpus }
+                } else {
+                    Reply::Refused {
+                        reason: "only root may say that GPUs were reset (run it with sudo)".into(),
+                    }
+                };
+                (&stream).write_all(&socket::line(&reply))
+            }
             _ => (&stream).write_all(&socket::line(&Reply::Refused {
-                reason: "the first request must be a `want`, `compute` or `cache`".into(),
+                reason: "the first request must be a `want`, `compute`, `cache` or `gpuReset`"
+                    .into(),
             })),
         }
     }

@@ -104,13 +104,14 @@ impl Rounds {
             .unwrap_or_default()
     }
 
-    /// One pass for `pool`. `slices`: its software slices; `held`: every claim holding a
-    /// slice now; `quiet`: nothing of the pool was admitted this pass or waits to be bound
-    /// after admission. `now` is the operator's clock (windows).
+    /// One pass for `pool`. `slices`: its software slices (asked for only when a round is
+    /// planned); `held`: every claim holding a slice now; `quiet`: nothing of the pool was
+    /// admitted this pass or waits to be bound after admission. `now` is the operator's clock
+    /// (windows).
     pub fn step(
         &mut self,
         pool: &GpuPool,
-        slices: &[Slice],
+        slices: impl FnOnce() -> Vec<Slice>,
         held: &BTreeSet<String>,
         quiet: bool,
         now: DateTime<Utc>,
@@ -194,7 +195,7 @@ impl Rounds {
             return step;
         }
         let threshold = settings.fragmentation_threshold.unwrap_or(0.3);
-        let planned = gpuslice_planning::compaction::plan(&gpu_states(slices), threshold);
+        let planned = gpuslice_planning::compaction::plan(&gpu_states(&slices()), threshold);
         let Some(started_at) = gpuslice_api::time_of(now) else {
             return step;
         };
@@ -372,12 +373,12 @@ mod tests {
         let held: BTreeSet<String> = ["ns/a", "ns/b", "ns/c"].map(String::from).into();
         let now = at("2026-12-02T10:00:00Z");
         // Out of the window, not asked: nothing.
-        let idle = rounds.step(&pool(false), &slices(), &held, true, now);
+        let idle = rounds.step(&pool(false), slices, &held, true, now);
         assert!(idle.record.is_none() && idle.preemptions.is_empty());
         // Asked while pods are being admitted: it waits for a quiet pass.
-        let busy = rounds.step(&pool(true), &slices(), &held, false, now);
+        let busy = rounds.step(&pool(true), slices, &held, false, now);
         assert!(busy.record.is_none());
-        let started = rounds.step(&pool(true), &slices(), &held, true, now);
+        let started = rounds.step(&pool(true), slices, &held, true, now);
         let round = started.record.unwrap();
         assert_eq!(
             (round.trigger.as_str(), round.request.as_deref()),
@@ -396,7 +397,7 @@ mod tests {
         // Under way (the cache has not caught up with the status yet): the move is a
         // preemption for no pod, GPU 0 is being emptied.
         let mut p = pool(false);
-        let draining = rounds.step(&p, &slices(), &held, true, now);
+        let draining = rounds.step(&p, slices, &held, true, now);
         assert_eq!(draining.compacting, BTreeSet::from([("n".to_string(), 0)]));
         let taken = &draining.preemptions["n"];
         assert_eq!(
@@ -411,15 +412,15 @@ mod tests {
         // The workload left; its replacement is being admitted: still compacting.
         let gone: BTreeSet<String> = ["ns/b", "ns/c"].map(String::from).into();
         let later = now + chrono::Duration::seconds(30);
-        let admitting = rounds.step(&p, &slices(), &gone, false, later);
+        let admitting = rounds.step(&p, slices, &gone, false, later);
         assert!(admitting.preemptions.is_empty() && admitting.record.is_none());
         assert_eq!(admitting.compacting.len(), 1);
         // Quiet: open again only after the settle time.
-        let quiet = rounds.step(&p, &slices(), &gone, true, later);
+        let quiet = rounds.step(&p, slices, &gone, true, later);
         assert_eq!(quiet.compacting.len(), 1);
         let done = rounds.step(
             &p,
-            &slices(),
+            slices,
             &gone,
             true,
             later + chrono::Duration::seconds(SETTLE_SECONDS),
@@ -435,12 +436,12 @@ mod tests {
             ..GpuPoolStatus::default()
         });
         let much_later = later + chrono::Duration::minutes(5);
-        let same = rounds.step(&asked, &slices(), &held, true, much_later);
+        let same = rounds.step(&asked, slices, &held, true, much_later);
         assert!(same.record.is_none(), "{same:?}");
         asked
             .annotations_mut()
             .insert(dra::COMPACT_NOW_ANNOTATION.into(), "2".into());
-        let again = rounds.step(&asked, &slices(), &held, true, much_later);
+        let again = rounds.step(&asked, slices, &held, true, much_later);
         assert_eq!(again.record.unwrap().request.as_deref(), Some("2"));
     }
 
@@ -450,7 +451,7 @@ mod tests {
         let held: BTreeSet<String> = ["ns/a", "ns/b", "ns/c"].map(String::from).into();
         let mut p = pool(false);
         let opening = at("2026-12-02T03:10:00Z");
-        let first = rounds.step(&p, &slices(), &held, true, opening);
+        let first = rounds.step(&p, slices, &held, true, opening);
         let round = first.record.unwrap();
         assert_eq!((round.trigger.as_str(), round.moves.len()), ("window", 1));
         // Ended within the same opening: no second round until the next one.
@@ -463,19 +464,13 @@ mod tests {
         rounds = Rounds::default();
         let again = rounds.step(
             &p,
-            &slices(),
+            slices,
             &held,
             true,
             opening + chrono::Duration::minutes(10),
         );
         assert!(again.record.is_none(), "{again:?}");
-        let tomorrow = rounds.step(
-            &p,
-            &slices(),
-            &held,
-            true,
-            opening + chrono::Duration::days(1),
-        );
+        let tomorrow = rounds.step(&p, slices, &held, true, opening + chrono::Duration::days(1));
         assert!(tomorrow.record.is_some());
     }
 
@@ -487,7 +482,7 @@ mod tests {
         pinned[0].holder.as_mut().unwrap().movable = false;
         let step = rounds.step(
             &pool(true),
-            &pinned,
+            || pinned,
             &held,
             true,
             at("2026-12-02T10:00:00Z"),

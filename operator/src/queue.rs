@@ -870,6 +870,10 @@ impl Queue {
     ) {
         use crate::compaction::{Holder, Slice};
         let claims: BTreeSet<String> = held.iter().map(|h| h.claim.clone()).collect();
+        let holder_of: BTreeMap<(&str, &str), &Held> = held
+            .iter()
+            .map(|h| ((h.device.node.as_str(), h.device.device.as_str()), h))
+            .collect();
         let pool_of_policy = |policy: &str| {
             policies
                 .iter()
@@ -881,42 +885,41 @@ impl Queue {
             if !pool.spec.compaction.as_ref().is_some_and(|c| c.enabled) {
                 continue;
             }
-            let slices: Vec<Slice> = devices
-                .iter()
-                .filter(|(_, p)| p.pool == name && p.software)
-                .map(|(key, p)| {
-                    let holder = held
-                        .iter()
-                        .find(|h| {
-                            h.device.node == p.device.node && h.device.device == p.device.device
-                        })
-                        .map(|h| {
-                            let policy = h
-                                .policy
-                                .as_ref()
-                                .and_then(|x| policies.iter().find(|q| q.name_any() == *x));
-                            Holder {
-                                claim: h.claim.clone(),
-                                size: policy.map_or(p.device.memory_bytes, |q| {
-                                    crate::classes::memory_limit(q, pool_list)
-                                }),
-                                movable: policy.is_some_and(|q| {
-                                    q.spec.preemptible
-                                        && (q.spec.checkpoint_policy.is_some()
-                                            || pool.spec.checkpoint_policy.is_some())
-                                }) && !h.tainted
-                                    && !under_way.contains_key(&h.claim),
-                            }
-                        });
-                    Slice {
-                        node: p.device.node.clone(),
-                        gpu: p.device.gpu,
-                        memory_bytes: p.device.memory_bytes,
-                        free: !p.tainted && !allocated.contains(key),
-                        holder,
-                    }
-                })
-                .collect();
+            let slices = || {
+                devices
+                    .iter()
+                    .filter(|(_, p)| p.pool == name && p.software)
+                    .map(|(key, p)| {
+                        let holder = holder_of
+                            .get(&(p.device.node.as_str(), p.device.device.as_str()))
+                            .map(|h| {
+                                let policy = h
+                                    .policy
+                                    .as_ref()
+                                    .and_then(|x| policies.iter().find(|q| q.name_any() == *x));
+                                Holder {
+                                    claim: h.claim.clone(),
+                                    size: policy.map_or(p.device.memory_bytes, |q| {
+                                        crate::classes::memory_limit(q, pool_list)
+                                    }),
+                                    movable: policy.is_some_and(|q| {
+                                        q.spec.preemptible
+                                            && (q.spec.checkpoint_policy.is_some()
+                                                || pool.spec.checkpoint_policy.is_some())
+                                    }) && !h.tainted
+                                        && !under_way.contains_key(&h.claim),
+                                }
+                            });
+                        Slice {
+                            node: p.device.node.clone(),
+                            gpu: p.device.gpu,
+                            memory_bytes: p.device.memory_bytes,
+                            free: !p.tainted && !allocated.contains(key),
+                            holder,
+                        }
+                    })
+                    .collect()
+            };
             // Quiet: nothing of the pool admitted this pass or admitted and not bound yet.
             let quiet = !plan.admitted_pool.values().any(|p| *p == name)
                 && !pods.iter().any(|p| {
@@ -926,7 +929,7 @@ impl Queue {
                             .and_then(|policy| pool_of_policy(policy))
                             .is_some_and(|p| p == name)
                 });
-            let step = self.rounds.step(pool, &slices, &claims, quiet, now);
+            let step = self.rounds.step(pool, slices, &claims, quiet, now);
             for (node, moves) in step.preemptions {
                 plan.compacting.entry(node.clone()).or_default();
                 plan.preemptions.entry(node).or_default().extend(moves);
