@@ -693,9 +693,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .build()
                 .context("starting the async runtime")?;
             runtime.block_on(async {
-                let client = kube::Client::try_default().await.context(
-                    "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
-                )?;
+                let client = kube_client().await?;
                 gpuslice_operator::compaction::ask(&client, &pool).await?;
                 println!(
                     "GpuPool/{pool}: compaction asked for; `kubectl get gpupool {pool} -o jsonpath='{{.status.compaction}}'` shows the round"
@@ -715,9 +713,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .build()
                 .context("starting the async runtime")?;
             runtime.block_on(async {
-                let client = kube::Client::try_default().await.context(
-                    "connecting to the Kubernetes API (in-cluster config or KUBECONFIG)",
-                )?;
+                let client = kube_client().await?;
                 let mut registry = prometheus_client::registry::Registry::default();
                 let metrics = gpuslice_operator::controller::Metrics::register(&mut registry);
                 // The loop passes at least every 5 minutes (it sleeps no longer between passes),
@@ -956,6 +952,13 @@ fn show_pass(pass: &gpuslice_node::pass::Pass, once: bool, output: Output, shown
 }
 
 /// `gpuslice agent --kube`: the agent fed by its GpuNode, with /metrics and /healthz.
+/// The Kubernetes client of the in-cluster config or KUBECONFIG.
+async fn kube_client() -> anyhow::Result<kube::Client> {
+    kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")
+}
+
 fn agent_in_cluster(
     node: gpuslice_api::NodeInventory,
     library: Option<PathBuf>,
@@ -975,9 +978,7 @@ fn agent_in_cluster(
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async {
-        let client = kube::Client::try_default()
-            .await
-            .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+        let client = kube_client().await?;
         tracing::info!("gpuslice agent: node {} in the cluster", node.name);
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = gpuslice_node::cluster::Metrics::register(&mut registry);

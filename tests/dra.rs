@@ -699,19 +699,7 @@ async fn xid_errors_quarantine_the_faulting_slice_or_drain_the_gpu_until_it_is_r
     let logs = tempfile::tempdir().unwrap();
     let kmsg = logs.path().join("kmsg");
     std::fs::write(&kmsg, "").unwrap();
-    let kernel = |code: u64, pid: u32| {
-        use std::io::Write as _;
-        // The emulator puts GPU 0 at PCI 0000:10:00.
-        let mut log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&kmsg)
-            .unwrap();
-        writeln!(
-            log,
-            "4,1234,5678901,-;NVRM: Xid (PCI:0000:10:00): {code}, pid={pid}, name=sh, Ch 00000008"
-        )
-        .unwrap();
-    };
+    let kernel = |code: u64, pid: u32| gpuslice_testcluster::write_kernel_xid(&kmsg, code, pid);
     let Some(running) = start(
         "2026-12-02T10:00:00Z",
         &["--kernel-log", kmsg.to_str().unwrap()],

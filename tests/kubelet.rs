@@ -180,6 +180,15 @@ async fn apply_examples(client: &Client, files: &[&str]) {
     }
 }
 
+/// Applies the objects of `yaml`, then waits until the operator has written `classes`
+/// DeviceClasses (one per policy).
+async fn apply_policies(setup: &Setup, yaml: &str, classes: usize) {
+    let file = setup.dir.path().join("policies.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    apply_examples(&setup.client, &[file.to_str().unwrap()]).await;
+    gpuslice_testcluster::wait_for_device_classes(&setup.client, classes).await;
+}
+
 /// A pod asking for one `notebook` slice by the policy's extended resource, running `command`
 /// with the emulated CUDA driver (what the NVIDIA container runtime would bring) on its path.
 fn pod(name: &str, command: &[&str], lib: &Path, machine: &Path) -> Pod {
@@ -785,22 +794,7 @@ kind: GpuSlicePolicy
 metadata: {name: urgent}
 spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
 ";
-    let dir = setup.dir.path().join("policies.yaml");
-    std::fs::write(&dir, policies).unwrap();
-    apply_examples(&client, &[dir.to_str().unwrap()]).await;
-    eventually("the policies' DeviceClasses exist", || {
-        let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
-        async move {
-            let n = classes
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| e.to_string())?
-                .items
-                .len();
-            (n == 6).then_some(()).ok_or_else(|| format!("{n} classes"))
-        }
-    })
-    .await;
+    apply_policies(&setup, policies, 6).await;
     let marker = "touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"";
     let idle = "while :; do sleep 0.2; done";
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -1105,21 +1099,8 @@ kind: GpuSlicePolicy
 metadata: {name: batch}
 spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: quick}
 ";
-    let file = setup.dir.path().join("policies.yaml");
-    std::fs::write(&file, policies).unwrap();
-    apply_examples(&client, &[file.to_str().unwrap()]).await;
-    eventually("the batch DeviceClass exists", || {
-        let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
-        async move {
-            classes
-                .get_opt("batch.gpuslice.io")
-                .await
-                .map_err(|e| e.to_string())?
-                .map(|_| ())
-                .ok_or_else(|| "not yet".to_string())
-        }
-    })
-    .await;
+    // The examples' notebook policy and batch.
+    apply_policies(&setup, policies, 2).await;
     // Six jobs, each a one-pod Deployment that checkpoints when told.
     let script = "trap 'echo checkpointing; touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"' USR1; while :; do sleep 0.2; done";
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), "default");

@@ -206,22 +206,7 @@ impl Harness {
     /// Applies `docs`, then waits until the operator has written `classes` DeviceClasses.
     async fn apply_and_wait(&self, docs: &[serde_json::Value], classes: usize) {
         gpuslice_testcluster::apply_all(&self.client, docs).await;
-        eventually("the policies' DeviceClasses exist", || {
-            let api: Api<k8s_openapi::api::resource::v1::DeviceClass> =
-                Api::all(self.client.clone());
-            async move {
-                let n = api
-                    .list(&ListParams::default())
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .items
-                    .len();
-                (n == classes)
-                    .then_some(())
-                    .ok_or_else(|| format!("{n} classes"))
-            }
-        })
-        .await;
+        gpuslice_testcluster::wait_for_device_classes(&self.client, classes).await;
     }
 
     /// Creates a labelled pod, stored gated (see `gpuslice_testcluster::create_gated`).

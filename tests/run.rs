@@ -541,18 +541,7 @@ fn xid_errors_quarantine_a_runs_slice_or_take_the_gpu_out_until_root_resets_it()
     // 0000:10:00.
     let kmsg = dir.path().join("kmsg");
     std::fs::write(&kmsg, "").unwrap();
-    let kernel = |code: u64, pid: u32| {
-        use std::io::Write as _;
-        let mut log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&kmsg)
-            .unwrap();
-        writeln!(
-            log,
-            "4,1234,5678901,-;NVRM: Xid (PCI:0000:10:00): {code}, pid={pid}, name=sh, Ch 00000008"
-        )
-        .unwrap();
-    };
+    let kernel = |code: u64, pid: u32| gpuslice_testcluster::write_kernel_xid(&kmsg, code, pid);
     let state = dir.path().join("state");
     let mut children = Reaper(Vec::new());
     children.keep(agent_with(

@@ -321,27 +321,22 @@ impl Agent {
                 Some((c.slice.clone(), DateTime::<Utc>::from(written)))
             })
             .collect();
+        // The slices `gpuslice run` holds: their cgroups stay, the others' go.
+        let running: Vec<String> = pass
+            .claims
+            .iter()
+            .filter(|c| c.resource_claim.is_none())
+            .map(|c| c.slice.clone())
+            .collect();
         if self.apply
             && let Ok(io) = &self.io
         {
             limit_pods(io, &slices, &pass.claims, &bandwidth);
-            let running: Vec<String> = pass
-                .claims
-                .iter()
-                .filter(|c| c.resource_claim.is_none())
-                .map(|c| c.slice.clone())
-                .collect();
             io.remove_run_groups_except(&self.node, &running);
         }
         if self.apply
             && let Some(host) = &self.host
         {
-            let running: Vec<String> = pass
-                .claims
-                .iter()
-                .filter(|c| c.resource_claim.is_none())
-                .map(|c| c.slice.clone())
-                .collect();
             host.remove_except(&self.node, &running);
         }
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));

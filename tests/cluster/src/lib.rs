@@ -945,6 +945,37 @@ where
     }
 }
 
+/// Waits until the operator has written `classes` DeviceClasses (one per policy).
+pub async fn wait_for_device_classes(client: &Client, classes: usize) {
+    eventually("the policies' DeviceClasses exist", || {
+        let api: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
+        async move {
+            let n = api
+                .list(&kube::api::ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .len();
+            (n == classes)
+                .then_some(())
+                .ok_or_else(|| format!("{n} classes"))
+        }
+    })
+    .await;
+}
+
+/// Appends to `kmsg` the NVRM line the kernel writes for XID `code` caused by `pid` on the
+/// emulator's GPU 0 (PCI 0000:10:00), for an agent reading it as its `--kernel-log`.
+pub fn write_kernel_xid(kmsg: &Path, code: u64, pid: u32) {
+    use std::io::Write as _;
+    let mut log = std::fs::OpenOptions::new().append(true).open(kmsg).unwrap();
+    writeln!(
+        log,
+        "4,1234,5678901,-;NVRM: Xid (PCI:0000:10:00): {code}, pid={pid}, name=sh, Ch 00000008"
+    )
+    .unwrap();
+}
+
 /// `GET path` on a local port: (status line, body). HTTP/1.0, so that no server answers in chunks.
 pub fn local_get(port: u16, path: &str) -> std::io::Result<(String, String)> {
     use std::io::{Read as _, Write as _};
