@@ -26,7 +26,8 @@ pub use checkpoint::{
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{
     DriverVersions, GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess,
-    MigInstance, MigState, NodeInventory, Placement, Preemption, SliceClaim, SoftwareSliceState,
+    MigInstance, MigState, NextAssignment, NodeInventory, Placement, Preemption, SliceClaim,
+    SoftwareSliceState,
 };
 pub use policy::{
     ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus, HostResources,

@@ -106,6 +106,92 @@ pub struct GpuAssignment {
     /// pod lands on a slice about to be re-cut. Absent when the next change leaves it as it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recut_at: Option<Time>,
+    /// The assignment the pool's next window change gives this GPU, written ahead of it: the
+    /// agent switches to it on its own clock at `next.at`, so that a window change needs no
+    /// write to a thousand GpuNodes at the boundary; the operator catches `spec` up afterwards.
+    /// Absent when the next change leaves the GPU as it is (or takes it out of every pool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<NextAssignment>,
+}
+
+/// What a GPU becomes at the pool's next window change.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NextAssignment {
+    /// When it takes over (the window boundary).
+    pub at: Time,
+    /// The pool the GPU belongs to then.
+    #[schemars(length(max = 253))]
+    pub pool: String,
+    /// The window whose layout it is; empty for the pool's default layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<String>,
+    /// The layout then.
+    pub layout: Layout,
+    /// Minimum compute time slice for software slices then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
+    pub time_slice: Option<Duration>,
+    /// The pool's CheckpointPolicy then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub checkpoint_policy: Option<String>,
+}
+
+impl GpuAssignment {
+    /// The assignment in force at `at`: the staged `next` once its time has come (with no
+    /// re-cut or further change known until the operator writes them), this one before.
+    pub fn in_force(&self, at: chrono::DateTime<chrono::Utc>) -> GpuAssignment {
+        match &self.next {
+            Some(next) if crate::chrono_of(&next.at).is_some_and(|t| t <= at) => GpuAssignment {
+                index: self.index,
+                uuid: self.uuid.clone(),
+                pool: next.pool.clone(),
+                window: next.window.clone(),
+                layout: next.layout.clone(),
+                time_slice: next.time_slice,
+                checkpoint_policy: next.checkpoint_policy.clone(),
+                recut_at: None,
+                next: None,
+            },
+            _ => self.clone(),
+        }
+    }
+}
+
+impl GpuNodeSpec {
+    /// The spec with each GPU's assignment in force at `at` (see [`GpuAssignment::in_force`]).
+    pub fn in_force(&self, at: chrono::DateTime<chrono::Utc>) -> GpuNodeSpec {
+        GpuNodeSpec {
+            gpus: self.gpus.iter().map(|g| g.in_force(at)).collect(),
+            ..self.clone()
+        }
+    }
+
+    /// The latest staged switch made by `at` (the assignments in force differ from the spec's
+    /// own since then).
+    pub fn last_switch(
+        &self,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Option<chrono::DateTime<chrono::Utc>> {
+        self.gpus
+            .iter()
+            .filter_map(|g| crate::chrono_of(&g.next.as_ref()?.at))
+            .filter(|t| *t <= at)
+            .max()
+    }
+
+    /// The earliest staged switch still ahead of `at`.
+    pub fn next_switch(
+        &self,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Option<chrono::DateTime<chrono::Utc>> {
+        self.gpus
+            .iter()
+            .filter_map(|g| crate::chrono_of(&g.next.as_ref()?.at))
+            .filter(|t| *t > at)
+            .min()
+    }
 }
 
 /// What the node agent observed and applied.
@@ -118,6 +204,11 @@ pub struct GpuNodeStatus {
     /// The `metadata.generation` of the spec the GPUs now match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub applied_generation: Option<i64>,
+    /// When the GPUs match the layouts staged in `spec.gpus[].next` rather than the spec's own
+    /// (the agent switched at a window boundary before the operator wrote the new layouts as
+    /// the spec): that boundary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied_switch: Option<Time>,
     /// `Ready` and `Blocked` (a transition waits for busy instances), with reasons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]

@@ -304,6 +304,7 @@ fn io_condition(
 fn status(
     pass: &Pass,
     generation: Option<i64>,
+    switched: Option<chrono::DateTime<chrono::Utc>>,
     previous: Option<&GpuNodeStatus>,
     driver_supported: Condition,
     quarantined: Condition,
@@ -408,6 +409,11 @@ fn status(
             generation
         } else {
             previous.and_then(|p| p.applied_generation)
+        },
+        applied_switch: if converged {
+            switched.and_then(gpuslice_api::time_of)
+        } else {
+            previous.and_then(|p| p.applied_switch.clone())
         },
         conditions,
     }
@@ -1226,8 +1232,11 @@ pub async fn run(
             .filter_map(|p| Some((p.metadata.name.clone()?, p.spec.driver.clone()?)))
             .collect();
         let now = clock.now();
+        // A layout staged for a window boundary is in force from the boundary on this node's
+        // clock, before the operator writes it as the spec.
+        let spec = current.spec.in_force(now);
         let mut pass = agent.pass(now, |inventory| {
-            let (gpus, problems) = plan_spec(inventory, &current.spec);
+            let (gpus, problems) = plan_spec(inventory, &spec);
             Intent {
                 plan: ClusterPlan {
                     at: now,
@@ -1280,7 +1289,7 @@ pub async fn run(
         }
         let (outdated, driver_supported) = driver_check(
             &pass.inventory,
-            &current.spec.gpus,
+            &spec.gpus,
             &driver_minimums,
             current.metadata.generation,
         );
@@ -1296,7 +1305,7 @@ pub async fn run(
         let closed = crate::slices::configs(&pass.inventory)
             .into_iter()
             .filter(|c| {
-                let pool = current.spec.gpus.iter().find(|a| a.index == c.gpu);
+                let pool = spec.gpus.iter().find(|a| a.index == c.gpu);
                 let outdated = c.kind == SliceKind::Software
                     && pool.is_some_and(|a| outdated.contains_key(&a.pool));
                 outdated || !quarantines.taints(c.gpu, &c.id).is_empty()
@@ -1307,12 +1316,13 @@ pub async fn run(
         let report = status(
             &pass,
             current.metadata.generation,
+            current.spec.last_switch(now),
             current.status.as_ref(),
             driver_supported,
             quarantine_condition(&quarantines.list, &node, current.metadata.generation),
             io_condition(
                 agent.io(),
-                &current.spec.gpus,
+                &spec.gpus,
                 &bandwidths,
                 current.metadata.generation,
             ),
@@ -1334,7 +1344,7 @@ pub async fn run(
             .filter(|o| !o.blocked_by.is_empty())
             .map(|o| o.index)
             .collect();
-        let devices = dra::devices(&pass.inventory, &current.spec.gpus, &|a, slice| {
+        let devices = dra::devices(&pass.inventory, &spec.gpus, &|a, slice| {
             // Old drivers break the shim's isolation; MIG's is the hardware's.
             if slice.kind == SliceKind::Software && outdated.contains_key(&a.pool) {
                 return None;
@@ -1357,11 +1367,14 @@ pub async fn run(
         });
         publisher.publish(devices).await;
         // Our own status write comes back as a change too; that pass finds nothing to do.
-        let mut wake = next_wake(&pass, clock, interval).min(until_taint(
-            &current.spec.gpus,
-            lookahead,
-            clock,
-        ));
+        let mut wake = next_wake(&pass, clock, interval)
+            .min(until_taint(&spec.gpus, lookahead, clock))
+            .min(
+                current
+                    .spec
+                    .next_switch(now)
+                    .map_or(Duration::MAX, |at| clock.until(at)),
+            );
         // An XID waiting for its kernel record; a GPU just taken out starts draining at once.
         if let Some(due) = settings.faults.next_due(std::time::Instant::now()) {
             wake = wake.min(due.max(MIN_WAIT));
@@ -1394,9 +1407,9 @@ async fn isolate_faults(
     let before = quarantines.list.clone();
     let held = pass.holdings();
     let events = inbox.take(std::time::Instant::now());
+    let in_force = current.spec.in_force(clock.now());
     let isolating_gpu = |gpu: u32| {
-        current
-            .spec
+        in_force
             .gpus
             .iter()
             .any(|a| a.index == gpu && isolating.contains(&a.pool))

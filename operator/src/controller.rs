@@ -476,6 +476,8 @@ pub async fn run(
         ),
         client,
     };
+    // When the specs that agents switched away from by themselves are due to be caught up.
+    let mut catch_up = None;
     loop {
         let started = std::time::Instant::now();
         let want = async {
@@ -487,7 +489,9 @@ pub async fn run(
             let want = desired(&observed, now);
             // Only the leader writes; the others keep their caches warm to take over at once.
             let failed = if leadership.is_leader() {
-                let mut failed = writer.apply(&want, &pools, &gpu_nodes).await
+                let (failed, due) = writer.apply(&want, &pools, &gpu_nodes, now).await;
+                catch_up = due;
+                let mut failed = failed
                     + writer.apply_policies(&want, &policies).await
                     + writer.apply_classes(&want, &classes).await;
                 if let (Some(params), Some(namespaces)) = (&admission, &namespaces) {
@@ -515,6 +519,7 @@ pub async fn run(
                 failed
             } else {
                 params_written = None;
+                catch_up = None;
                 0
             };
             metrics.reconciles.inc();
@@ -546,6 +551,9 @@ pub async fn run(
         tracing::debug!("pass took {:.2} s", started.elapsed().as_secs_f64());
         let until_boundary = want
             .next_change
+            .into_iter()
+            .chain(catch_up)
+            .min()
             .map_or(IDLE_PASS, |t| clock.until(t) + BOUNDARY_MARGIN);
         let until_boundary = if leadership.is_leader() {
             until_boundary
@@ -597,6 +605,10 @@ fn observe(
             inventory,
             generation: gpu_node.metadata.generation,
             applied_generation: status.applied_generation,
+            applied_switch: status
+                .applied_switch
+                .as_ref()
+                .and_then(gpuslice_api::chrono_of),
             blocked,
             assigned: gpu_node.spec.gpus.clone(),
         });
@@ -686,10 +698,12 @@ impl Writer {
         want: &crate::desired::DesiredState,
         pools: &Store<GpuPool>,
         gpu_nodes: &Store<GpuNode>,
-    ) -> u64 {
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> (u64, Option<chrono::DateTime<chrono::Utc>>) {
         let mut failed = 0;
         let params = PatchParams::apply(MANAGER).force();
         let gpu_node_api: Api<GpuNode> = Api::all(self.client.clone());
+        let mut catch_up: Option<chrono::DateTime<chrono::Utc>> = None;
         // Nodes are independent: write their layouts a few at a time, not one after another.
         let writes = want.node_specs.iter().filter_map(|(name, spec)| {
             let current = gpu_nodes.get(&reflector::ObjectRef::new(name));
@@ -697,6 +711,15 @@ impl Writer {
             if current.as_ref().is_some_and(|c| {
                 c.spec.gpus == spec.gpus && c.spec.source_revision == spec.source_revision
             }) {
+                return None;
+            }
+            // The agent switched by itself at the boundary: its own writes go first.
+            if let Some(due) = current
+                .as_ref()
+                .and_then(|c| crate::desired::catch_up_due(&c.spec, spec, now))
+                .filter(|due| *due > now)
+            {
+                catch_up = Some(catch_up.map_or(due, |c| c.min(due)));
                 return None;
             }
             // A node that leaves every pool: server-side apply of an empty spec would drop the
@@ -782,7 +805,7 @@ impl Writer {
                 failed += 1;
             }
         }
-        failed
+        (failed, catch_up)
     }
 }
 

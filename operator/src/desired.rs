@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use gpuslice_api::{
     GpuAssignment, GpuNodeSpec, GpuPool, GpuPoolStatus, GpuSlicePolicy, GpuSlicePolicyStatus,
-    NodeInventory, SliceCounts,
+    NextAssignment, NodeInventory, SliceCounts,
 };
 use gpuslice_planning::cluster::plan_cluster;
 use gpuslice_planning::transition::Desired;
@@ -23,6 +23,8 @@ pub struct NodeReport {
     /// `GpuNode.metadata.generation` and `status.appliedGeneration`.
     pub generation: Option<i64>,
     pub applied_generation: Option<i64>,
+    /// `status.appliedSwitch`: the staged switch whose layouts the GPUs match, if they do.
+    pub applied_switch: Option<DateTime<Utc>>,
     /// The agent's Blocked condition message, when a transition waits for busy instances.
     pub blocked: Option<String>,
     /// `GpuNode.spec.gpus` as written last: a GPU that cannot be planned now keeps it.
@@ -67,6 +69,46 @@ pub struct DesiredState {
     pub next_change: Option<DateTime<Utc>>,
 }
 
+/// How long after a staged switch the operator writes the layout the agents switched to
+/// themselves: the boundary's writes (each agent's ResourceSlices and status) go first, and the
+/// spec catches up once they are done.
+pub const CATCH_UP_AFTER: chrono::TimeDelta = chrono::TimeDelta::seconds(20);
+
+/// When writing `desired` over `current` only catches the spec up with a switch its agent made
+/// by itself at a staged `next` (the GPUs in force at `at` are already the desired ones): the
+/// time to write it; `None` when the write changes what is in force and is due now.
+pub fn catch_up_due(
+    current: &GpuNodeSpec,
+    desired: &GpuNodeSpec,
+    at: DateTime<Utc>,
+) -> Option<DateTime<Utc>> {
+    let switched = current.last_switch(at)?;
+    let in_force = |gpus: &[GpuAssignment]| -> Vec<GpuAssignment> {
+        gpus.iter()
+            .map(|g| GpuAssignment {
+                recut_at: None,
+                next: None,
+                ..g.in_force(at)
+            })
+            .collect()
+    };
+    (in_force(&current.gpus) == in_force(&desired.gpus)
+        && current.source_revision == desired.source_revision)
+        .then_some(switched + CATCH_UP_AFTER)
+}
+
+/// Whether the node's spec staged a switch that has come by `at` and its agent has not reported
+/// the GPUs switched yet.
+fn switch_pending(report: &NodeReport, at: DateTime<Utc>) -> bool {
+    let staged = GpuNodeSpec {
+        gpus: report.assigned.clone(),
+        ..GpuNodeSpec::default()
+    };
+    staged
+        .last_switch(at)
+        .is_some_and(|due| report.applied_switch.is_none_or(|done| done < due))
+}
+
 /// Builds the desired state at `at`.
 pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
     let inventories: Vec<NodeInventory> =
@@ -104,11 +146,33 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                 // keeps the layout it was last given: the last good state stays in force, and
                 // the pool says what is wrong.
                 if g.error.is_some() {
-                    return assigned.iter().find(|a| a.index == g.index).cloned();
+                    return assigned
+                        .iter()
+                        .find(|a| a.index == g.index)
+                        .map(|a| a.in_force(at));
                 }
-                let recut = later_node
-                    .and_then(|n| n.gpus.iter().find(|x| x.index == g.index))
-                    .is_some_and(|x| x.layout != g.layout || x.pool != g.pool);
+                let then = later_node.and_then(|n| n.gpus.iter().find(|x| x.index == g.index));
+                let recut = then.is_some_and(|x| x.layout != g.layout || x.pool != g.pool);
+                // Staged ahead, so that the agents switch at the boundary by themselves.
+                let next = then
+                    .filter(|x| {
+                        x.error.is_none()
+                            && (x.pool != g.pool
+                                || x.window != g.window
+                                || x.layout != g.layout
+                                || x.time_slice != g.time_slice
+                                || x.checkpoint_policy != g.checkpoint_policy)
+                    })
+                    .and_then(|x| {
+                        Some(NextAssignment {
+                            at: gpuslice_api::time_of(later.as_ref()?.0)?,
+                            pool: x.pool.clone()?,
+                            window: x.window.clone(),
+                            layout: x.layout.clone()?,
+                            time_slice: x.time_slice,
+                            checkpoint_policy: x.checkpoint_policy.clone(),
+                        })
+                    });
                 Some(GpuAssignment {
                     index: g.index,
                     uuid: g.uuid.clone(),
@@ -121,6 +185,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                         .as_ref()
                         .filter(|_| recut)
                         .and_then(|(next, _)| gpuslice_api::time_of(*next)),
+                    next,
                 })
             })
             .collect();
@@ -181,7 +246,10 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             {
                 if let Some(b) = &r.blocked {
                     blocked.push(format!("{}: {b}", node.node));
-                } else if r.applied_generation.is_none() || r.applied_generation < r.generation {
+                } else if r.applied_generation.is_none()
+                    || r.applied_generation < r.generation
+                    || switch_pending(r, at)
+                {
                     waiting.push(node.node.clone());
                 }
             }
@@ -434,6 +502,7 @@ mod tests {
             inventory,
             generation: Some(2),
             applied_generation: applied.then_some(2),
+            applied_switch: None,
             blocked: None,
             assigned: Vec::new(),
         }
@@ -536,6 +605,72 @@ mod tests {
         assert_eq!(
             night.pool_status["mig"].active_window.as_deref(),
             Some("night")
+        );
+    }
+
+    #[test]
+    fn the_next_windows_layout_is_staged_ahead_and_the_spec_caught_up_after_the_agents() {
+        let observed = Observed {
+            pools: vec![pool(MIG), pool(SOFT)],
+            nodes: vec![
+                node("a", &[("team", "a")], true),
+                node("b", &[("team", "b")], true),
+            ],
+            ..Observed::default()
+        };
+        let boundary = at("2026-12-02T22:00:00Z");
+        let day = desired(&observed, at("2026-12-02T21:00:00Z"));
+        let staged = &day.node_specs["a"];
+        let next = staged.gpus[0]
+            .next
+            .as_ref()
+            .expect("the night layout staged");
+        assert_eq!(gpuslice_api::chrono_of(&next.at), Some(boundary));
+        assert_eq!(next.window.as_deref(), Some("night"));
+        assert_eq!(
+            next.layout.mig.as_ref().unwrap().preset,
+            Some(gpuslice_api::MigPreset::Whole)
+        );
+        assert_eq!(
+            staged.next_switch(at("2026-12-02T21:00:00Z")),
+            Some(boundary)
+        );
+        // A pool without windows never changes: nothing staged.
+        assert!(day.node_specs["b"].gpus.iter().all(|g| g.next.is_none()));
+
+        // On the agent's clock the night layout is in force from the boundary, before any write.
+        let before = staged.in_force(at("2026-12-02T21:59:59Z"));
+        assert_eq!(before.gpus[0].window, None);
+        let after = staged.in_force(boundary);
+        assert_eq!(after.gpus[0].window.as_deref(), Some("night"));
+        assert_eq!(after.gpus[0].layout, next.layout);
+        assert_eq!(staged.next_switch(boundary), None);
+
+        // At the boundary the operator's new spec only catches up: due 20 s later. The spec
+        // from before the boundary, or a change of what is in force, is due at once.
+        let night = desired(&observed, boundary);
+        let caught_up = &night.node_specs["a"];
+        assert_ne!(caught_up, staged);
+        assert_eq!(
+            catch_up_due(staged, caught_up, boundary),
+            Some(boundary + CATCH_UP_AFTER)
+        );
+        assert_eq!(
+            catch_up_due(staged, caught_up, at("2026-12-02T21:59:59Z")),
+            None
+        );
+        let changed = desired(
+            &Observed {
+                pools: vec![pool(
+                    &MIG.replace("preset: whole", "profiles: {1g.18gb: 7}"),
+                )],
+                ..observed.clone()
+            },
+            boundary,
+        );
+        assert_eq!(
+            catch_up_due(staged, &changed.node_specs["a"], boundary),
+            None
         );
     }
 

@@ -139,11 +139,13 @@ struct Published {
 fn published(
     slices: &Store<ResourceSlice>,
     gpu_nodes: &Store<GpuNode>,
+    now: chrono::DateTime<chrono::Utc>,
 ) -> BTreeMap<(String, String), Published> {
-    // When a window change next re-cuts each GPU (the operator's desired layout says).
+    // When a window change next re-cuts each GPU (the operator's desired layout says; past a
+    // staged switch, not known until the operator catches the spec up).
     let mut recut_at: BTreeMap<(String, i64), chrono::DateTime<chrono::Utc>> = BTreeMap::new();
     for node in gpu_nodes.state() {
-        for gpu in &node.spec.gpus {
+        for gpu in node.spec.gpus.iter().map(|g| g.in_force(now)) {
             if let Some(at) = gpu.recut_at.as_ref().and_then(gpuslice_api::chrono_of) {
                 recut_at.insert((node.name_any(), i64::from(gpu.index)), at);
             }
@@ -474,7 +476,7 @@ impl Queue {
         let pools: Vec<Arc<GpuPool>> = caches.pools.state();
         let policies: Vec<Arc<GpuSlicePolicy>> = caches.policies.state();
         let pool_list: Vec<GpuPool> = pools.iter().map(|p| (**p).clone()).collect();
-        let devices = published(&caches.slices, &caches.gpu_nodes);
+        let devices = published(&caches.slices, &caches.gpu_nodes, now);
         let (allocated, holding, held) = allocations(&devices, &caches.claims);
         let gpu_nodes = caches.gpu_nodes.state();
         let classes: BTreeMap<String, i64> = caches

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use gpuslice_api::{GpuNode, GpuNodeStatus, NodeInventory};
+use gpuslice_api::{GpuAssignment, GpuNode, GpuNodeStatus, NodeInventory};
+use gpuslice_node::cluster::Publisher;
+pub use gpuslice_planning::clock::Clock;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::watcher;
@@ -67,6 +69,11 @@ pub fn operator(
         .map(KillOnDrop)
 }
 
+/// A clock that reads `start` (RFC 3339) now, as `GPUSLICE_CLOCK_START` makes the operator's.
+pub fn clock_at(start: &str) -> Clock {
+    Clock::starting_at(start.parse().expect("an RFC 3339 instant"))
+}
+
 /// The node's GPUs as its agent reports them.
 pub fn inventory(node: &str) -> NodeInventory {
     serde_json::from_value(serde_json::json!({
@@ -78,15 +85,12 @@ pub fn inventory(node: &str) -> NodeInventory {
     .expect("an inventory")
 }
 
-/// The inventory with the spec's software layouts in force, as the agent reads it back after
+/// The inventory with `gpus`' software layouts in force, as the agent reads it back after
 /// applying them.
-pub fn applied(node: &GpuNode) -> NodeInventory {
-    let name = node.metadata.name.clone().unwrap_or_default();
-    let mut inventory = inventory(&name);
+pub fn applied(node: &str, gpus: &[GpuAssignment]) -> NodeInventory {
+    let mut inventory = inventory(node);
     for gpu in &mut inventory.gpus {
-        let Some(software) = node
-            .spec
-            .gpus
+        let Some(software) = gpus
             .iter()
             .find(|a| a.index == gpu.index)
             .and_then(|a| a.layout.software.as_ref())
@@ -107,61 +111,103 @@ pub fn applied(node: &GpuNode) -> NodeInventory {
     inventory
 }
 
-/// One simulated agent per node: each GpuNode change is published (at most `parallel` at once,
-/// as the API server would otherwise refuse some) and reported applied.
-pub fn simulated_agents(client: kube::Client, parallel: usize) -> tokio::task::JoinHandle<()> {
+/// One simulated agent per node, on `clock` (the operator's; the benchmark may move it): what
+/// each GpuNode's spec puts in force — at once, or at a staged switch when the agent's clock
+/// reaches it — is published (at most `parallel` nodes at once, as the API server would
+/// otherwise refuse some) and reported applied, as the real agent does.
+pub fn simulated_agents(
+    client: kube::Client,
+    parallel: usize,
+    mut clock: tokio::sync::watch::Receiver<Clock>,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let api: Api<GpuNode> = Api::all(client.clone());
-        let publishers: Arc<std::sync::Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<_>>>>> =
-            Arc::default();
+        let mut publishers: BTreeMap<String, Arc<tokio::sync::Mutex<Publisher>>> = BTreeMap::new();
+        // Each node's spec as last seen, and the (generation, GPUs in force) last handled.
+        let mut seen: BTreeMap<String, GpuNode> = BTreeMap::new();
+        let mut handled: BTreeMap<String, (Option<i64>, Vec<GpuAssignment>)> = BTreeMap::new();
         let limit = Arc::new(tokio::sync::Semaphore::new(parallel));
         let stream = watcher(api.clone(), watcher::Config::default());
         futures::pin_mut!(stream);
-        while let Some(event) = stream.next().await {
-            let node = match event {
-                Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) => n,
-                _ => continue,
+        loop {
+            let now = clock.borrow().now();
+            let switch = seen.values().filter_map(|n| n.spec.next_switch(now)).min();
+            let until = switch.map_or(Duration::from_secs(3600), |at| clock.borrow().until(at));
+            // A changed GpuNode is looked at alone; a switch due (or a moved clock), all of them.
+            let changed: Option<String> = tokio::select! {
+                event = stream.next() => match event {
+                    Some(Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n))) => {
+                        let name = n.metadata.name.clone().unwrap_or_default();
+                        seen.insert(name.clone(), n);
+                        Some(name)
+                    }
+                    Some(_) => continue,
+                    None => return,
+                },
+                _ = tokio::time::sleep(until) => None,
+                moved = clock.changed() => {
+                    if moved.is_err() {
+                        return;
+                    }
+                    None
+                }
             };
-            let applied_generation = node.status.as_ref().and_then(|s| s.applied_generation);
-            if node.spec.gpus.is_empty() || applied_generation == node.metadata.generation {
-                continue;
+            let now = clock.borrow().now();
+            let nodes = seen
+                .iter()
+                .filter(|(name, _)| changed.as_ref().is_none_or(|c| c == *name));
+            for (name, node) in nodes {
+                let in_force = node.spec.in_force(now).gpus;
+                let key = (node.metadata.generation, in_force);
+                if key.1.is_empty() || handled.get(name) == Some(&key) {
+                    continue;
+                }
+                handled.insert(name.clone(), key.clone());
+                let publisher = publishers
+                    .entry(name.clone())
+                    .or_insert_with(|| {
+                        Arc::new(tokio::sync::Mutex::new(Publisher::new(
+                            client.clone(),
+                            name,
+                        )))
+                    })
+                    .clone();
+                let (api, limit, name) = (api.clone(), limit.clone(), name.clone());
+                let reported = node.status.clone().unwrap_or_default();
+                let switched = node.spec.last_switch(now).and_then(gpuslice_api::time_of);
+                tokio::spawn(async move {
+                    let _turn = limit.acquire().await;
+                    let (generation, gpus) = key;
+                    let inventory = applied(&name, &gpus);
+                    let devices =
+                        gpuslice_node::dra::devices(&inventory, &gpus, &|_, _| Some(Vec::new()));
+                    publisher.lock().await.publish(devices).await;
+                    let status = GpuNodeStatus {
+                        inventory: Some(inventory),
+                        applied_generation: generation,
+                        applied_switch: switched,
+                        ..Default::default()
+                    };
+                    // As the real agent: no write when the status says it already.
+                    if status.inventory == reported.inventory
+                        && status.applied_generation == reported.applied_generation
+                        && status.applied_switch == reported.applied_switch
+                    {
+                        return;
+                    }
+                    let patch = serde_json::json!({
+                        "apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
+                        "metadata": {"name": name}, "status": status,
+                    });
+                    let _ = api
+                        .patch_status(
+                            &name,
+                            &PatchParams::apply("gpuslice-agent").force(),
+                            &Patch::Apply(&patch),
+                        )
+                        .await;
+                });
             }
-            let name = node.metadata.name.clone().unwrap_or_default();
-            let publisher = publishers
-                .lock()
-                .expect("not poisoned")
-                .entry(name.clone())
-                .or_insert_with(|| {
-                    Arc::new(tokio::sync::Mutex::new(
-                        gpuslice_node::cluster::Publisher::new(client.clone(), &name),
-                    ))
-                })
-                .clone();
-            let (api, limit) = (api.clone(), limit.clone());
-            tokio::spawn(async move {
-                let _turn = limit.acquire().await;
-                let inventory = applied(&node);
-                let devices = gpuslice_node::dra::devices(&inventory, &node.spec.gpus, &|_, _| {
-                    Some(Vec::new())
-                });
-                publisher.lock().await.publish(devices).await;
-                let status = GpuNodeStatus {
-                    inventory: Some(inventory),
-                    applied_generation: node.metadata.generation,
-                    ..Default::default()
-                };
-                let patch = serde_json::json!({
-                    "apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
-                    "metadata": {"name": name}, "status": status,
-                });
-                let _ = api
-                    .patch_status(
-                        &name,
-                        &PatchParams::apply("gpuslice-agent").force(),
-                        &Patch::Apply(&patch),
-                    )
-                    .await;
-            });
         }
     })
 }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use gpuslice_api::GpuNode;
 use gpuslice_testcluster::scale::{
-    GPUS, arg, inventory, operator, peak_memory_mib, remove, simulated_agents,
+    GPUS, arg, clock_at, inventory, operator, peak_memory_mib, remove, simulated_agents,
 };
 use gpuslice_testcluster::{Components, ControlPlane};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -260,7 +260,9 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
 
     // 17:00 in Shanghai: four 20 GiB slices per GPU.
     let mut operator_process = operator(&gpuslice, &cluster, "2026-12-02T09:00:00Z")?;
-    let agents = simulated_agents(client.clone(), 64);
+    // The agents' clocks follow the operator's (the window change below moves both).
+    let (agents_clock, clock) = tokio::sync::watch::channel(clock_at("2026-12-02T09:00:00Z"));
+    let agents = simulated_agents(client.clone(), 64, clock);
     let (slices, _slices_watch) = watched(Api::<ResourceSlice>::all(client.clone()));
     let discovery = kube::discovery::Discovery::new(client.clone())
         .run()
@@ -327,6 +329,7 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         .delete("gpuslice-operator", &DeleteParams::default())
         .await?;
     operator_process = operator(&gpuslice, &cluster, "2026-12-02T11:59:50Z")?;
+    let _ = agents_clock.send(clock_at("2026-12-02T11:59:50Z"));
     let boundary = Instant::now() + Duration::from_secs(10);
     tokio::time::sleep_until(boundary.into()).await;
     let (specs, recut) = tokio::join!(
@@ -369,7 +372,7 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
             Some(4096.0),
         ),
         (
-            "window change: boundary → every GpuNode spec written (s)",
+            "window change: boundary → every GpuNode spec caught up (s)",
             secs(specs),
             None,
         ),

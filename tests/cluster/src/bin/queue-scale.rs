@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use gpuslice_api::GpuNode;
 use gpuslice_testcluster::scale::{
-    GPUS, arg, inventory, operator, peak_memory_mib, remove, simulated_agents,
+    GPUS, arg, clock_at, inventory, operator, peak_memory_mib, remove, simulated_agents,
 };
 use gpuslice_testcluster::{Components, ControlPlane};
 use k8s_openapi::api::core::v1::Pod;
@@ -343,7 +343,8 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         .collect::<Vec<()>>()
         .await;
     let operator_process = operator(&gpuslice, &cluster, "2026-12-02T09:00:00Z")?;
-    let agents = simulated_agents(client.clone(), 64);
+    let (_agents_clock, clock) = tokio::sync::watch::channel(clock_at("2026-12-02T09:00:00Z"));
+    let agents = simulated_agents(client.clone(), 64, clock);
     for doc in serde_yaml::Deserializer::from_str(POOLS) {
         let doc: serde_json::Value = serde::Deserialize::deserialize(doc)?;
         gpuslice_testcluster::apply_document(&client, &discovery, &doc, false)
