@@ -1235,6 +1235,8 @@ pub async fn run(
         // A layout staged for a window boundary is in force from the boundary on this node's
         // clock, before the operator writes it as the spec.
         let spec = current.spec.in_force(now);
+        let (switched, next_switch) =
+            (current.spec.last_switch(now), current.spec.next_switch(now));
         let mut pass = agent.pass(now, |inventory| {
             let (gpus, problems) = plan_spec(inventory, &spec);
             Intent {
@@ -1313,29 +1315,6 @@ pub async fn run(
             .map(|c| c.id)
             .collect();
         agent.close_slices(closed);
-        let report = status(
-            &pass,
-            current.metadata.generation,
-            current.spec.last_switch(now),
-            current.status.as_ref(),
-            driver_supported,
-            quarantine_condition(&quarantines.list, &node, current.metadata.generation),
-            io_condition(
-                agent.io(),
-                &spec.gpus,
-                &bandwidths,
-                current.metadata.generation,
-            ),
-        );
-        if current.status.as_ref() != Some(&report) {
-            let patch = apply_body("GpuNode", &node, "status", &report);
-            if let Err(e) = api
-                .patch_status(&node, &params, &Patch::Apply(&patch))
-                .await
-            {
-                tracing::warn!("GpuNode/{node}: reporting status: {e}");
-            }
-        }
         let now = clock.now();
         // A GPU whose new layout waits for busy slices is about to be re-cut as well.
         let waiting: Vec<u32> = pass
@@ -1366,15 +1345,35 @@ pub async fn run(
             Some(taints)
         });
         publisher.publish(devices).await;
+        // After the devices, which the scheduler waits for; the status is for people and the
+        // operator's counts.
+        let report = status(
+            &pass,
+            current.metadata.generation,
+            switched,
+            current.status.as_ref(),
+            driver_supported,
+            quarantine_condition(&quarantines.list, &node, current.metadata.generation),
+            io_condition(
+                agent.io(),
+                &spec.gpus,
+                &bandwidths,
+                current.metadata.generation,
+            ),
+        );
+        if current.status.as_ref() != Some(&report) {
+            let patch = apply_body("GpuNode", &node, "status", &report);
+            if let Err(e) = api
+                .patch_status(&node, &params, &Patch::Apply(&patch))
+                .await
+            {
+                tracing::warn!("GpuNode/{node}: reporting status: {e}");
+            }
+        }
         // Our own status write comes back as a change too; that pass finds nothing to do.
         let mut wake = next_wake(&pass, clock, interval)
             .min(until_taint(&spec.gpus, lookahead, clock))
-            .min(
-                current
-                    .spec
-                    .next_switch(now)
-                    .map_or(Duration::MAX, |at| clock.until(at)),
-            );
+            .min(next_switch.map_or(Duration::MAX, |at| clock.until(at)));
         // An XID waiting for its kernel record; a GPU just taken out starts draining at once.
         if let Some(due) = settings.faults.next_due(std::time::Instant::now()) {
             wake = wake.min(due.max(MIN_WAIT));

@@ -69,6 +69,22 @@ pub fn operator(
         .map(KillOnDrop)
 }
 
+/// CPU time (user + system) a process has used so far, seconds.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    // SAFETY: sysconf only reads a constant of the system.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // After the command name (which may hold spaces), utime and stime are the 12th and
+            // 13th fields.
+            let rest = s.rsplit_once(')')?.1;
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            Some(fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?)
+        })
+        .map_or(f64::NAN, |t| t / ticks)
+}
+
 /// A clock that reads `start` (RFC 3339) now, as `GPUSLICE_CLOCK_START` makes the operator's.
 pub fn clock_at(start: &str) -> Clock {
     Clock::starting_at(start.parse().expect("an RFC 3339 instant"))

@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use gpuslice_api::GpuNode;
 use gpuslice_testcluster::scale::{
-    GPUS, arg, clock_at, inventory, operator, peak_memory_mib, remove, simulated_agents,
+    GPUS, arg, clock_at, cpu_seconds, inventory, operator, peak_memory_mib, remove,
+    simulated_agents,
 };
 use gpuslice_testcluster::{Components, ControlPlane};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -332,15 +333,47 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let _ = agents_clock.send(clock_at("2026-12-02T11:59:50Z"));
     let boundary = Instant::now() + Duration::from_secs(10);
     tokio::time::sleep_until(boundary.into()).await;
+    // Who spends the two cores while the nodes switch: CPU seconds from the boundary until every
+    // node is republished.
+    let components = [
+        "kube-apiserver",
+        "etcd",
+        "kube-scheduler",
+        "kube-controller-manager",
+        "kwok",
+    ];
+    let operator_pid = operator_process.0.id();
+    let cpu_now = |cluster: &ControlPlane| -> Vec<f64> {
+        components
+            .iter()
+            .map(|c| cluster.pid(c).map_or(f64::NAN, cpu_seconds))
+            .chain([cpu_seconds(operator_pid), cpu_seconds(std::process::id())])
+            .collect()
+    };
+    let cpu_at_boundary = cpu_now(&cluster);
     let (specs, recut) = tokio::join!(
         wait_for_specs(&client, "40Gi", nodes, boundary, Duration::from_secs(120)),
-        wait_for_devices(
-            &slices,
-            "40Gi",
-            devices_by_day / 2,
-            boundary,
-            Duration::from_secs(120),
-        )
+        async {
+            let recut = wait_for_devices(
+                &slices,
+                "40Gi",
+                devices_by_day / 2,
+                boundary,
+                Duration::from_secs(120),
+            )
+            .await;
+            let spent: Vec<String> = cpu_now(&cluster)
+                .iter()
+                .zip(&cpu_at_boundary)
+                .zip(components.iter().chain(&["operator", "this benchmark"]))
+                .map(|((after, before), who)| format!("{who} {:.1}", after - before))
+                .collect();
+            eprintln!(
+                "window change: CPU seconds until republished: {}",
+                spent.join(", ")
+            );
+            recut
+        }
     );
     eprintln!("window change: every GpuNode spec written after {specs:?}");
     let operator_memory = peak_memory_mib(operator_process.0.id());
