@@ -46,6 +46,11 @@ pub const MANAGER: &str = "gpuslice-agent";
 const BLOCKED_RETRY: Duration = Duration::from_secs(5);
 /// The shortest wait between passes.
 const MIN_WAIT: Duration = Duration::from_millis(200);
+/// After a staged switch at a window boundary, how long a status that only says so (the slices
+/// in force, `appliedSwitch`) waits: the operator writes the new layout as the spec 20 s after
+/// the boundary, and the one write that answers it reports both. So a thousand nodes switching
+/// at once write only their ResourceSlices then, which the scheduler waits for.
+const SWITCH_REPORT_AFTER: chrono::TimeDelta = chrono::TimeDelta::seconds(40);
 
 /// Why the agent stopped.
 #[derive(Debug, thiserror::Error)]
@@ -1361,7 +1366,14 @@ pub async fn run(
                 current.metadata.generation,
             ),
         );
-        if current.status.as_ref() != Some(&report) {
+        let report_due = switched.map(|at| at + SWITCH_REPORT_AFTER);
+        let only_switched = current.status.as_ref().is_some_and(|old| {
+            old.conditions == report.conditions
+                && old.claims == report.claims
+                && old.applied_generation == report.applied_generation
+        });
+        let wait_for_catch_up = only_switched && report_due.is_some_and(|due| due > clock.now());
+        if current.status.as_ref() != Some(&report) && !wait_for_catch_up {
             let patch = apply_body("GpuNode", &node, "status", &report);
             if let Err(e) = api
                 .patch_status(&node, &params, &Patch::Apply(&patch))
@@ -1374,6 +1386,9 @@ pub async fn run(
         let mut wake = next_wake(&pass, clock, interval)
             .min(until_taint(&spec.gpus, lookahead, clock))
             .min(next_switch.map_or(Duration::MAX, |at| clock.until(at)));
+        if let Some(due) = report_due.filter(|_| wait_for_catch_up) {
+            wake = wake.min(clock.until(due).max(MIN_WAIT));
+        }
         // An XID waiting for its kernel record; a GPU just taken out starts draining at once.
         if let Some(due) = settings.faults.next_due(std::time::Instant::now()) {
             wake = wake.min(due.max(MIN_WAIT));

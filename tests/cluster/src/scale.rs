@@ -204,10 +204,14 @@ pub fn simulated_agents(
                         applied_switch: switched,
                         ..Default::default()
                     };
-                    // As the real agent: no write when the status says it already.
-                    if status.inventory == reported.inventory
-                        && status.applied_generation == reported.applied_generation
-                        && status.applied_switch == reported.applied_switch
+                    // As the real agent: no write when the status says it already, and after
+                    // a staged switch none until the operator's catch-up (the agent's fallback
+                    // 40 s later is not simulated: the catch-up comes at 20 s).
+                    let unchanged = status.inventory == reported.inventory
+                        && status.applied_switch == reported.applied_switch;
+                    let switched_only = status.applied_switch.is_some();
+                    if status.applied_generation == reported.applied_generation
+                        && (unchanged || switched_only)
                     {
                         return;
                     }

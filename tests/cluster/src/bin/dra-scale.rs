@@ -351,6 +351,25 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
             .collect()
     };
     let cpu_at_boundary = cpu_now(&cluster);
+    // GPUSLICE_BENCH_APISERVER_PROFILE=FILE: the API server's CPU profile over the 12 s after the
+    // boundary (pprof; read it with `go tool pprof -top FILE`).
+    let profile = std::env::var_os("GPUSLICE_BENCH_APISERVER_PROFILE").map(|file| {
+        let d = cluster.dir();
+        std::process::Command::new("curl")
+            .args(["-sS", "--cacert"])
+            .arg(d.join("ca.crt"))
+            .arg("--cert")
+            .arg(d.join("admin.crt"))
+            .arg("--key")
+            .arg(d.join("admin.key"))
+            .arg("-o")
+            .arg(file)
+            .arg(format!(
+                "{}/debug/pprof/profile?seconds=12",
+                cluster.server()
+            ))
+            .spawn()
+    });
     let (specs, recut) = tokio::join!(
         wait_for_specs(&client, "40Gi", nodes, boundary, Duration::from_secs(120)),
         async {
@@ -376,6 +395,9 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     );
     eprintln!("window change: every GpuNode spec written after {specs:?}");
+    if let Some(Ok(mut curl)) = profile {
+        let _ = curl.wait();
+    }
     let operator_memory = peak_memory_mib(operator_process.0.id());
     drop(operator_process);
     agents.abort();
