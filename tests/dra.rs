@@ -1320,6 +1320,119 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
     }
 }
 
+/// The memory capacities of a node's published devices, and the pool generation they are in.
+async fn published_memory(client: &Client, node: &str) -> Result<(Vec<String>, i64), String> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let list = slices
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await
+        .map_err(|e| e.to_string())?;
+    let generation = list
+        .items
+        .iter()
+        .map(|s| s.spec.pool.generation)
+        .max()
+        .unwrap_or(0);
+    let memory = list
+        .items
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .filter_map(|d| Some(d.capacity.as_ref()?.get("memory")?.value.0.clone()))
+        .collect();
+    Ok((memory, generation))
+}
+
+#[tokio::test]
+async fn at_a_window_boundary_the_agent_switches_to_the_staged_layout_before_the_spec_is_rewritten()
+{
+    // 19:59:30 in Shanghai: at 20:00 shared-a100 goes from four 20 GiB slices to two of 40 GiB.
+    let Some(running) = start("2026-12-02T11:59:30Z", &["--recut-lookahead", "1s"]).await else {
+        return;
+    };
+    let client = running.client.clone();
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    // Ahead of the boundary the operator has written what 20:00 brings next to the day layout.
+    let staged = eventually("the night layout is staged in the A100's spec", || {
+        let gpu_nodes = gpu_nodes.clone();
+        let client = client.clone();
+        async move {
+            let node = gpu_nodes.get("a100-a").await.map_err(|e| e.to_string())?;
+            let (memory, _) = published_memory(&client, "a100-a").await?;
+            let gpu = node.spec.gpus.first().ok_or("no layout yet")?;
+            let next = gpu.next.as_ref().ok_or("nothing staged")?;
+            let day = gpu.layout.software.as_ref().map(|s| s.memory.0.clone());
+            let night = next.layout.software.as_ref().map(|s| s.memory.0.clone());
+            let ready = memory == ["20Gi"; 4]
+                && day.as_deref() == Some("20Gi")
+                && night.as_deref() == Some("40Gi")
+                && next.window.as_deref() == Some("night")
+                && gpuslice_api::chrono_of(&next.at)
+                    == Some("2026-12-02T12:00:00Z".parse().unwrap());
+            let seen = format!("published {memory:?}, day {day:?}, staged {next:?}");
+            ready.then_some(node.metadata.generation).ok_or(seen)
+        }
+    })
+    .await;
+    let generation = staged;
+    // At the boundary the agent re-cuts and republishes on its own clock: the spec it switched
+    // from is still the one the operator wrote before (it catches up 20 s later).
+    let (_, published_at) = eventually("the A100 is re-cut and republished", || {
+        let client = client.clone();
+        async move {
+            let (memory, pool_generation) = published_memory(&client, "a100-a").await?;
+            (memory == ["40Gi"; 2])
+                .then_some((memory.clone(), pool_generation))
+                .ok_or_else(|| format!("{memory:?}"))
+        }
+    })
+    .await;
+    let node = gpu_nodes.get("a100-a").await.unwrap();
+    assert_eq!(
+        node.metadata.generation, generation,
+        "the switch needed no spec write"
+    );
+    // Then the operator writes the night layout as the spec, with the morning staged next, and
+    // the agent reports it applied; the devices are not published again.
+    eventually("the spec catches up and is reported applied", || {
+        let (gpu_nodes, pools, client) = (
+            gpu_nodes.clone(),
+            Api::<GpuPool>::all(client.clone()),
+            client.clone(),
+        );
+        async move {
+            let node = gpu_nodes.get("a100-a").await.map_err(|e| e.to_string())?;
+            let gpu = node.spec.gpus.first().ok_or("no layout")?;
+            let memory = gpu.layout.software.as_ref().map(|s| s.memory.0.clone());
+            let morning = gpu
+                .next
+                .as_ref()
+                .and_then(|n| gpuslice_api::chrono_of(&n.at));
+            let applied = node.status.as_ref().and_then(|s| s.applied_generation);
+            let pool = pools.get("shared-a100").await.map_err(|e| e.to_string())?;
+            let ready = pool
+                .status
+                .iter()
+                .flat_map(|s| &s.conditions)
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            let (_, pool_generation) = published_memory(&client, "a100-a").await?;
+            (memory.as_deref() == Some("40Gi")
+                && morning == Some("2026-12-03T00:00:00Z".parse().unwrap())
+                && node.metadata.generation > generation
+                && applied == node.metadata.generation
+                && ready
+                && pool_generation == published_at)
+                .then_some(())
+                .ok_or_else(|| {
+                    format!(
+                        "spec {memory:?} (generation {:?}, applied {applied:?}), next {morning:?}, pool ready {ready}, devices generation {pool_generation}",
+                        node.metadata.generation
+                    )
+                })
+        }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_prepared_claim_holds_back_a_window_change_until_it_is_unprepared() {
     // 19:59:20 in Shanghai: at 20:00 shared-a100 goes from four 20 GiB slices to two of 40 GiB.

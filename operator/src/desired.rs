@@ -123,15 +123,29 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
         ),
         ..DesiredState::default()
     };
-    // The plan at the next window change, to tell which GPUs it re-cuts.
-    let later = out
-        .next_change
-        .map(|next| (next, plan_cluster(&observed.pools, &inventories, next)));
+    // Each pool's next window change, and the plan at each such time (one per distinct
+    // boundary), to tell which GPUs a pool's own next change re-cuts and what it gives them.
+    let pool_next: BTreeMap<&str, DateTime<Utc>> = plan
+        .pools
+        .iter()
+        .filter_map(|p| Some((p.pool.as_str(), p.next_change?)))
+        .collect();
+    let later: BTreeMap<DateTime<Utc>, gpuslice_planning::cluster::ClusterPlan> = pool_next
+        .values()
+        .copied()
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .map(|t| (t, plan_cluster(&observed.pools, &inventories, t)))
+        .collect();
 
-    for node in &plan.nodes {
-        let later_node = later
-            .as_ref()
-            .and_then(|(_, l)| l.nodes.iter().find(|n| n.node == node.node));
+    for (position, node) in plan.nodes.iter().enumerate() {
+        // The plans are of the same inventories, in the same order.
+        let later_node = |at: &DateTime<Utc>| {
+            later
+                .get(at)
+                .and_then(|l| l.nodes.get(position))
+                .filter(|n| n.node == node.node)
+        };
         let assigned = observed
             .nodes
             .iter()
@@ -151,7 +165,10 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                         .find(|a| a.index == g.index)
                         .map(|a| a.in_force(at));
                 }
-                let then = later_node.and_then(|n| n.gpus.iter().find(|x| x.index == g.index));
+                let next_at = g.pool.as_deref().and_then(|p| pool_next.get(p));
+                let then = next_at
+                    .and_then(later_node)
+                    .and_then(|n| n.gpus.iter().find(|x| x.index == g.index));
                 let recut = then.is_some_and(|x| x.layout != g.layout || x.pool != g.pool);
                 // Staged ahead, so that the agents switch at the boundary by themselves.
                 let next = then
@@ -165,7 +182,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                     })
                     .and_then(|x| {
                         Some(NextAssignment {
-                            at: gpuslice_api::time_of(later.as_ref()?.0)?,
+                            at: gpuslice_api::time_of(*next_at?)?,
                             pool: x.pool.clone()?,
                             window: x.window.clone(),
                             layout: x.layout.clone()?,
@@ -181,10 +198,9 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
                     layout: g.layout.clone()?,
                     time_slice: g.time_slice,
                     checkpoint_policy: g.checkpoint_policy.clone(),
-                    recut_at: later
-                        .as_ref()
+                    recut_at: next_at
                         .filter(|_| recut)
-                        .and_then(|(next, _)| gpuslice_api::time_of(*next)),
+                        .and_then(|t| gpuslice_api::time_of(*t)),
                     next,
                 })
             })
@@ -637,6 +653,33 @@ mod tests {
         );
         // A pool without windows never changes: nothing staged.
         assert!(day.node_specs["b"].gpus.iter().all(|g| g.next.is_none()));
+        // Each GPU is staged for its own pool's next change, not the cluster's first one.
+        let late = MIG
+            .replace("name: mig", "name: late")
+            .replace("team: a", "team: b")
+            .replace("start: \"22:00\"", "start: \"23:00\"");
+        let both = desired(
+            &Observed {
+                pools: vec![pool(MIG), pool(&late)],
+                ..observed.clone()
+            },
+            at("2026-12-02T21:00:00Z"),
+        );
+        let staged_at = |node: &str| {
+            both.node_specs[node].gpus[0]
+                .next
+                .as_ref()
+                .and_then(|n| gpuslice_api::chrono_of(&n.at))
+        };
+        assert_eq!(staged_at("a"), Some(boundary));
+        assert_eq!(staged_at("b"), Some(at("2026-12-02T23:00:00Z")));
+        assert_eq!(
+            both.node_specs["b"].gpus[0]
+                .recut_at
+                .as_ref()
+                .and_then(gpuslice_api::chrono_of),
+            Some(at("2026-12-02T23:00:00Z"))
+        );
 
         // On the agent's clock the night layout is in force from the boundary, before any write.
         let before = staged.in_force(at("2026-12-02T21:59:59Z"));
