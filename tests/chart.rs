@@ -143,6 +143,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
             .arg("--state")
             .arg(dir.path())
             .env("KUBECONFIG", kubeconfig("gs-agent"))
+            .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),

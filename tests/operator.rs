@@ -342,6 +342,8 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
                 .arg("--state")
                 .arg(dir.path().join(name))
                 .env("KUBECONFIG", cluster.kubeconfig_path())
+                // The operator's clock: the agents switch at the boundary on their own.
+                .env("GPUSLICE_CLOCK_START", "2026-12-02T20:59:00Z")
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
                 .spawn()
@@ -709,35 +711,32 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
     .unwrap();
     let state = dir.path().join("gpu-s");
     let metrics_port = free_port().unwrap();
-    let spawn = |args: &[&str], clock: Option<&str>| {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_gpuslice"));
-        command
-            .args(args)
-            .env("KUBECONFIG", cluster.kubeconfig_path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        if let Some(start) = clock {
-            command.env("GPUSLICE_CLOCK_START", start);
-        }
-        KillOnDrop(command.spawn().unwrap())
+    // 19:59 in Shanghai for both: the pool's night window (2 slices instead of 4) opens in 60 s.
+    let spawn = |args: &[&str]| {
+        KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+                .args(args)
+                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("GPUSLICE_CLOCK_START", "2026-12-02T11:59:00Z")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        )
     };
-    let _agent = spawn(
-        &[
-            "agent",
-            "--kube",
-            "--interval",
-            "1s",
-            "--emulate",
-            node_file.to_str().unwrap(),
-            "--state",
-            state.to_str().unwrap(),
-            "--metrics-addr",
-            &format!("127.0.0.1:{metrics_port}"),
-        ],
-        None,
-    );
-    // 19:59 in Shanghai: the pool's night window (2 slices instead of 4) opens in 60 s.
-    let _operator = spawn(&["operator"], Some("2026-12-02T11:59:00Z"));
+    let _agent = spawn(&[
+        "agent",
+        "--kube",
+        "--interval",
+        "1s",
+        "--emulate",
+        node_file.to_str().unwrap(),
+        "--state",
+        state.to_str().unwrap(),
+        "--metrics-addr",
+        &format!("127.0.0.1:{metrics_port}"),
+    ]);
+    let _operator = spawn(&["operator"]);
     // No CheckpointPolicy: nothing is signalled, the change waits for the claim to end.
     let pool = std::fs::read_to_string(root().join("examples/gitops/pools/shared-a100.yaml"))
         .unwrap()
