@@ -323,6 +323,18 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
     // The window change: the pods gone, a fresh operator 10 s before 20:00 in Shanghai (its first
     // passes change nothing), then two 40 GiB slices per GPU everywhere.
     remove(&client, "dra").await?;
+    // And their claims, which kube-controller-manager deletes after them: the window change is
+    // measured on a quiet cluster, not against the last phase's clean-up.
+    let quiet = Instant::now();
+    while !claims
+        .list_metadata(&ListParams::default().limit(1))
+        .await?
+        .items
+        .is_empty()
+    {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("claims gone {:?} after the pods", quiet.elapsed());
     drop(operator_process);
     // Its lease goes with it, so that the new one leads at once (a failover is not measured).
     let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
