@@ -456,12 +456,7 @@ pub fn compaction(
         };
         let name = pool.metadata.name.clone().unwrap_or_default();
         let threshold = settings.fragmentation_threshold.unwrap_or(0.3);
-        let headroom = pool
-            .spec
-            .memory_headroom
-            .as_ref()
-            .and_then(|h| gpuslice_api::bytes_of(&h.0).ok())
-            .unwrap_or(0);
+        let headroom = pool.spec.headroom_bytes();
         let mut gpus = Vec::new();
         for node in &plan.nodes {
             let claims = inventory.claims.get(&node.node);

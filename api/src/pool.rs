@@ -79,6 +79,17 @@ pub struct GpuPoolSpec {
     pub driver: Option<DriverMinimum>,
 }
 
+impl GpuPoolSpec {
+    /// `memoryHeadroom` in bytes (0 when unset; a value the schema would refuse counts as 0,
+    /// and `validate` reports it).
+    pub fn headroom_bytes(&self) -> u64 {
+        self.memory_headroom
+            .as_ref()
+            .and_then(|h| h.bytes().ok())
+            .unwrap_or(0)
+    }
+}
+
 /// A driver version: one to three dot-separated numbers.
 pub const DRIVER_VERSION_PATTERN: &str = r"^[0-9]+(\.[0-9]+){0,2}$";
 /// A CUDA version: `major` or `major.minor`.

@@ -26,7 +26,7 @@ use gpuslice_runtime::conditions::{condition, keep_transition_times};
 use gpuslice_runtime::telemetry::Telemetry;
 use gpuslice_source::last_good::Config;
 use kube::Client;
-use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -1053,12 +1053,19 @@ pub struct Settings {
 
 /// Writes the node's devices as ResourceSlices, remembering what it last wrote so that an
 /// unchanged pass costs no request. (Public for the scale benchmark's simulated agents.)
+///
+/// The agent is the only writer of its node's ResourceSlices, so it writes them whole: a create,
+/// or an update of the object it last read back (its resourceVersion makes a concurrent change a
+/// conflict, after which it reads them again). Server-side apply would merge into an object no
+/// one else owns fields of, and costs the API server about twice the CPU per write (docs/dra.md,
+/// `slice-writes`): at a window boundary every node writes its slices at once.
 pub struct Publisher {
     client: Client,
     node: String,
     owner: Option<NodeRef>,
     published: Option<Vec<Device>>,
-    /// The ResourceSlices as last written, so that the next change needs no list first.
+    /// The ResourceSlices as the API server returned them, so that the next change needs no
+    /// list first and can update them.
     written: Option<Vec<ResourceSlice>>,
 }
 
@@ -1099,34 +1106,71 @@ impl Publisher {
                 owner
             }
         };
-        let api: Api<ResourceSlice> = Api::all(self.client.clone());
-        // What is there: read once (an agent restarted finds its earlier slices), then known.
-        let existing = match self.written.take() {
-            Some(written) => written,
+        // Written against what the agent last knew; if someone else changed a slice meanwhile
+        // (a conflict), once more against what is there now.
+        let known = self.written.take();
+        let first = match known {
+            Some(existing) => self.write_over(&owner, devices, existing).await,
             None => {
-                api.list(&ListParams::default().fields(&format!(
-                    "spec.nodeName={},spec.driver={}",
-                    self.node,
-                    gpuslice_api::dra::DRIVER
-                )))
-                .await?
-                .items
+                let existing = self.list().await?;
+                return self.write_over(&owner, devices, existing).await;
             }
         };
+        match first {
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                let existing = self.list().await?;
+                self.write_over(&owner, devices, existing).await
+            }
+            other => other,
+        }
+    }
+
+    /// The node's ResourceSlices now (an agent restarted finds its earlier ones).
+    async fn list(&self) -> Result<Vec<ResourceSlice>, kube::Error> {
+        let api: Api<ResourceSlice> = Api::all(self.client.clone());
+        let selector = format!(
+            "spec.nodeName={},spec.driver={}",
+            self.node,
+            gpuslice_api::dra::DRIVER
+        );
+        Ok(api
+            .list(&ListParams::default().fields(&selector))
+            .await?
+            .items)
+    }
+
+    /// Replaces `existing` by the slices that publish `devices`. On a failure `written` stays
+    /// empty, so the next attempt lists first.
+    async fn write_over(
+        &mut self,
+        owner: &NodeRef,
+        devices: &[Device],
+        existing: Vec<ResourceSlice>,
+    ) -> Result<(), kube::Error> {
         let Some(generation) = dra::next_generation(&existing, devices) else {
             self.written = Some(existing);
             return Ok(());
         };
-        let wanted = dra::resource_slices(&owner, MANAGER, devices, generation);
-        let params = PatchParams::apply(MANAGER).force();
-        for slice in &wanted {
+        let api: Api<ResourceSlice> = Api::all(self.client.clone());
+        let params = PostParams {
+            field_manager: Some(MANAGER.to_string()),
+            ..PostParams::default()
+        };
+        let mut written = Vec::new();
+        for slice in dra::resource_slices(owner, MANAGER, devices, generation) {
             let name = slice.metadata.name.clone().unwrap_or_default();
-            // On a failure the next attempt lists again (`written` stays empty).
-            api.patch(&name, &params, &Patch::Apply(slice)).await?;
+            let stored = match existing
+                .iter()
+                .find(|e| e.metadata.name == slice.metadata.name)
+            {
+                Some(old) => api.replace(&name, &params, &dra::over(old, slice)).await?,
+                None => api.create(&params, &slice).await?,
+            };
+            written.push(stored);
         }
         for old in existing {
             let name = old.metadata.name.unwrap_or_default();
-            if !wanted
+            if !written
                 .iter()
                 .any(|w| w.metadata.name.as_ref() == Some(&name))
             {
@@ -1137,7 +1181,7 @@ impl Publisher {
                 }
             }
         }
-        self.written = Some(wanted);
+        self.written = Some(written);
         tracing::info!(
             "node {}: published {} devices (pool generation {generation})",
             self.node,

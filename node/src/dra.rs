@@ -214,6 +214,28 @@ pub fn resource_slices(
         .collect()
 }
 
+/// `wanted` as an update of `stored` (the same ResourceSlice as the API server has it): at its
+/// resourceVersion, so that a change made meanwhile is a conflict rather than lost, and keeping
+/// the labels, annotations and finalizers others put on it (ours win where keys meet).
+pub fn over(stored: &ResourceSlice, mut wanted: ResourceSlice) -> ResourceSlice {
+    let theirs = &stored.metadata;
+    let ours = &mut wanted.metadata;
+    ours.resource_version = theirs.resource_version.clone();
+    for (mine, others) in [
+        (&mut ours.labels, &theirs.labels),
+        (&mut ours.annotations, &theirs.annotations),
+    ] {
+        if let Some(others) = others {
+            let merged = mine.get_or_insert_with(Default::default);
+            for (key, value) in others {
+                merged.entry(key.clone()).or_insert_with(|| value.clone());
+            }
+        }
+    }
+    ours.finalizers = theirs.finalizers.clone();
+    wanted
+}
+
 /// The generation to publish `devices` with, given the node's ResourceSlices now: `None` when
 /// they already say exactly that (nothing to write), else one above the highest seen.
 pub fn next_generation(existing: &[ResourceSlice], devices: &[Device]) -> Option<i64> {
@@ -385,6 +407,34 @@ gpus:
             && s.spec.pool.name == "n1"));
         assert_eq!(next_generation(&slices, &many), None);
         assert_eq!(next_generation(&slices[..2], &many), Some(8), "one missing");
+    }
+
+    #[test]
+    fn an_update_keeps_what_others_put_on_the_slice_at_its_resource_version() {
+        let me = NodeRef {
+            name: "n1".into(),
+            uid: "u1".into(),
+        };
+        let first = devices(&node(), &[assignment(0, "infer")], &|_, _| Some(Vec::new()));
+        let mut stored = resource_slices(&me, "m", &first, 1).remove(0);
+        stored.metadata.resource_version = Some("41".into());
+        stored.metadata.finalizers = Some(vec!["example.com/audit".into()]);
+        let labels = stored.metadata.labels.get_or_insert_with(Default::default);
+        labels.insert("team".into(), "ml".into());
+        labels.insert(dra::MANAGED_BY_LABEL.into(), "someone-else".into());
+        stored.metadata.annotations = Some([("note".to_string(), "x".to_string())].into());
+        let wanted = resource_slices(&me, "m", &first[..1], 2).remove(0);
+        let update = over(&stored, wanted.clone());
+        assert_eq!(update.metadata.resource_version.as_deref(), Some("41"));
+        let labels = update.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels["team"], "ml");
+        assert_eq!(labels[dra::MANAGED_BY_LABEL], "m", "ours win");
+        assert_eq!(update.metadata.annotations.as_ref().unwrap()["note"], "x");
+        assert_eq!(
+            update.metadata.finalizers,
+            Some(vec!["example.com/audit".to_string()])
+        );
+        assert_eq!(update.spec, wanted.spec, "the spec is ours, whole");
     }
 
     #[test]

@@ -31,9 +31,7 @@ pub(crate) fn memory_limit(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> u64 {
     let headroom = pools
         .iter()
         .find(|p| p.metadata.name.as_deref() == Some(spec.pool.as_str()))
-        .and_then(|p| p.spec.memory_headroom.as_ref())
-        .and_then(|h| bytes_of(&h.0).ok())
-        .unwrap_or(0);
+        .map_or(0, |p| p.spec.headroom_bytes());
     bytes_of(&spec.memory.0)
         .unwrap_or(u64::MAX)
         .saturating_add(headroom)

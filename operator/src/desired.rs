@@ -438,12 +438,7 @@ fn policy_ready(
             format!("spec.checkpointPolicy: CheckpointPolicy {cp:?} does not exist"),
         );
     }
-    let headroom = pool
-        .spec
-        .memory_headroom
-        .as_ref()
-        .and_then(|h| gpuslice_api::bytes_of(&h.0).ok())
-        .unwrap_or(0);
+    let headroom = pool.spec.headroom_bytes();
     let request = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
     let limit = spec.compute.as_ref().map(|c| c.limit);
     let mut gpus = 0;

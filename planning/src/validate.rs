@@ -251,14 +251,6 @@ fn mig_candidates(models: &[&'static GpuModel]) -> Vec<&'static GpuModel> {
     }
 }
 
-fn headroom(pool: &GpuPool) -> u64 {
-    pool.spec
-        .memory_headroom
-        .as_ref()
-        .and_then(|q| q.bytes().ok())
-        .unwrap_or(0)
-}
-
 fn check_pool(
     pool: &Located<GpuPool>,
     checkpoints: &BTreeMap<&str, &CheckpointPolicy>,
@@ -282,7 +274,7 @@ fn check_pool(
             out.warn(doc, &path, format!("{name:?} is not in the GPU catalog: memory checks are skipped (fine for GPUs without MIG; check the spelling against nvidia-smi --query-gpu=name)"));
         }
     }
-    let headroom = headroom(&pool.object);
+    let headroom = pool.object.spec.headroom_bytes();
     for (path, what, layout) in layouts(&pool.object) {
         match layout.kind() {
             Some(LayoutKind::Software(s)) => {
@@ -442,7 +434,7 @@ fn check_policy(
     let Ok(memory) = spec.memory.bytes() else {
         return;
     };
-    let headroom = headroom(&pool.object);
+    let headroom = pool.object.spec.headroom_bytes();
     let need = memory.saturating_add(headroom);
     let limit = spec.compute.as_ref().map(|c| c.limit);
     let models = selected_models(&pool.object).known;

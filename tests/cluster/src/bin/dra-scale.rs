@@ -104,13 +104,12 @@ async fn wait_for_devices(
 /// Waits until every GpuNode's spec lays its GPUs out in slices of `memory` (the operator wrote
 /// them all); the time it took.
 async fn wait_for_specs(
-    client: &kube::Client,
+    reader: &Store<GpuNode>,
     memory: &str,
     nodes: usize,
     since: Instant,
     limit: Duration,
 ) -> Option<Duration> {
-    let (reader, watch) = watched(Api::<GpuNode>::all(client.clone()));
     let want = gpuslice_api::bytes_of(memory).ok();
     let mut done = None;
     while since.elapsed() < limit {
@@ -133,7 +132,6 @@ async fn wait_for_specs(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    watch.abort();
     done
 }
 
@@ -344,6 +342,9 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
     operator_process = operator(&gpuslice, &cluster, "2026-12-02T11:59:50Z")?;
     let _ = agents_clock.send(clock_at("2026-12-02T11:59:50Z"));
     let boundary = Instant::now() + Duration::from_secs(10);
+    // Watched from before the boundary: listing 1,000 GpuNodes after it would load the API
+    // server during the very change measured.
+    let (gpu_node_store, gpu_node_watch) = watched(Api::<GpuNode>::all(client.clone()));
     tokio::time::sleep_until(boundary.into()).await;
     // Who spends the two cores while the nodes switch: CPU seconds from the boundary until every
     // node is republished.
@@ -383,7 +384,13 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
             .spawn()
     });
     let (specs, recut) = tokio::join!(
-        wait_for_specs(&client, "40Gi", nodes, boundary, Duration::from_secs(120)),
+        wait_for_specs(
+            &gpu_node_store,
+            "40Gi",
+            nodes,
+            boundary,
+            Duration::from_secs(120)
+        ),
         async {
             let recut = wait_for_devices(
                 &slices,
@@ -407,6 +414,7 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     );
     eprintln!("window change: every GpuNode spec written after {specs:?}");
+    gpu_node_watch.abort();
     if let Some(Ok(mut curl)) = profile {
         let _ = curl.wait();
     }
