@@ -302,6 +302,13 @@ gpus:
         .unwrap()
     }
 
+    fn me() -> NodeRef {
+        NodeRef {
+            name: "n1".into(),
+            uid: "u1".into(),
+        }
+    }
+
     fn attr<'a>(d: &'a Device, name: &str) -> &'a DeviceAttribute {
         &d.attributes.as_ref().unwrap()[name]
     }
@@ -351,10 +358,7 @@ gpus:
 
     #[test]
     fn the_generation_goes_up_only_when_a_device_changes() {
-        let me = NodeRef {
-            name: "n1".into(),
-            uid: "u1".into(),
-        };
+        let me = me();
         let first = devices(&node(), &[assignment(0, "infer")], &|_, _| Some(Vec::new()));
         assert_eq!(next_generation(&[], &first), Some(1));
         let published = resource_slices(&me, "m", &first, 1);
@@ -389,10 +393,7 @@ gpus:
 
     #[test]
     fn many_devices_span_several_slices_of_one_pool() {
-        let me = NodeRef {
-            name: "n1".into(),
-            uid: "u1".into(),
-        };
+        let me = me();
         let one = devices(&node(), &[assignment(0, "infer")], &|_, _| Some(Vec::new())).remove(0);
         let many: Vec<Device> = (0..300)
             .map(|i| Device {
@@ -411,10 +412,7 @@ gpus:
 
     #[test]
     fn an_update_keeps_what_others_put_on_the_slice_at_its_resource_version() {
-        let me = NodeRef {
-            name: "n1".into(),
-            uid: "u1".into(),
-        };
+        let me = me();
         let first = devices(&node(), &[assignment(0, "infer")], &|_, _| Some(Vec::new()));
         let mut stored = resource_slices(&me, "m", &first, 1).remove(0);
         stored.metadata.resource_version = Some("41".into());
