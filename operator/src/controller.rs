@@ -15,7 +15,7 @@ use gpuslice_api::{
 };
 use gpuslice_planning::clock::Clock;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 use crate::admission::allowed_namespaces;
 use crate::desired::{Allocated, NodeReport, Observed, desired};
 use crate::election::Leadership;
+use crate::published::PublishedSlice;
 use gpuslice_runtime::apply_body;
 use gpuslice_runtime::conditions::keep_transition_times;
 use gpuslice_runtime::telemetry::Telemetry;
@@ -92,23 +93,12 @@ where
     reader
 }
 
-/// Of a ResourceSlice, the operator reads its node and pool, and of each device its name,
-/// capacities, taints and the attributes pool, kind and GPU index; at 1,000 nodes the other
-/// attributes of 32,000 devices are a good part of its memory.
-fn trim_slice(slice: &mut ResourceSlice) {
-    const READ: [&str; 3] = [
-        dra::attribute::POOL,
-        dra::attribute::KIND,
-        dra::attribute::GPU_INDEX,
-    ];
+/// Of a ResourceSlice's metadata the operator reads nothing but its name (the spec's fields it
+/// reads are all [`PublishedSlice`] parses).
+fn trim_slice(slice: &mut PublishedSlice) {
     slice.metadata.labels = None;
     slice.metadata.annotations = None;
     slice.metadata.owner_references = None;
-    for device in slice.spec.devices.iter_mut().flatten() {
-        if let Some(attributes) = &mut device.attributes {
-            attributes.retain(|name, _| READ.contains(&name.as_str()));
-        }
-    }
 }
 
 /// Of a ResourceClaim, the operator reads its requests' names and classes and which devices were
@@ -367,7 +357,7 @@ pub async fn run(
         changed.clone(),
     );
     let slices = trimmed_cache(
-        Api::<ResourceSlice>::all(client.clone()),
+        Api::<PublishedSlice>::all(client.clone()),
         all().fields(&format!("spec.driver={}", dra::DRIVER)),
         changed.clone(),
         trim_slice,
@@ -626,18 +616,16 @@ fn observe(
 
 /// Every gpuslice device allocated in a ResourceClaim, with the GpuPool its agent published it
 /// in and the policy whose class the request named.
-fn allocated(slices: &Store<ResourceSlice>, claims: &Store<ResourceClaim>) -> Vec<Allocated> {
-    let mut pool_of: std::collections::HashMap<(&str, &str), Option<String>> =
+fn allocated(slices: &Store<PublishedSlice>, claims: &Store<ResourceClaim>) -> Vec<Allocated> {
+    let mut pool_of: std::collections::HashMap<(&str, &str), Option<&str>> =
         std::collections::HashMap::new();
     let slices = slices.state();
     for slice in &slices {
-        for device in slice.spec.devices.iter().flatten() {
-            let pool = device
-                .attributes
-                .as_ref()
-                .and_then(|a| a.get(dra::attribute::POOL))
-                .and_then(|a| a.string.clone());
-            pool_of.insert((slice.spec.pool.name.as_str(), device.name.as_str()), pool);
+        for device in &slice.spec.devices {
+            pool_of.insert(
+                (slice.spec.pool.name.as_str(), device.name.as_str()),
+                device.pool(),
+            );
         }
     }
     let mut out = Vec::new();
@@ -678,8 +666,9 @@ fn allocated(slices: &Store<ResourceSlice>, claims: &Store<ResourceClaim>) -> Ve
             out.push(Allocated {
                 pool: pool_of
                     .get(&(result.pool.as_str(), result.device.as_str()))
-                    .cloned()
-                    .flatten(),
+                    .copied()
+                    .flatten()
+                    .map(str::to_string),
                 policy,
             });
         }

@@ -8,6 +8,7 @@ pub mod compaction;
 pub mod controller;
 pub mod desired;
 pub mod election;
+pub mod published;
 pub mod queue;
 
 /// The field manager of everything the operator writes.

@@ -30,7 +30,7 @@ use gpuslice_planning::queue::{
     self, Decision, EnginePlacer, FreeDevice, Need, Reason, Running, Share, Waiting,
 };
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -44,6 +44,7 @@ use prometheus_client::registry::{Registry, Unit};
 use tokio::sync::Notify;
 
 use crate::election::Leadership;
+use crate::published::PublishedSlice;
 
 /// The scheduling gate of pods waiting in the queue.
 pub const GATE: &str = "gpuslice.io/queue";
@@ -64,7 +65,7 @@ pub struct Caches {
     pub pods: Store<Pod>,
     pub pools: Store<GpuPool>,
     pub policies: Store<GpuSlicePolicy>,
-    pub slices: Store<ResourceSlice>,
+    pub slices: Store<PublishedSlice>,
     pub claims: Store<ResourceClaim>,
     pub gpu_nodes: Store<GpuNode>,
     pub priority_classes: Store<PriorityClass>,
@@ -137,7 +138,7 @@ struct Published {
 
 /// Every gpuslice device published, by (ResourceSlice pool, device name).
 fn published(
-    slices: &Store<ResourceSlice>,
+    slices: &Store<PublishedSlice>,
     gpu_nodes: &Store<GpuNode>,
     now: chrono::DateTime<chrono::Utc>,
 ) -> BTreeMap<(String, String), Published> {
@@ -155,26 +156,13 @@ fn published(
     let mut out: BTreeMap<(String, String), (Published, i64)> = BTreeMap::new();
     for slice in slices.state() {
         let node = slice.spec.node_name.clone().unwrap_or_default();
-        for device in slice.spec.devices.iter().flatten() {
-            let attribute = |name: &str| device.attributes.as_ref().and_then(|a| a.get(name));
-            let capacity = |name: &str| {
-                device
-                    .capacity
-                    .as_ref()
-                    .and_then(|c| c.get(name))
-                    .and_then(|c| gpuslice_api::bytes_of(&c.value.0).ok())
-                    .unwrap_or(0)
-            };
-            let gpu = attribute(dra::attribute::GPU_INDEX)
-                .and_then(|a| a.int)
-                .unwrap_or(-1);
-            let software = attribute(dra::attribute::KIND)
-                .and_then(|a| a.string.as_deref())
-                .is_some_and(|k| k == "software");
+        for device in &slice.spec.devices {
+            let gpu = device.gpu_index().unwrap_or(-1);
+            let software = device.is_software();
             if software {
                 *software_on_gpu.entry((node.clone(), gpu)).or_default() += 1;
             }
-            let Some(pool) = attribute(dra::attribute::POOL).and_then(|a| a.string.clone()) else {
+            let Some(pool) = device.pool().map(str::to_string) else {
                 continue;
             };
             out.insert(
@@ -186,12 +174,12 @@ fn published(
                             node: node.clone(),
                             gpu: u32::try_from(gpu).unwrap_or(u32::MAX),
                             device: device.name.clone(),
-                            memory_bytes: capacity(dra::capacity::MEMORY),
-                            compute: u32::try_from(capacity(dra::capacity::COMPUTE)).unwrap_or(0),
+                            memory_bytes: device.memory_bytes(),
+                            compute: u32::try_from(device.compute()).unwrap_or(0),
                             slices_on_gpu: 0,
                             recut_at: recut_at.get(&(node.clone(), gpu)).copied(),
                         },
-                        tainted: device.taints.as_ref().is_some_and(|t| !t.is_empty()),
+                        tainted: device.is_tainted(),
                         software,
                     },
                     gpu,
