@@ -1,10 +1,11 @@
 //! The operator's view of the ResourceSlices our agents publish: only what it reads, read
 //! straight from the API server's JSON. At 1,000 nodes × 32 devices the whole `ResourceSlice`
-//! objects (two `BTreeMap`s per device) were the larger part of the operator's memory.
+//! objects (two `BTreeMap`s per device) were about half of the operator's memory.
 
 use std::borrow::Cow;
 
 use gpuslice_api::dra;
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
@@ -114,23 +115,21 @@ fn capacity_value(capacity: Option<&Capacity>) -> u64 {
         .unwrap_or(0)
 }
 
-type Published = k8s_openapi::api::resource::v1::ResourceSlice;
-
 impl kube::Resource for PublishedSlice {
     type DynamicType = ();
     type Scope = kube::core::ClusterResourceScope;
 
     fn kind(_: &()) -> Cow<'_, str> {
-        <Published as k8s_openapi::Resource>::KIND.into()
+        <ResourceSlice as k8s_openapi::Resource>::KIND.into()
     }
     fn group(_: &()) -> Cow<'_, str> {
-        <Published as k8s_openapi::Resource>::GROUP.into()
+        <ResourceSlice as k8s_openapi::Resource>::GROUP.into()
     }
     fn version(_: &()) -> Cow<'_, str> {
-        <Published as k8s_openapi::Resource>::VERSION.into()
+        <ResourceSlice as k8s_openapi::Resource>::VERSION.into()
     }
     fn plural(_: &()) -> Cow<'_, str> {
-        <Published as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
+        <ResourceSlice as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
     }
     fn meta(&self) -> &ObjectMeta {
         &self.metadata
