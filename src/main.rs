@@ -140,6 +140,15 @@ enum Command {
         /// events do not), so that fault isolation quarantines its slice.
         #[arg(long, default_value = "/dev/kmsg")]
         kernel_log: PathBuf,
+        /// How often the memory watchdog reads each process's GPU memory from NVML: a software
+        /// slice holding more than its cap (a workload that bypassed the shim) has its biggest
+        /// process sent SIGTERM.
+        #[arg(long, default_value = "1s")]
+        memory_watchdog_interval: gpuslice_api::Duration,
+        /// From the watchdog's SIGTERM to SIGKILL while the slice stays over its cap; 0s kills
+        /// at once.
+        #[arg(long, default_value = "5s")]
+        memory_watchdog_grace: gpuslice_api::Duration,
         /// The instant to plan for (RFC 3339), with --once; now by default.
         #[arg(long, requires = "once")]
         at: Option<chrono::DateTime<chrono::FixedOffset>>,
@@ -566,9 +575,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             kubelet_dir,
             cdi_dir,
             kernel_log,
+            memory_watchdog_interval,
+            memory_watchdog_grace,
             at,
             output,
         } => {
+            let watchdog = gpuslice_node::watchdog::Settings {
+                interval: memory_watchdog_interval.into(),
+                grace: memory_watchdog_grace.into(),
+            };
             let clock = gpuslice_planning::clock::Clock::from_env()?;
             let node_name =
                 node_name.or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()));
@@ -617,7 +632,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         "XIDs cannot be traced to processes ({e}): a software slice is quarantined only when it is the only one held on its GPU"
                     ),
                 }
-                agent_in_cluster(node, library, state, clock, settings, metrics_addr)?;
+                agent_in_cluster(
+                    node,
+                    library,
+                    state,
+                    clock,
+                    settings,
+                    watchdog,
+                    metrics_addr,
+                )?;
                 return Ok(ExitCode::SUCCESS);
             }
             let options = gpuslice_node::standalone::Options {
@@ -635,6 +658,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 interval: interval.into(),
                 clock,
                 kernel_log,
+                watchdog,
             };
             let mut shown = String::new();
             let last = gpuslice_node::standalone::run(&options, |pass| {
@@ -965,6 +989,7 @@ fn agent_in_cluster(
     state: StateDir,
     clock: gpuslice_planning::clock::Clock,
     settings: gpuslice_node::cluster::Settings,
+    watchdog: gpuslice_node::watchdog::Settings,
     metrics_addr: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<()> {
     /// Healthy while a pass completed within this many intervals (plus a minute of slack).
@@ -972,7 +997,8 @@ fn agent_in_cluster(
     const STALE_SLACK: std::time::Duration = std::time::Duration::from_secs(60);
     let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
     let agent = gpuslice_node::pass::Agent::new(gpus, &node, state, true)
-        .with_faults(settings.faults.clone());
+        .with_faults(settings.faults.clone())
+        .with_watchdog(gpuslice_node::NvmlGpus::open(library.as_deref())?, watchdog);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

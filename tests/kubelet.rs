@@ -299,14 +299,28 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     let probe = setup.probe.to_str().unwrap().to_string();
     let (lib, machine) = (setup.lib.clone(), setup.machine.clone());
 
-    // Three notebooks that check their GPU, then wait until told to end.
+    // Three notebooks that check their GPU, then wait until told to end. Two try to switch the
+    // cap off through the environment, as a hostile tenant would: one unsets the variable that
+    // names the slice config, one points it at a config of its own granting 1 TiB. Neither
+    // escapes: the shim reads the config the CDI spec pins read-only.
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let names = ["notebook-0", "notebook-1", "notebook-2"];
     let scratch = setup.dir.path().to_path_buf();
+    let forged = scratch.join("forged-config");
+    std::fs::write(
+        &forged,
+        r#"{"id":"gpu0-s0","kind":"software","gpu":0,"deviceUuid":"x","memoryBytes":1099511627776,"computePercent":100}"#,
+    )
+    .unwrap();
+    let escapes = [
+        String::new(),
+        "env -u GPUSLICE_SLICE_CONFIG ".to_string(),
+        format!("env GPUSLICE_SLICE_CONFIG={} ", forged.display()),
+    ];
     let stop = |name: &str| scratch.join(format!("stop-{name}"));
-    for name in names {
+    for (name, escape) in names.iter().zip(&escapes) {
         let script = format!(
-            "{probe} link cap && until [ -e {} ]; do sleep 0.2; done",
+            "{escape}{probe} link cap && until [ -e {} ]; do sleep 0.2; done",
             stop(name).display()
         );
         pods.create(

@@ -627,3 +627,67 @@ fn xid_errors_quarantine_a_runs_slice_or_take_the_gpu_out_until_root_resets_it()
         String::from_utf8_lossy(&ran.stderr)
     );
 }
+
+/// The memory watchdog is the guarantee behind the shim: a workload that bypasses the shim
+/// (here it clears `LD_PRELOAD` before exec, as a static binary calling the driver would never
+/// load it) and takes more than its slice's cap is found by the agent through NVML's
+/// per-process figures and stopped (SIGTERM: the run ends with 143); a neighbour within its cap
+/// on the same GPU keeps running.
+#[test]
+fn a_workload_that_bypasses_the_shim_past_its_cap_is_stopped_by_the_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("pool.yaml"), pool(4, "20Gi")).unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    children.keep(agent_with(
+        dir.path(),
+        &source,
+        Stdio::null(),
+        &["--memory-watchdog-interval", "200ms"],
+    ));
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s3/config").exists()
+    });
+    let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
+    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
+    let start = |script: String| {
+        let mut child = run(&state, &["--policy", "small", "--", "sh", "-c", &script])
+            .env("LD_LIBRARY_PATH", &lib)
+            .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut held = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut held)
+            .unwrap();
+        (child, held.trim().to_string())
+    };
+    let probe = probe.display();
+    let (within, held) = start(format!("{probe} link hold 8192"));
+    let within = children.keep(within);
+    assert_eq!(held, format!("held={}", 8u64 << 30));
+    let (mut over, held) = start(format!("env -u LD_PRELOAD {probe} link hold 24576"));
+    // Without the shim the driver gave it all: 24 GiB on a 20 GiB slice.
+    assert_eq!(held, format!("held={}", 24u64 << 30));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = over.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the over-cap workload still runs"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(status.code(), Some(128 + 15), "stopped by SIGTERM");
+    assert_eq!(
+        within.try_wait().unwrap(),
+        None,
+        "the neighbour within its cap runs on"
+    );
+}

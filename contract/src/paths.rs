@@ -16,6 +16,15 @@ use std::path::{Path, PathBuf};
 /// Where the agent keeps its state unless told otherwise.
 pub const DEFAULT: &str = "/run/gpuslice";
 
+/// In a container given a software slice: the slice's config at a fixed path, bind-mounted
+/// read-only by the CDI spec. The shim reads it there whatever the environment says, so a
+/// workload cannot switch its cap off by unsetting or redirecting `GPUSLICE_SLICE_CONFIG`; the
+/// container's node contract is at [`DEFAULT`].
+pub const PINNED_CONFIG: &str = "/etc/gpuslice/slice-config";
+/// The file that makes the dynamic loader preload a library into every process of a container;
+/// the CDI spec of a software slice names the shim in it.
+pub const SYSTEM_PRELOAD: &str = "/etc/ld.so.preload";
+
 /// A slice's config, inside its directory.
 pub const CONFIG_FILE: &str = "config";
 /// A slice's memory ledger, beside its config.

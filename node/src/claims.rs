@@ -244,6 +244,11 @@ impl Claims {
         }
     }
 
+    /// The node's slices as the last pass left them.
+    pub fn slices(&self) -> Vec<SliceConfig> {
+        self.lock().slices.clone()
+    }
+
     /// Every claim held now, prepared ResourceClaims included.
     pub fn held(&self) -> Vec<Claim> {
         let board = self.lock();

@@ -250,6 +250,34 @@ async fn tell_faults(
     }
 }
 
+/// An Event on each pod of a slice the memory watchdog acted on.
+async fn tell_overrun(recorder: &Recorder, report: &crate::watchdog::Report) {
+    let holding = &report.overrun.holding;
+    for (i, pod) in holding.pods.iter().enumerate() {
+        let Some((namespace, name)) = pod.split_once('/') else {
+            continue;
+        };
+        let event = Event {
+            type_: EventType::Warning,
+            reason: "GpuMemoryOverCap".into(),
+            note: Some(report.text()),
+            action: "EnforceMemoryCap".into(),
+            secondary: None,
+        };
+        let regarding = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some(namespace.into()),
+            name: Some(name.into()),
+            uid: holding.pod_uids.get(i).cloned(),
+            ..ObjectReference::default()
+        };
+        if let Err(e) = recorder.publish(&event, &regarding).await {
+            tracing::warn!("recording a memory overrun event: {e}");
+        }
+    }
+}
+
 /// The `IoLimited` condition: whether the pools of this node that limit I/O per slice get it.
 fn io_condition(
     io: Result<&crate::iolimit::Cgroups, &str>,
@@ -443,6 +471,7 @@ pub struct Metrics {
     gpu_power: Family<GpuLabel, Gauge<f64, AtomicU64>>,
     gpu_switches: Family<GpuLabel, Counter>,
     gpu_xids: Family<XidLabel, Counter>,
+    memory_overruns: Family<OverrunLabel, Counter>,
     quarantined: Family<QuarantineLabel, Gauge>,
     cache_hits: Family<CacheLabel, Counter>,
     cache_misses: Family<CacheLabel, Counter>,
@@ -520,6 +549,14 @@ struct XidLabel {
     xid: String,
 }
 
+/// One series per (slice, what the memory watchdog did).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OverrunLabel {
+    gpu: String,
+    slice: String,
+    action: String,
+}
+
 /// A pool's dataset cache.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CacheLabel {
@@ -572,6 +609,7 @@ impl Metrics {
             evictions: Family::default(),
             blocked: Gauge::default(),
             gpu_memory_total: Family::default(),
+            memory_overruns: Family::default(),
             gpu_memory_used: Family::default(),
             gpu_utilization: Family::default(),
             gpu_temperature: Family::default(),
@@ -625,6 +663,11 @@ impl Metrics {
             "gpu_power_watts",
             "GPU board power draw (NVML)",
             m.gpu_power.clone(),
+        );
+        r.register(
+            "slice_memory_overruns",
+            "Times the memory watchdog found a software slice holding more than its cap (NVML's per-process figures) and signalled (action=signalled), killed (killed) or failed to stop (failed) its biggest process",
+            m.memory_overruns.clone(),
         );
         r.register(
             "gpu_compute_handovers",
@@ -787,6 +830,21 @@ impl Metrics {
     }
 
     /// Counts an XID critical error NVML reported for a GPU.
+    pub fn count_overrun(&self, report: &crate::watchdog::Report) {
+        let action = match report.step {
+            crate::watchdog::Step::Signalled => "signalled",
+            crate::watchdog::Step::Killed => "killed",
+            crate::watchdog::Step::Failed(_) => "failed",
+        };
+        self.memory_overruns
+            .get_or_create(&OverrunLabel {
+                gpu: report.overrun.holding.gpu.to_string(),
+                slice: report.overrun.holding.slice.clone(),
+                action: action.into(),
+            })
+            .inc();
+    }
+
     pub fn count_xid(&self, gpu: u32, xid: u64) {
         self.gpu_xids
             .get_or_create(&XidLabel {
@@ -1233,6 +1291,19 @@ pub async fn run(
     );
     let mut quarantines = Quarantines::load(agent.state())?;
     agent.serve_socket()?;
+    // The memory watchdog's reports: counted, and told to the pods of the slice.
+    let (overruns, mut told) = tokio::sync::mpsc::unbounded_channel();
+    let counted = metrics.clone();
+    agent.start_watchdog(move |report| {
+        counted.count_overrun(report);
+        let _ = overruns.send(report.clone());
+    });
+    let teller = recorder.clone();
+    tokio::spawn(async move {
+        while let Some(report) = told.recv().await {
+            tell_overrun(&teller, &report).await;
+        }
+    });
     if let Some(paths) = settings.kubelet.clone() {
         let plugin = crate::kubelet::Plugin::new(
             client.clone(),

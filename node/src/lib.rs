@@ -23,6 +23,7 @@ pub mod render;
 pub mod slices;
 pub mod socket;
 pub mod standalone;
+pub mod watchdog;
 
 pub use converge::{BlockingProcess, GpuOutcome, Held, converge_to, read_node};
 pub use nvml::{NvmlError, NvmlGpus};

@@ -383,6 +383,31 @@ impl NvmlGpus {
             .collect()
     }
 
+    /// The device memory of every compute process on every GPU, as the driver reports it (a
+    /// GPU that does not answer, or a process whose figure is not available, is left out).
+    pub fn compute_processes(&self) -> Vec<crate::watchdog::GpuProcess> {
+        let count = self.nvml.device_count().unwrap_or(0);
+        (0..count)
+            .filter_map(|gpu| Some((gpu, self.nvml.device_by_index(gpu).ok()?)))
+            .flat_map(|(gpu, device)| {
+                device
+                    .running_compute_processes()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(move |p| match p.used_gpu_memory {
+                        nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => {
+                            Some(crate::watchdog::GpuProcess {
+                                gpu,
+                                pid: p.pid,
+                                bytes,
+                            })
+                        }
+                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
+                    })
+            })
+            .collect()
+    }
+
     /// Every GPU instance: (id, profile index, placement), with its handle.
     fn gpu_instance_handles(
         &self,

@@ -162,6 +162,8 @@ pub struct Agent {
     host: Option<crate::hostlimit::HostCgroups>,
     /// Whether the log said once that I/O limits cannot be applied.
     io_warned: std::sync::atomic::AtomicBool,
+    /// The memory watchdog's NVML handle and settings, until it starts.
+    watchdog: std::sync::Mutex<Option<(NvmlGpus, crate::watchdog::Settings)>>,
 }
 
 impl Agent {
@@ -184,6 +186,41 @@ impl Agent {
                 .inspect_err(|e| tracing::info!("{e}"))
                 .ok(),
             io_warned: std::sync::atomic::AtomicBool::new(false),
+            watchdog: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Keeps held software slices to their caps with a memory watchdog on `gpus` (a handle of
+    /// its own), once [`Agent::start_watchdog`] is called.
+    pub fn with_watchdog(self, gpus: NvmlGpus, settings: crate::watchdog::Settings) -> Self {
+        *self.watchdog.lock().unwrap_or_else(|p| p.into_inner()) = Some((gpus, settings));
+        self
+    }
+
+    /// Starts the memory watchdog given with [`Agent::with_watchdog`] (once); each thing it does
+    /// goes to `report`.
+    pub fn start_watchdog(&self, report: impl Fn(&crate::watchdog::Report) + Send + 'static) {
+        let Some((gpus, settings)) = self
+            .watchdog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        else {
+            return;
+        };
+        match crate::watchdog::start(
+            gpus,
+            self.state.clone(),
+            self.socket.claims.clone(),
+            settings,
+            report,
+        ) {
+            Ok(()) => tracing::info!(
+                "memory watchdog: reading NVML every {:?}, SIGKILL {:?} after SIGTERM",
+                settings.interval,
+                settings.grace
+            ),
+            Err(e) => tracing::error!("the memory watchdog could not start: {e}"),
         }
     }
 

@@ -53,6 +53,8 @@ pub struct Options {
     pub clock: Clock,
     /// Where the kernel's XID records are read (which process caused an error).
     pub kernel_log: PathBuf,
+    /// The memory watchdog's pace (a service only).
+    pub watchdog: crate::watchdog::Settings,
 }
 
 /// Runs the agent: one pass with `once`, else passes forever. Each pass goes to `emit`; the
@@ -60,12 +62,19 @@ pub struct Options {
 pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, StandaloneError> {
     let gpus = NvmlGpus::open(options.library.as_deref())?;
     let inbox = Inbox::default();
-    let agent = Agent::new(gpus, &options.node, options.state.clone(), options.apply)
+    let mut agent = Agent::new(gpus, &options.node, options.state.clone(), options.apply)
         .with_faults(inbox.clone());
+    if !options.once {
+        agent = agent.with_watchdog(
+            NvmlGpus::open(options.library.as_deref())?,
+            options.watchdog,
+        );
+    }
     let mut source = Source::new(options.source.clone(), &options.state.source());
     let mut quarantines = Quarantines::load(&options.state)?;
     if !options.once {
         agent.serve_socket()?;
+        agent.start_watchdog(|_| {});
         watch_faults(options, &inbox);
     }
     loop {

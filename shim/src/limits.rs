@@ -1,12 +1,18 @@
-//! Where a process's limits come from: the slice's config, written read-only by the node agent
-//! (`<state>/slices/<id>/config`) and named by `GPUSLICE_SLICE_CONFIG`. The environment can point
-//! at a config and lower the cap (`GPUSLICE_MEMORY_LIMIT`), never raise it: a config the process
-//! could have written itself (its own file, or a writable one or one in a writable directory) is
-//! refused. A config that is named but cannot be used fails closed: allocations are refused and
-//! the reason is printed once, rather than running without a cap.
+//! Where a process's limits come from: the slice's config, written read-only by the node agent.
 //!
-//! Root in the container can change anything, so root's configs are taken as they are; the
-//! threat model (docs/contracts.md) says MIG is the answer where that matters.
+//! - In a container given a software slice, the CDI spec bind-mounts the config read-only at
+//!   [`paths::PINNED_CONFIG`] and names the shim in `/etc/ld.so.preload`. The pinned config is
+//!   used whatever the environment says: unsetting or redirecting `GPUSLICE_SLICE_CONFIG` changes
+//!   nothing. It must be on a read-only mount (root in the container cannot rewrite it).
+//! - Elsewhere (`gpuslice run`), `GPUSLICE_SLICE_CONFIG` names `<state>/slices/<id>/config`; a
+//!   config the process could have written itself (its own file, or a writable one or one in a
+//!   writable directory) is refused.
+//! - `GPUSLICE_MEMORY_LIMIT` lowers the cap, never raises it.
+//!
+//! A config that is named but cannot be used fails closed: allocations are refused and the reason
+//! is printed once, rather than running without a cap. So does a process into which
+//! `/etc/ld.so.preload` loads the shim while no config is there: that preload is what a slice's
+//! container gets, so the shim is there to cap it.
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt as _;
@@ -50,26 +56,115 @@ static LIMITS: OnceLock<Limits> = OnceLock::new();
 
 /// The limits, read on first use.
 pub fn limits() -> &'static Limits {
-    LIMITS.get_or_init(|| match std::env::var_os(CONFIG_VAR) {
-        None => Limits::Off,
-        Some(path) => match load(Path::new(&path)) {
+    LIMITS.get_or_init(|| {
+        let (path, loaded) = match find_config() {
+            Found::None => return Limits::Off,
+            Found::PreloadedWithout => (
+                PathBuf::from(paths::SYSTEM_PRELOAD),
+                Err(format!(
+                    "the shim is preloaded for a slice but there is no slice config at {}",
+                    paths::PINNED_CONFIG
+                )),
+            ),
+            Found::Pinned(path) => {
+                let loaded = read_only_mount(&path).and_then(|()| load(&path, &pinned_state()));
+                (path, loaded)
+            }
+            Found::Named(path) => {
+                let loaded = named_state(&path).and_then(|state| load(&path, &state));
+                (path, loaded)
+            }
+        };
+        match loaded {
             Ok(slice) => Limits::Capped(slice),
             Err(reason) => {
                 eprintln!(
                     "gpuslice: {}: {reason}; GPU memory allocations are refused (fail closed)",
-                    Path::new(&path).display()
+                    path.display()
                 );
                 Limits::Closed
             }
-        },
+        }
     })
 }
 
-fn load(path: &Path) -> Result<Slice, String> {
+/// Where this process's slice config is, if it has one.
+enum Found {
+    None,
+    /// The CDI spec's read-only config.
+    Pinned(PathBuf),
+    /// The config `GPUSLICE_SLICE_CONFIG` names.
+    Named(PathBuf),
+    /// `/etc/ld.so.preload` loads the shim but no config is there.
+    PreloadedWithout,
+}
+
+fn find_config() -> Found {
+    let pinned = Path::new(paths::PINNED_CONFIG);
+    // `symlink_metadata`: a pinned path that exists in any form is taken (and checked), so a
+    // dangling link or an unreadable file fails closed rather than falling back to the env.
+    if pinned.symlink_metadata().is_ok() {
+        return Found::Pinned(pinned.to_path_buf());
+    }
+    if let Some(path) = std::env::var_os(CONFIG_VAR) {
+        return Found::Named(PathBuf::from(path));
+    }
+    if preloaded_by_system(Path::new(paths::SYSTEM_PRELOAD)) {
+        return Found::PreloadedWithout;
+    }
+    Found::None
+}
+
+/// Whether a preload file names the shim (by its file name: the path differs by runtime).
+fn preloaded_by_system(preload: &Path) -> bool {
+    std::fs::read_to_string(preload).is_ok_and(|text| {
+        text.split_whitespace().any(|lib| {
+            Path::new(lib)
+                .file_name()
+                .is_some_and(|n| n == "libgpuslice.so")
+        })
+    })
+}
+
+/// The node contract as a container sees it, beside the pinned config.
+fn pinned_state() -> StateDir {
+    StateDir::new(paths::DEFAULT)
+}
+
+fn named_state(path: &Path) -> Result<StateDir, String> {
     if !path.is_absolute() {
         return Err(format!("{CONFIG_VAR} must be an absolute path"));
     }
     trusted(path)?;
+    StateDir::of_slice_config(path)
+        .ok_or_else(|| format!("{CONFIG_VAR} must name a slice config, <state>/slices/<id>/config"))
+}
+
+/// Refuses a pinned config that is not on a read-only mount: only the runtime's bind mount
+/// makes it one no process in the container can rewrite, root included.
+fn read_only_mount(path: &Path) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| "the path has a NUL byte".to_string())?;
+    // SAFETY: statvfs with a NUL-terminated path and a zeroed buffer it fills.
+    let mut fs: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; both pointers are valid for the call.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut fs) } != 0 {
+        return Err(format!(
+            "cannot read the slice config: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if fs.f_flag & libc::ST_RDONLY == 0 {
+        return Err(
+            "the pinned slice config is not on a read-only mount, so the workload could rewrite it"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+fn load(path: &Path, state: &StateDir) -> Result<Slice, String> {
     let text = std::fs::read(path).map_err(|e| format!("cannot read the slice config: {e}"))?;
     let config: SliceConfig =
         serde_json::from_slice(&text).map_err(|e| format!("not a slice config: {e}"))?;
@@ -80,15 +175,13 @@ fn load(path: &Path) -> Result<Slice, String> {
             None => eprintln!("gpuslice: {LIMIT_VAR}={text:?} is not a size (like 8Gi); ignored"),
         }
     }
-    let ledger = Ledger::open(&paths::ledger_beside(path)).map_err(|e| e.to_string())?;
+    let ledger = Ledger::open(&state.slice_ledger(&config.id)).map_err(|e| e.to_string())?;
     ledger.reclaim(alive);
     let row = ledger
         .row_for(Process::current(), 0)
         .map_err(|e| e.to_string())?;
     Ok(Slice {
-        agent_socket: (config.kind == SliceKind::Software)
-            .then(|| StateDir::of_slice_config(path).map(|s| s.socket()))
-            .flatten(),
+        agent_socket: (config.kind == SliceKind::Software).then(|| state.socket()),
         id: config.id,
         cap,
         ledger,
@@ -208,5 +301,16 @@ mod tests {
         assert_eq!(parse_bytes("4096"), Some(4096));
         assert_eq!(parse_bytes("lots"), None);
         assert_eq!(parse_bytes("99999999999999999999Gi"), None);
+    }
+
+    #[test]
+    fn a_preload_file_that_names_the_shim_means_a_slice_is_expected() {
+        let dir = tempfile::tempdir().unwrap();
+        let preload = dir.path().join("ld.so.preload");
+        std::fs::write(&preload, "/run/gpuslice/lib/libgpuslice.so\n").unwrap();
+        assert!(preloaded_by_system(&preload));
+        std::fs::write(&preload, "/usr/lib/libjemalloc.so /opt/x/libgpuslice.so.bak\n").unwrap();
+        assert!(!preloaded_by_system(&preload));
+        assert!(!preloaded_by_system(&dir.path().join("absent")));
     }
 }

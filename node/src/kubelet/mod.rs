@@ -7,7 +7,8 @@
 //!   the slice's GPU or MIG device (`CUDA_VISIBLE_DEVICES`, `NVIDIA_VISIBLE_DEVICES`, the device
 //!   nodes the host has) and the slice directory of the node contract; a software slice also gets
 //!   the shim through a read-only `/etc/ld.so.preload` (clearing `LD_PRELOAD` does not escape
-//!   the cap) and the agent's socket for compute shares.
+//!   the cap), its config again read-only at `/etc/gpuslice/slice-config` (unsetting
+//!   `GPUSLICE_SLICE_CONFIG` does not either) and the agent's socket for compute shares.
 //! - `NodeUnprepareResources`: removes the claim's CDI spec and record. Both are idempotent.
 
 mod authority;
@@ -147,6 +148,12 @@ fn claim_config_path(state: &StateDir, uid: &str, slice: &str) -> PathBuf {
     records(state).join(uid).join(format!("{slice}.config"))
 }
 
+/// The config a prepared claim's containers see for `slice`, if it is there and whole.
+pub fn claim_config(state: &StateDir, uid: &str, slice: &str) -> Option<SliceConfig> {
+    let bytes = std::fs::read(claim_config_path(state, uid, slice)).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
 /// Every claim prepared on this node (what a restarted agent still holds).
 pub fn prepared(state: &StateDir) -> Vec<Prepared> {
     let Ok(entries) = std::fs::read_dir(records(state)) else {
@@ -216,6 +223,13 @@ pub fn cdi_spec(
                     "{}={}",
                     gpuslice_contract::env::SLICE_CONFIG,
                     container_state.slice_config(&slice.id).display()
+                ));
+                // The config again at the fixed path the shim reads first, so the workload's
+                // environment cannot switch the cap off.
+                mounts.push(bind(
+                    claim_config,
+                    Path::new(gpuslice_contract::paths::PINNED_CONFIG),
+                    "ro",
                 ));
                 mounts.push(bind(&state.socket(), &container_state.socket(), "rw"));
                 if let Some(shim) = &paths.shim {

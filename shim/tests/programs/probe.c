@@ -192,6 +192,22 @@ static int churn(int rounds, unsigned seed, unsigned max_mib) {
 
 #include <time.h>
 
+/* Takes argv[3] MiB in allocations of at most 1 GiB, says how much it got, and holds it until
+ * killed (a workload that keeps its memory). */
+static int hold(long mib) {
+  context();
+  size_t left = (size_t)mib * MiB, got = 0;
+  while (left > 0) {
+    size_t want = left < 1024 * MiB ? left : 1024 * MiB;
+    dptr_t p;
+    if (cu.alloc(&p, want) != 0) break;
+    got += want;
+    left -= want;
+  }
+  printf("held=%zu\n", got);
+  for (;;) sleep(60);
+}
+
 static void *kernel;
 
 /* Runs one operation n times: "launch", "alloc" (cuMemAlloc + cuMemFree of 4 KiB), "info". */
@@ -242,11 +258,12 @@ static int bench(long n) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 3) { fprintf(stderr, "usage: probe link|dlsym|procaddr cap|churn ...\n"); return 2; }
+  if (argc < 3) { fprintf(stderr, "usage: probe link|dlsym|procaddr cap|bench|count|churn|hold ...\n"); return 2; }
   resolve(argv[1]);
   setvbuf(stdout, 0, _IONBF, 0);
   if (strcmp(argv[2], "cap") == 0) return cap();
   if (strcmp(argv[2], "bench") == 0 && argc == 4) return bench(atol(argv[3]));
+  if (strcmp(argv[2], "hold") == 0 && argc == 4) return hold(atol(argv[3]));
   if (strcmp(argv[2], "count") == 0 && argc == 5) {
     setup_kernel();
     run_op(argv[3], atol(argv[4]));
