@@ -691,3 +691,78 @@ fn a_workload_that_bypasses_the_shim_past_its_cap_is_stopped_by_the_agent() {
         "the neighbour within its cap runs on"
     );
 }
+
+/// VmRSS of a process, in bytes.
+fn resident(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap()
+        * 1024
+}
+
+/// The agent's socket is open to every local user, so it holds against hostile callers: a
+/// 200 MB line without an end is cut off after 64 KiB, 10,000 idle connections are refused past
+/// the caller's share with the reason, the agent stays under the memory limit the chart gives
+/// it (128 MiB), and once the flood is gone a new session is served.
+#[test]
+fn the_agents_socket_holds_against_an_endless_line_and_a_flood_of_connections() {
+    use std::io::{Read as _, Write as _};
+    use std::os::unix::net::UnixStream;
+    const CHART_LIMIT: u64 = 128 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("pool.yaml"), pool(2, "40Gi")).unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    let agent = children
+        .keep(agent(dir.path(), &source, Stdio::null()))
+        .id();
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s1/config").exists()
+    });
+    let socket = state.join("agent.sock");
+
+    // A line that never ends: the agent stops reading and hangs up long before 200 MB.
+    let mut endless = UnixStream::connect(&socket).unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    let mut sent = 0usize;
+    while sent < 200 << 20 {
+        match endless.write(&chunk) {
+            Ok(n) => sent += n,
+            Err(_) => break,
+        }
+    }
+    assert!(sent < 200 << 20, "the agent read {sent} bytes of one line");
+    assert!(resident(agent) < CHART_LIMIT, "{} bytes", resident(agent));
+
+    // 10,000 connections that say nothing.
+    let idle: Vec<UnixStream> = (0..10_000)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+    let mut refusal = String::new();
+    let mut last = idle.last().unwrap();
+    last.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    last.read_to_string(&mut refusal).unwrap();
+    assert!(
+        refusal.contains("refused") && refusal.contains("connections to the agent open already"),
+        "{refusal}"
+    );
+    let rss = resident(agent);
+    eprintln!("agent RSS after the flood: {} MiB", rss >> 20);
+    assert!(rss < CHART_LIMIT, "{rss} bytes with 10,000 connections");
+
+    // The flood gone, a new caller gets a slice.
+    drop(idle);
+    eventually("a new session is served", || {
+        run(&state, &["--no-wait", "--policy", "small", "--", "true"])
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success()
+    });
+}

@@ -6,7 +6,7 @@
 //! same in both modes.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::io::{BufRead as _, BufReader, Write as _};
+use std::io::{BufReader, Write as _};
 use std::os::unix::net::UnixStream;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
@@ -351,7 +351,7 @@ impl Claims {
         {
             // Held until the client hangs up.
             let mut line = String::new();
-            while reader.read_line(&mut line).unwrap_or(0) > 0 {
+            while crate::socket::read_line(&mut reader, &mut line).unwrap_or(0) > 0 {
                 if let Ok(Request::Running { pid }) = serde_json::from_str(&line)
                     && parent_of(pid) == Some(client)
                     && let Some(claim) = self.lock().claims.get_mut(&conn)

@@ -6,7 +6,7 @@
 //! carries messages and time. All state is in the agent: nothing a workload writes grants time.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead as _, BufReader};
+use std::io::BufReader;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -232,7 +232,7 @@ impl Compute {
             },
         );
         let mut line = String::new();
-        while reader.read_line(&mut line).unwrap_or(0) > 0 {
+        while crate::socket::read_line(&mut reader, &mut line).unwrap_or(0) > 0 {
             let message = Message::from_wire(&line);
             line.clear();
             let now = now_ns();

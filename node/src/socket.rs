@@ -4,10 +4,19 @@
 //! session ([`crate::compute`]), a dataset file through the local cache ([`crate::cache`]) or
 //! root's word that GPUs were reset ([`crate::faults`]). One thread per connection; a timer
 //! thread for the arbiters.
+//!
+//! Every local process can reach the socket, so it holds against hostile callers: a line is at
+//! most [`MAX_LINE`] bytes, the first one must come within [`FIRST_LINE_TIMEOUT`], at most
+//! [`MAX_CONNECTIONS`] connections are served at once and [`MAX_PER_PEER`] per pod (or per user
+//! outside pods); a caller past a limit is refused with the reason, and a thread that cannot be
+//! started costs that connection only. Processes in a pod take no slice and reset no GPU here:
+//! pods get slices through DRA, GPU resets are the node's root's.
 
-use std::io::{BufRead as _, BufReader, Write as _};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read as _, Write as _};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use gpuslice_contract::StateDir;
 use gpuslice_contract::socket::{self, Reply, Request};
@@ -21,6 +30,85 @@ use crate::compute::Compute;
 pub struct SocketError {
     path: String,
     source: std::io::Error,
+}
+
+/// The longest request line (the longest real one is a few hundred bytes).
+pub const MAX_LINE: usize = 64 * 1024;
+/// How long a new connection may take to say what it wants.
+pub const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once, all callers together.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections served at once for one pod (or one user outside pods).
+pub const MAX_PER_PEER: usize = 256;
+/// Each connection's thread: enough for a request, a cache fetch and its small async runtime.
+const THREAD_STACK: usize = 256 * 1024;
+
+/// Reads one line of at most [`MAX_LINE`] bytes (0 at the end of the stream); a longer one is an
+/// error, so a caller cannot make the agent buffer without bound.
+pub fn read_line(reader: &mut impl BufRead, line: &mut String) -> std::io::Result<usize> {
+    let limit = (MAX_LINE + 1) as u64;
+    let n = reader.by_ref().take(limit).read_line(line)?;
+    if n > MAX_LINE || (n == MAX_LINE && !line.ends_with('\n')) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a request line is longer than {MAX_LINE} bytes"),
+        ));
+    }
+    Ok(n)
+}
+
+/// Who a connection counts against: its pod, else its user.
+fn peer_key(pid: u32, uid: u32) -> String {
+    crate::process::pod_of(pid).map_or_else(|| format!("uid {uid}"), |pod| format!("pod {pod}"))
+}
+
+/// Connections being served, in all and per peer.
+#[derive(Default)]
+struct Admitted {
+    total: usize,
+    per_peer: HashMap<String, usize>,
+}
+
+/// A connection's place among [`Admitted`]; given back when dropped.
+struct Ticket {
+    admitted: Arc<Mutex<Admitted>>,
+    peer: String,
+}
+
+impl Ticket {
+    fn take(admitted: &Arc<Mutex<Admitted>>, peer: String) -> Result<Ticket, String> {
+        let mut a = admitted.lock().unwrap_or_else(|p| p.into_inner());
+        if a.total >= MAX_CONNECTIONS {
+            return Err(format!(
+                "the agent serves {MAX_CONNECTIONS} connections already; try again later"
+            ));
+        }
+        let mine = a.per_peer.entry(peer.clone()).or_default();
+        if *mine >= MAX_PER_PEER {
+            return Err(format!(
+                "{peer} has {MAX_PER_PEER} connections to the agent open already; close some"
+            ));
+        }
+        *mine += 1;
+        a.total += 1;
+        Ok(Ticket {
+            admitted: admitted.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut a = self.admitted.lock().unwrap_or_else(|p| p.into_inner());
+        a.total = a.total.saturating_sub(1);
+        if let Some(n) = a.per_peer.get_mut(&self.peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                a.per_peer.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// What the socket serves: the node's claims, its compute arbiters, its dataset caches, and
@@ -51,29 +139,81 @@ impl Node {
         self.compute.start_timer();
         let node = self.clone();
         let state = state.clone();
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let node = node.clone();
-                let state = state.clone();
-                std::thread::spawn(move || {
-                    if let Err(e) = node.connection(stream, &state) {
-                        tracing::debug!("socket connection ended: {e}");
+        let admitted = Arc::new(Mutex::new(Admitted::default()));
+        std::thread::Builder::new()
+            .name("agent-socket".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    match stream {
+                        Ok(stream) => node.admit(stream, &state, &admitted),
+                        // Out of file descriptors, say: the pending caller waits a moment
+                        // rather than the loop spinning.
+                        Err(e) => {
+                            tracing::warn!("accepting on the agent's socket: {e}");
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
                     }
-                });
-            }
-        });
+                }
+            })
+            .map_err(failed)?;
         Ok(())
     }
 
-    fn connection(&self, stream: UnixStream, state: &StateDir) -> std::io::Result<()> {
-        let credentials = rustix::net::sockopt::socket_peercred(&stream).ok();
-        let client = credentials
-            .as_ref()
-            .map_or(0, |c| c.pid.as_raw_nonzero().get() as u32);
+    /// Serves a new connection on a thread of its own, or refuses it at once when its caller
+    /// is past a limit or no thread can be started.
+    fn admit(&self, stream: UnixStream, state: &StateDir, admitted: &Arc<Mutex<Admitted>>) {
+        let Ok(credentials) = rustix::net::sockopt::socket_peercred(&stream) else {
+            return;
+        };
+        let pid = credentials.pid.as_raw_nonzero().get() as u32;
+        let ticket = match Ticket::take(admitted, peer_key(pid, credentials.uid.as_raw())) {
+            Ok(ticket) => ticket,
+            Err(reason) => {
+                // The reply fits the socket's buffer: this write does not wait for the caller.
+                let _ = stream.set_nonblocking(true);
+                let _ = (&stream).write_all(&socket::line(&Reply::Refused { reason }));
+                return;
+            }
+        };
+        let node = self.clone();
+        let state = state.clone();
+        let spawned = std::thread::Builder::new()
+            .name("agent-connection".into())
+            .stack_size(THREAD_STACK)
+            .spawn(move || {
+                let _ticket = ticket;
+                if let Err(e) = node.connection(stream, credentials, &state) {
+                    tracing::debug!("socket connection ended: {e}");
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("a socket connection was dropped: no thread for it ({e})");
+        }
+    }
+
+    fn connection(
+        &self,
+        stream: UnixStream,
+        credentials: rustix::net::UCred,
+        state: &StateDir,
+    ) -> std::io::Result<()> {
+        let client = credentials.pid.as_raw_nonzero().get() as u32;
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut line = String::new();
-        reader.read_line(&mut line)?;
+        stream.set_read_timeout(Some(FIRST_LINE_TIMEOUT))?;
+        read_line(&mut reader, &mut line)?;
+        // Claims and compute sessions stay open, idle, for as long as their workload runs.
+        stream.set_read_timeout(None)?;
+        let in_pod = crate::process::pod_of(client);
         match serde_json::from_str(&line) {
+            Ok(Request::Want(_) | Request::GpuReset { .. }) if in_pod.is_some() => {
+                (&stream).write_all(&socket::line(&Reply::Refused {
+                    reason: format!(
+                        "pid {client} runs in pod {}: pods get slices through their ResourceClaims (the policy label or resource), and GPU resets are said by the node's root",
+                        in_pod.unwrap_or_default()
+                    ),
+                }))
+            }
             Ok(Request::Want(want)) => self.claims.serve(stream, reader, want, client, state),
             Ok(Request::Compute { slice }) => {
                 let claims = self.claims.held();
@@ -93,7 +233,7 @@ impl Node {
             }
             Ok(Request::GpuReset { gpus }) => {
                 // Lifting a quarantine puts a GPU back in service: root's call only.
-                let reply = if credentials.is_some_and(|c| c.uid.is_root()) {
+                let reply = if credentials.uid.is_root() {
                     self.faults.reset(gpus.clone());
                     Reply::ResetTaken { gpus }
                 } else {
