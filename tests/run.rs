@@ -448,14 +448,16 @@ fn the_pools_dataset_cache_fetches_once_and_survives_a_restart() {
         pool.replace(
             "  memoryHeadroom: 1Gi\n",
             &format!(
-                "  memoryHeadroom: 1Gi\n  io: {{localCache: {{path: {}, size: 1Mi}}}}\n",
-                dir.join("cache").display()
+                "  memoryHeadroom: 1Gi\n  io: {{localCache: {{path: {}, size: 1Mi, sources: [{}]}}}}\n",
+                dir.join("cache").display(),
+                dir.join("datasets").display()
             ),
         )
     });
     let cache = dir.path().join("cache");
     let source = dir.path().join("gitops");
-    let dataset = dir.path().join("shard-0");
+    std::fs::create_dir_all(dir.path().join("datasets")).unwrap();
+    let dataset = dir.path().join("datasets/shard-0");
     std::fs::write(&dataset, b"tokens tokens tokens").unwrap();
     let ask = |what: &str| {
         Command::new(BIN)
@@ -483,6 +485,21 @@ fn the_pools_dataset_cache_fetches_once_and_survives_a_restart() {
         String::from_utf8_lossy(&refused.stderr).contains("neither an absolute path"),
         "{}",
         String::from_utf8_lossy(&refused.stderr)
+    );
+    // The root agent reads nothing the pool does not list, nor through a link out of it.
+    let outside = ask("/etc/shadow");
+    assert!(!outside.status.success());
+    assert!(
+        String::from_utf8_lossy(&outside.stderr).contains("not under any of GpuPool lab's"),
+        "{}",
+        String::from_utf8_lossy(&outside.stderr)
+    );
+    std::os::unix::fs::symlink("/etc/shadow", dir.path().join("datasets/shadow")).unwrap();
+    let linked = ask(dir.path().join("datasets/shadow").to_str().unwrap());
+    assert!(
+        String::from_utf8_lossy(&linked.stderr).contains("symbolic link"),
+        "{}",
+        String::from_utf8_lossy(&linked.stderr)
     );
     // A new agent finds the cache as it was.
     drop(children);

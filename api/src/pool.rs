@@ -243,7 +243,9 @@ pub struct IoLimits {
 /// the `cache` request on the agent's socket) and gets a read-only local file with the same bytes,
 /// fetched once however many ask. Files are stored by content (SHA-256); the least recently used
 /// go when the cache passes `size`; the cache survives agent restarts. Pods of the pool find it
-/// read-only at `/run/gpuslice/cache`.
+/// read-only at `/run/gpuslice/cache`. Only what `sources` allows is fetched: the agent runs as
+/// root, so it reads a file only under a listed directory, never through a symbolic link, only a
+/// regular file the asking user could read itself, and no larger than the cache.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LocalCache {
@@ -256,6 +258,14 @@ pub struct LocalCache {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("size must be a positive quantity such as 500Gi"))]
     pub size: Option<Size>,
+    /// What workloads may have cached: absolute directories on the node (a file anywhere under
+    /// one, for example `/mnt/datasets`) and `http://` URL prefixes naming a host (for example
+    /// `http://datasets.internal:8080/`). A source matching none is refused, saying which to
+    /// add here. Empty: nothing can be fetched.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.all(s, (s.startsWith('/') && !s.contains('/../') && !s.endsWith('/..')) || s.matches('^http://[^/]+/'))").message("each source must be an absolute directory without `..`, or an http:// URL prefix with a host and a path, such as http://datasets.internal:8080/"))]
+    pub sources: Vec<String>,
 }
 
 /// Fault isolation: what the node agent does about XID errors (NVML events) on the pool's GPUs.

@@ -25,11 +25,13 @@ pub enum CacheError {
         source: std::io::Error,
     },
     #[error(
-        "{0:?} is neither an absolute path nor an http:// URL: name a file on the node (a mounted dataset) or a URL"
+        "{0:?} is neither an absolute path (without `..`) nor an http:// URL: name a file on the node (a mounted dataset) or a URL"
     )]
     BadSource(String),
     #[error("fetching {url}: {reason}")]
     Http { url: String, reason: String },
+    #[error("{source_name}: {reason}")]
+    Refused { source_name: String, reason: String },
     #[error(
         "{source_name} is {size} bytes, more than the cache holds ({capacity} bytes); raise the cache's size or read it directly"
     )]
@@ -59,7 +61,14 @@ impl Source {
         if text.starts_with("http://") {
             Ok(Source::Http(text.to_string()))
         } else if text.starts_with('/') {
-            Ok(Source::Path(PathBuf::from(text)))
+            let path = PathBuf::from(text);
+            if path
+                .components()
+                .any(|c| c == std::path::Component::ParentDir)
+            {
+                return Err(CacheError::BadSource(text.to_string()));
+            }
+            Ok(Source::Path(path))
         } else {
             Err(CacheError::BadSource(text.to_string()))
         }
@@ -70,7 +79,7 @@ impl Source {
     fn key(&self) -> Result<String, CacheError> {
         match self {
             Source::Path(path) => {
-                let meta = std::fs::metadata(path).map_err(io(path))?;
+                let (_, meta) = open_regular(path)?;
                 let modified = meta
                     .modified()
                     .ok()
@@ -249,24 +258,44 @@ impl Cache {
         let tmp = tempfile::NamedTempFile::new_in(self.root.join("tmp"))
             .map_err(io(&self.root.join("tmp")))?;
         let mut hasher = ring::digest::Context::new(&ring::digest::SHA256);
+        let too_big = |size| CacheError::TooBig {
+            source_name: source.name(),
+            size,
+            capacity: self.capacity,
+        };
         let mut writer = std::io::BufWriter::new(tmp.as_file());
+        // Never more than the cache holds, whatever the source turns out to be (a file that
+        // grows, a server that does not stop).
+        let mut taken = 0u64;
+        let capacity = self.capacity;
         let mut sink = |chunk: &[u8]| -> std::io::Result<()> {
+            taken += chunk.len() as u64;
+            if taken > capacity {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::FileTooLarge,
+                    "larger than the cache",
+                ));
+            }
             hasher.update(chunk);
             writer.write_all(chunk)
         };
-        let size = match source {
-            Source::Path(path) => copy_file(path, &mut sink)?,
-            Source::Http(url) => crate::cache::http::get(url, &mut sink)?,
+        let copied = match source {
+            Source::Path(path) => {
+                let (file, meta) = open_regular(path)?;
+                if meta.len() > self.capacity {
+                    return Err(too_big(meta.len()));
+                }
+                copy_file(path, file, &mut sink)
+            }
+            Source::Http(url) => crate::cache::http::get(url, &mut sink),
+        };
+        let size = match copied {
+            Ok(size) => size,
+            Err(_) if taken > self.capacity => return Err(too_big(taken)),
+            Err(e) => return Err(e),
         };
         writer.flush().map_err(io(tmp.path()))?;
         drop(writer);
-        if size > self.capacity {
-            return Err(CacheError::TooBig {
-                source_name: source.name(),
-                size,
-                capacity: self.capacity,
-            });
-        }
         let object: String = hasher
             .finish()
             .as_ref()
@@ -334,10 +363,29 @@ fn distinct_size(index: &BTreeMap<String, Entry>) -> u64 {
         .sum()
 }
 
+/// What a pool asks of its cache (`io.localCache`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheSpec {
+    pub path: PathBuf,
+    /// Bytes; half the file system when `None`.
+    pub size: Option<u64>,
+    /// Directories and URL prefixes it may read.
+    pub sources: Vec<String>,
+}
+
+/// Who asks for a source (the socket's peer credentials).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+}
+
 /// The caches of the node's pools (`io.localCache`), opened as the pass finds them.
 #[derive(Default)]
 pub struct Caches {
     open: Mutex<BTreeMap<String, std::sync::Arc<Cache>>>,
+    /// Pool → the sources its cache may read.
+    allowed: Mutex<BTreeMap<String, Vec<String>>>,
     /// GPU index → its pool, for the GPUs whose pool has a cache.
     gpus: Mutex<BTreeMap<u32, String>>,
 }
@@ -346,19 +394,19 @@ impl Caches {
     /// Opens the caches `wanted` names (pool → path and size; `None`: half the file system),
     /// keeping those already open at the same place and size. A cache that cannot be opened is
     /// logged and left out.
-    pub fn set(
-        &self,
-        wanted: &BTreeMap<String, (PathBuf, Option<u64>)>,
-        gpus: BTreeMap<u32, String>,
-    ) {
+    pub fn set(&self, wanted: &BTreeMap<String, CacheSpec>, gpus: BTreeMap<u32, String>) {
         *self.gpus.lock().unwrap_or_else(|p| p.into_inner()) = gpus;
+        *self.allowed.lock().unwrap_or_else(|p| p.into_inner()) = wanted
+            .iter()
+            .map(|(pool, spec)| (pool.clone(), spec.sources.clone()))
+            .collect();
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
         open.retain(|pool, cache| {
-            wanted.get(pool).is_some_and(|(path, size)| {
-                cache.root() == path && size.is_none_or(|s| s == cache.capacity())
+            wanted.get(pool).is_some_and(|spec| {
+                cache.root() == spec.path && spec.size.is_none_or(|s| s == cache.capacity())
             })
         });
-        for (pool, (path, size)) in wanted {
+        for (pool, CacheSpec { path, size, .. }) in wanted {
             if open.contains_key(pool) {
                 continue;
             }
@@ -392,15 +440,24 @@ impl Caches {
         self.open.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// `source` through `pool`'s cache (the node's only one when `pool` is not given).
-    pub fn fetch(&self, source: &str, pool: Option<&str>) -> Result<Fetched, String> {
+    /// `source` through `pool`'s cache (the node's only one when `pool` is not given), for
+    /// `caller`: only a source the pool's `sources` allow, and a file only if the caller could
+    /// read it itself.
+    pub fn fetch(
+        &self,
+        source: &str,
+        pool: Option<&str>,
+        caller: Caller,
+    ) -> Result<Fetched, String> {
         let all = self.all();
-        let cache = match pool {
-            Some(pool) => all
-                .get(pool)
-                .ok_or_else(|| format!("pool {pool} has no dataset cache on this node"))?,
-            None => match all.values().collect::<Vec<_>>().as_slice() {
-                [one] => *one,
+        let (pool, cache) = match pool {
+            Some(pool) => (
+                pool.to_string(),
+                all.get(pool)
+                    .ok_or_else(|| format!("pool {pool} has no dataset cache on this node"))?,
+            ),
+            None => match all.iter().collect::<Vec<_>>().as_slice() {
+                [(pool, one)] => (pool.to_string(), *one),
                 [] => return Err("no pool of this node has a dataset cache (io.localCache)".into()),
                 _ => {
                     return Err(format!(
@@ -411,6 +468,34 @@ impl Caches {
             },
         };
         let source = Source::parse(source).map_err(|e| e.to_string())?;
+        let allowed = self
+            .allowed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&pool)
+            .cloned()
+            .unwrap_or_default();
+        if !allowed_by(&source, &allowed) {
+            return Err(format!(
+                "{}: not under any of GpuPool {pool}'s spec.io.localCache.sources ({}); add its directory or URL prefix there",
+                source.name(),
+                if allowed.is_empty() {
+                    "none listed".to_string()
+                } else {
+                    allowed.join(", ")
+                }
+            ));
+        }
+        if let Source::Path(path) = &source {
+            let (_, meta) = open_regular(path).map_err(|e| e.to_string())?;
+            if !readable_by(&meta, caller.uid, caller.gid) {
+                return Err(format!(
+                    "{}: user {} cannot read it, so the agent will not either",
+                    path.display(),
+                    caller.uid
+                ));
+            }
+        }
         cache.fetch(&source).map_err(|e| e.to_string())
     }
 }
@@ -426,11 +511,64 @@ fn half_of_file_system(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// Opens a source file for reading as the agent must: no symbolic link anywhere on the path
+/// (nor `/proc`'s magic links), and only a regular file (a FIFO, a device such as `/dev/zero` or
+/// a directory is refused without reading).
+fn open_regular(path: &Path) -> Result<(std::fs::File, std::fs::Metadata), CacheError> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let refused = |reason: &str| CacheError::Refused {
+        source_name: path.display().to_string(),
+        reason: reason.to_string(),
+    };
+    let fd = rustix::fs::openat2(
+        rustix::fs::CWD,
+        path,
+        // Non-blocking: opening a FIFO must not wait for a writer.
+        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK,
+        Mode::empty(),
+        ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )
+    .map_err(|e| match e {
+        rustix::io::Errno::LOOP | rustix::io::Errno::XDEV => {
+            refused("the path goes through a symbolic link; name the file itself")
+        }
+        e => io(path)(e.into()),
+    })?;
+    let file = std::fs::File::from(fd);
+    let meta = file.metadata().map_err(io(path))?;
+    if !meta.file_type().is_file() {
+        return Err(refused(
+            "not a regular file (a device, FIFO, socket or directory is never cached)",
+        ));
+    }
+    Ok((file, meta))
+}
+
+/// Whether the user `uid` (group `gid`) may read a file with these owner and mode bits, so the
+/// root agent never hands a caller what it could not read itself.
+fn readable_by(meta: &std::fs::Metadata, uid: u32, gid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    let mode = meta.mode();
+    uid == 0
+        || (meta.uid() == uid && mode & 0o400 != 0)
+        || (meta.gid() == gid && mode & 0o040 != 0)
+        || mode & 0o004 != 0
+}
+
+/// Whether `source` is one `allowed` lists: a file under a listed directory (whole components),
+/// a URL under a listed prefix.
+fn allowed_by(source: &Source, allowed: &[String]) -> bool {
+    allowed.iter().any(|a| match source {
+        Source::Path(path) => a.starts_with('/') && path.starts_with(a),
+        Source::Http(url) => a.starts_with("http://") && a.ends_with('/') && url.starts_with(a),
+    })
+}
+
 fn copy_file(
     path: &Path,
+    mut file: std::fs::File,
     sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
 ) -> Result<u64, CacheError> {
-    let mut file = std::fs::File::open(path).map_err(io(path))?;
     let mut buffer = vec![0u8; 1 << 20];
     let mut total = 0u64;
     loop {
@@ -447,6 +585,11 @@ mod http {
     use http_body_util::BodyExt as _;
 
     use super::CacheError;
+
+    /// How long a connection to the server may take.
+    const CONNECT: std::time::Duration = std::time::Duration::from_secs(10);
+    /// How long the server may stay silent (before its answer, between parts of the body).
+    const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
 
     /// GETs `url` (HTTP/1.1), handing the body to `sink` as it comes.
     pub fn get(
@@ -468,9 +611,14 @@ mod http {
             .build()
             .map_err(|e| fail(e.to_string()))?;
         runtime.block_on(async {
-            let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
-                .await
-                .map_err(|e| fail(e.to_string()))?;
+            let idle = |what: &str| fail(format!("{what} took longer than {IDLE:?}"));
+            let tcp = tokio::time::timeout(
+                CONNECT,
+                tokio::net::TcpStream::connect((host.as_str(), port)),
+            )
+            .await
+            .map_err(|_| fail(format!("no connection within {CONNECT:?}")))?
+            .map_err(|e| fail(e.to_string()))?;
             let (mut sender, connection) =
                 hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
                     .await
@@ -480,16 +628,19 @@ mod http {
                 .header(hyper::header::HOST, host.as_str())
                 .body(http_body_util::Empty::<hyper::body::Bytes>::new())
                 .map_err(|e| fail(e.to_string()))?;
-            let response = sender
-                .send_request(request)
+            let response = tokio::time::timeout(IDLE, sender.send_request(request))
                 .await
+                .map_err(|_| idle("the answer"))?
                 .map_err(|e| fail(e.to_string()))?;
             if !response.status().is_success() {
                 return Err(fail(format!("the server answered {}", response.status())));
             }
             let mut body = response.into_body();
             let mut total = 0u64;
-            while let Some(frame) = body.frame().await {
+            while let Some(frame) = tokio::time::timeout(IDLE, body.frame())
+                .await
+                .map_err(|_| idle("the next part of the body"))?
+            {
                 let frame = frame.map_err(|e| fail(e.to_string()))?;
                 if let Some(data) = frame.data_ref() {
                     sink(data).map_err(|e| fail(e.to_string()))?;
@@ -581,6 +732,96 @@ mod tests {
         assert!(got.iter().all(|f| f.object == got[0].object));
         assert_eq!(cache.stats.misses.load(Ordering::Relaxed), 1);
         assert_eq!(cache.stats.hits.load(Ordering::Relaxed), 7);
+    }
+
+    /// What a hostile caller asks the root agent for: a link to a secret, `/proc`'s magic links,
+    /// a device that never ends, a FIFO, a file outside the allowed directories, a file it
+    /// cannot read itself, a host not allowed. Each is refused with the reason, nothing read.
+    #[test]
+    fn the_cache_reads_only_allowed_regular_files_the_caller_could_read() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let data = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let caches = Caches::default();
+        let allowed = data.path().join("datasets");
+        std::fs::create_dir_all(&allowed).unwrap();
+        caches.set(
+            &BTreeMap::from([(
+                "lab".to_string(),
+                CacheSpec {
+                    path: dir.path().join("cache"),
+                    size: Some(1 << 20),
+                    sources: vec![
+                        allowed.display().to_string(),
+                        "http://datasets.internal/".into(),
+                    ],
+                },
+            )]),
+            BTreeMap::new(),
+        );
+        let nobody = Caller {
+            uid: 65534,
+            gid: 65534,
+        };
+        let ask = |source: &Path| caches.fetch(source.to_str().unwrap(), None, nobody);
+        let shard = allowed.join("shard-0");
+        std::fs::write(&shard, b"tokens").unwrap();
+        assert!(ask(&shard).is_ok());
+
+        let secret = data.path().join("secret");
+        std::fs::write(&secret, b"root only").unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let refused = |source: &Path, why: &str| {
+            let err = ask(source).unwrap_err();
+            assert!(err.contains(why), "{}: {err}", source.display());
+        };
+        refused(&secret, "not under any of GpuPool lab's spec.io.localCache.sources");
+        refused(Path::new("/etc/shadow"), "not under any of");
+        refused(Path::new("/proc/1/root/etc/shadow"), "not under any of");
+        // Inside an allowed directory: a link to the secret, a link up the tree, a device, a
+        // FIFO, a directory, a file only its owner may read.
+        std::os::unix::fs::symlink(&secret, allowed.join("link")).unwrap();
+        refused(&allowed.join("link"), "symbolic link");
+        std::os::unix::fs::symlink(data.path(), allowed.join("up")).unwrap();
+        refused(&allowed.join("up/secret"), "symbolic link");
+        std::os::unix::fs::symlink("/dev/zero", allowed.join("zero")).unwrap();
+        refused(&allowed.join("zero"), "symbolic link");
+        let fifo = allowed.join("fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        refused(&fifo, "not a regular file");
+        std::fs::create_dir(allowed.join("sub")).unwrap();
+        refused(&allowed.join("sub"), "not a regular file");
+        let private = allowed.join("private");
+        std::fs::write(&private, b"mine").unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o600)).unwrap();
+        if rustix::process::getuid().is_root() {
+            refused(&private, "user 65534 cannot read it");
+        }
+        assert!(
+            caches
+                .fetch(&format!("{}/../secret", allowed.display()), None, nobody)
+                .unwrap_err()
+                .contains("without `..`")
+        );
+        assert!(
+            caches
+                .fetch("http://elsewhere.example/x", None, nobody)
+                .unwrap_err()
+                .contains("not under any of")
+        );
+    }
+
+    #[test]
+    fn a_file_larger_than_the_cache_is_refused_before_it_is_read() {
+        let data = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path(), 1 << 10).unwrap();
+        let big = file(data.path(), "big", &vec![1u8; 4 << 10]);
+        assert!(matches!(
+            cache.fetch(&big),
+            Err(CacheError::TooBig { size, .. }) if size == 4 << 10
+        ));
+        assert_eq!(cache.stats.fetched_bytes.load(Ordering::Relaxed), 0);
     }
 
     #[test]

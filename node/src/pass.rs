@@ -623,10 +623,7 @@ fn gpu_pools<'a>(
 }
 
 /// The dataset caches of the pools with GPUs on this node: pool → path and size.
-fn local_caches(
-    plan: &ClusterPlan,
-    config: &Config,
-) -> BTreeMap<String, (std::path::PathBuf, Option<u64>)> {
+fn local_caches(plan: &ClusterPlan, config: &Config) -> BTreeMap<String, crate::cache::CacheSpec> {
     gpu_pools(plan, config)
         .filter_map(|(_, pool, spec)| {
             let cache = spec.io.as_ref()?.local_cache.as_ref()?;
@@ -636,7 +633,11 @@ fn local_caches(
                 .and_then(|s| gpuslice_api::bytes_of(&s.0).ok());
             Some((
                 pool.to_string(),
-                (std::path::PathBuf::from(&cache.path), size),
+                crate::cache::CacheSpec {
+                    path: std::path::PathBuf::from(&cache.path),
+                    size,
+                    sources: cache.sources.clone(),
+                },
             ))
         })
         .collect()

@@ -220,7 +220,11 @@ impl Node {
                 self.compute.serve(stream, reader, &slice, client, &claims)
             }
             Ok(Request::Cache { source, pool }) => {
-                let reply = match self.caches.fetch(&source, pool.as_deref()) {
+                let caller = crate::cache::Caller {
+                    uid: credentials.uid.as_raw(),
+                    gid: credentials.gid.as_raw(),
+                };
+                let reply = match self.caches.fetch(&source, pool.as_deref(), caller) {
                     Ok(f) => Reply::Cached {
                         path: f.path,
                         object: f.object,

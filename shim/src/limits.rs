@@ -309,7 +309,11 @@ mod tests {
         let preload = dir.path().join("ld.so.preload");
         std::fs::write(&preload, "/run/gpuslice/lib/libgpuslice.so\n").unwrap();
         assert!(preloaded_by_system(&preload));
-        std::fs::write(&preload, "/usr/lib/libjemalloc.so /opt/x/libgpuslice.so.bak\n").unwrap();
+        std::fs::write(
+            &preload,
+            "/usr/lib/libjemalloc.so /opt/x/libgpuslice.so.bak\n",
+        )
+        .unwrap();
         assert!(!preloaded_by_system(&preload));
         assert!(!preloaded_by_system(&dir.path().join("absent")));
     }
