@@ -775,7 +775,10 @@ mod tests {
             let err = ask(source).unwrap_err();
             assert!(err.contains(why), "{}: {err}", source.display());
         };
-        refused(&secret, "not under any of GpuPool lab's spec.io.localCache.sources");
+        refused(
+            &secret,
+            "not under any of GpuPool lab's spec.io.localCache.sources",
+        );
         refused(Path::new("/etc/shadow"), "not under any of");
         refused(Path::new("/proc/1/root/etc/shadow"), "not under any of");
         // Inside an allowed directory: a link to the secret, a link up the tree, a device, a
@@ -787,7 +790,13 @@ mod tests {
         std::os::unix::fs::symlink("/dev/zero", allowed.join("zero")).unwrap();
         refused(&allowed.join("zero"), "symbolic link");
         let fifo = allowed.join("fifo");
-        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(&fifo)
+                .status()
+                .unwrap()
+                .success()
+        );
         refused(&fifo, "not a regular file");
         std::fs::create_dir(allowed.join("sub")).unwrap();
         refused(&allowed.join("sub"), "not a regular file");
