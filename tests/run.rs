@@ -783,3 +783,83 @@ fn the_agents_socket_holds_against_an_endless_line_and_a_flood_of_connections() 
             .success()
     });
 }
+
+/// Once governed, a workload stays governed: with the agent killed under a running workload,
+/// its kernel launches wait (they do not run ungoverned), and they go on under the grants of the
+/// agent started again.
+#[test]
+fn launches_wait_while_the_agent_is_away_and_are_governed_again_when_it_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("pool.yaml"), pool(2, "40Gi")).unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    let mut first_agent = agent(dir.path(), &source, Stdio::null());
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s1/config").exists()
+    });
+    let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
+    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
+    let stderr = dir.path().join("workload.err");
+    let mut workload = run(
+        &state,
+        &[
+            "--policy",
+            "small",
+            "--",
+            &probe.display().to_string(),
+            "link",
+            "spin",
+        ],
+    )
+    .env("LD_LIBRARY_PATH", &lib)
+    .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
+    .stdout(Stdio::piped())
+    .stderr(std::fs::File::create(&stderr).unwrap())
+    .spawn()
+    .unwrap();
+    let progress = workload.stdout.take().unwrap();
+    children.keep(workload);
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(progress).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let next = |within: Duration| rx.recv_timeout(within).ok();
+    assert!(
+        next(Duration::from_secs(60)).is_some(),
+        "launches go through"
+    );
+
+    first_agent.kill().unwrap();
+    first_agent.wait().unwrap();
+    // What was under way when the agent died; after that, nothing goes through.
+    std::thread::sleep(Duration::from_millis(500));
+    while rx.try_recv().is_ok() {}
+    assert_eq!(
+        next(Duration::from_secs(2)),
+        None,
+        "launches went on without an agent"
+    );
+
+    let restarted = Instant::now();
+    children.keep(agent(dir.path(), &source, Stdio::null()));
+    assert!(
+        next(Duration::from_secs(60)).is_some(),
+        "launches go on under the new agent"
+    );
+    eprintln!(
+        "launches governed again {:.2} s after the agent was started again",
+        restarted.elapsed().as_secs_f64()
+    );
+    let said = std::fs::read_to_string(&stderr).unwrap();
+    assert!(
+        said.contains("kernel launches wait until it is back") && said.contains("governed again"),
+        "{said}"
+    );
+}

@@ -11,9 +11,11 @@
 //!
 //! The agent is the only judge: the process can delay its release, never grant itself time, and
 //! a holder that ignores a yield is overruled (see `gpuslice_node::arbiter`). When the agent
-//! cannot be reached the shim passes launches through (an internal failure must not stop the
-//! program); when the agent refuses the process (its slice belongs to another workload),
-//! launches fail with `CUDA_ERROR_NOT_PERMITTED`.
+//! cannot be reached at the first launch the shim passes launches through (no agent serves this
+//! node); when the agent refuses the process (its slice belongs to another workload), launches
+//! fail with `CUDA_ERROR_NOT_PERMITTED`. Once governed, a process stays governed: when the agent
+//! goes away (a restart, a crash), launches wait while the monitor reconnects with backoff, and
+//! go on under the new agent's grants.
 
 use std::collections::HashSet;
 use std::ffi::c_int;
@@ -53,6 +55,9 @@ static CAPTURING: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
 /// How long the agent may take to answer a new connection before launches go through
 /// ungoverned.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Reconnecting to an agent that went away: the first wait, doubled up to the last.
+const RECONNECT_FIRST: Duration = Duration::from_millis(50);
+const RECONNECT_MOST: Duration = Duration::from_secs(1);
 /// How often the monitor looks for idleness while it holds the GPU.
 const POLL: Duration = Duration::from_micros(200);
 /// After its queued work has finished, a holder keeps the GPU this long for its next launch
@@ -70,10 +75,11 @@ enum Arbitration {
 }
 
 struct Session {
-    socket: UnixStream,
+    /// The connection requests are written to (replaced when the monitor reconnects).
+    socket: Mutex<UnixStream>,
     local: Mutex<Local>,
     granted: Condvar,
-    /// The agent went away: launches go through from now on.
+    /// The agent went away: launches wait until the monitor has reconnected.
     lost: AtomicBool,
 }
 
@@ -119,16 +125,39 @@ fn connect() -> Result<Option<Session>, Refusal> {
     let Some(socket_path) = slice.agent_socket.as_deref() else {
         return Ok(None);
     };
+    let socket = handshake(socket_path, &slice.id)?;
     let unreachable = |e: std::io::Error| {
         Refusal::Unreachable(format!("the node agent at {}: {e}", socket_path.display()))
     };
-    let mut socket = UnixStream::connect(socket_path).map_err(unreachable)?;
+    // SAFETY: registering a fork handler that only stores to an atomic.
+    unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+    let monitor = socket.try_clone().map_err(unreachable)?;
+    let (path, id) = (socket_path.to_path_buf(), slice.id.clone());
+    std::thread::Builder::new()
+        .name("gpuslice-compute".into())
+        .spawn(move || run_monitor(monitor, &path, &id))
+        .map_err(unreachable)?;
+    Ok(Some(Session {
+        socket: Mutex::new(socket),
+        local: Mutex::new(Local::default()),
+        granted: Condvar::new(),
+        lost: AtomicBool::new(false),
+    }))
+}
+
+/// Opens a compute session for `slice` with the agent at `path`: the connection once the agent
+/// said it is ready.
+fn handshake(path: &std::path::Path, slice: &str) -> Result<UnixStream, Refusal> {
+    let unreachable = |e: std::io::Error| {
+        Refusal::Unreachable(format!("the node agent at {}: {e}", path.display()))
+    };
+    let mut socket = UnixStream::connect(path).map_err(unreachable)?;
     // An agent that accepts but never answers must not hang the program's first launch.
     socket
         .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .map_err(unreachable)?;
     let hello = Request::Compute {
-        slice: slice.id.clone(),
+        slice: slice.to_string(),
     };
     socket
         .write_all(&socket::line(&hello))
@@ -140,19 +169,7 @@ fn connect() -> Result<Option<Session>, Refusal> {
     }
     serde_json::from_str::<socket::Ready>(&reply)
         .map_err(|e| Refusal::Unreachable(format!("the node agent's answer {reply:?}: {e}")))?;
-    // SAFETY: registering a fork handler that only stores to an atomic.
-    unsafe { libc::pthread_atfork(None, None, Some(forked)) };
-    let monitor = socket.try_clone().map_err(unreachable)?;
-    std::thread::Builder::new()
-        .name("gpuslice-compute".into())
-        .spawn(move || run_monitor(monitor))
-        .map_err(unreachable)?;
-    Ok(Some(Session {
-        socket,
-        local: Mutex::new(Local::default()),
-        granted: Condvar::new(),
-        lost: AtomicBool::new(false),
-    }))
+    Ok(socket)
 }
 
 extern "C" fn forked() {
@@ -182,7 +199,10 @@ fn read_line(socket: &mut UnixStream, buffer: &mut Vec<u8>) -> std::io::Result<S
 }
 
 fn send(session: &Session, message: Compute) -> bool {
-    (&session.socket)
+    session
+        .socket
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
         .write_all(message.wire().as_bytes())
         .is_ok()
 }
@@ -197,7 +217,7 @@ pub fn gate(stream: Handle, launch: impl FnOnce() -> c_int) -> c_int {
     if FREE.load(Ordering::Relaxed) {
         return launch();
     }
-    if FORKED.load(Ordering::Relaxed) || session.lost.load(Ordering::Relaxed) || captured(stream) {
+    if FORKED.load(Ordering::Relaxed) || captured(stream) {
         return launch();
     }
     loop {
@@ -208,30 +228,23 @@ pub fn gate(stream: Handle, launch: impl FnOnce() -> c_int) -> c_int {
             return rc;
         }
         GATE.fetch_sub(ONE_LAUNCH, Ordering::SeqCst);
-        if !wait_for_grant(session) {
-            return launch();
-        }
+        wait_for_grant(session);
     }
 }
 
-/// Asks for the GPU (once) and waits for it; false when the agent is gone.
-fn wait_for_grant(session: &Session) -> bool {
+/// Asks for the GPU (once) and waits for it; while the agent is gone, waits for the monitor to
+/// reconnect and asks the new one.
+fn wait_for_grant(session: &Session) {
     let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
     remember_context(&mut local);
     local.waiting += 1;
-    let granted = loop {
-        if GATE.load(Ordering::SeqCst) & HOLD != 0 {
-            break true;
-        }
-        if session.lost.load(Ordering::Relaxed) {
-            break false;
-        }
-        // Asked again after every release (a grant may be taken back before this thread ran).
-        if !local.asked {
+    while GATE.load(Ordering::SeqCst) & HOLD == 0 {
+        // Asked again after every release (a grant may be taken back before this thread ran)
+        // and after a reconnection.
+        if !local.asked && !session.lost.load(Ordering::SeqCst) {
             local.asked = true;
             if !send(session, Compute::Acquire) {
                 lose(session);
-                break false;
             }
         }
         local = session
@@ -239,17 +252,42 @@ fn wait_for_grant(session: &Session) -> bool {
             .wait_timeout(local, Duration::from_millis(100))
             .unwrap_or_else(|p| p.into_inner())
             .0;
-    };
+    }
     local.waiting -= 1;
-    granted
 }
 
+/// The agent went away: no grant holds any more, launches wait for the monitor to reconnect.
 fn lose(session: &Session) {
     if !session.lost.swap(true, Ordering::SeqCst) {
-        eprintln!("gpuslice: lost the node agent; compute share no longer enforced");
+        eprintln!("gpuslice: lost the node agent; kernel launches wait until it is back");
     }
-    GATE.fetch_or(HOLD, Ordering::SeqCst);
+    FREE.store(false, Ordering::SeqCst);
+    CONTENDED.store(false, Ordering::SeqCst);
+    GATE.fetch_and(!HOLD, Ordering::SeqCst);
     session.granted.notify_all();
+}
+
+/// Connects again (backing off while the agent is away or not ready for this slice yet), then
+/// lets waiting launches ask the new agent. Returns the monitor's end of the new connection.
+fn reconnect(session: &Session, path: &std::path::Path, slice: &str) -> UnixStream {
+    let mut wait = RECONNECT_FIRST;
+    loop {
+        std::thread::sleep(wait);
+        wait = (wait * 2).min(RECONNECT_MOST);
+        let Ok(socket) = handshake(path, slice) else {
+            continue;
+        };
+        let Ok(monitor) = socket.try_clone() else {
+            continue;
+        };
+        let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
+        *session.socket.lock().unwrap_or_else(|p| p.into_inner()) = socket;
+        local.asked = false;
+        session.lost.store(false, Ordering::SeqCst);
+        session.granted.notify_all();
+        eprintln!("gpuslice: the node agent is back; kernel launches are governed again");
+        return monitor;
+    }
 }
 
 type CtxGet = unsafe extern "C" fn(*mut Handle) -> c_int;
@@ -390,7 +428,7 @@ fn release_if_idle(session: &Session, seen: u64) -> bool {
     true
 }
 
-fn run_monitor(mut socket: UnixStream) {
+fn run_monitor(mut socket: UnixStream, path: &std::path::Path, slice: &str) {
     let mut buffer = Vec::new();
     // The session is published once connect() returns; the agent sends nothing before an
     // acquire, which only a launch (after publication) sends.
@@ -415,7 +453,10 @@ fn run_monitor(mut socket: UnixStream) {
         }
         let Ok(line) = read_line(&mut socket, &mut buffer) else {
             lose(session);
-            return;
+            socket = reconnect(session, path, slice);
+            buffer.clear();
+            seen = GATE.load(Ordering::SeqCst) >> 21;
+            continue;
         };
         match Compute::from_wire(&line) {
             Some(Compute::Contended) => {

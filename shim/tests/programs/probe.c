@@ -239,6 +239,21 @@ static int cmp(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+/* Launches kernels until killed, saying every 100 ms how many went through. */
+static int spin(void) {
+  setup_kernel();
+  long n = 0;
+  double last = now_ns();
+  for (;;) {
+    cu.launch(kernel, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0);
+    n++;
+    if (now_ns() - last > 1e8) {
+      printf("launched=%ld\n", n);
+      last = now_ns();
+    }
+  }
+}
+
 /* Median ns per call over 9 batches of n calls, for each operation. */
 static int bench(long n) {
   const char *ops[] = {"launch", "alloc", "info"};
@@ -258,12 +273,13 @@ static int bench(long n) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 3) { fprintf(stderr, "usage: probe link|dlsym|procaddr cap|bench|count|churn|hold ...\n"); return 2; }
+  if (argc < 3) { fprintf(stderr, "usage: probe link|dlsym|procaddr cap|bench|count|churn|hold|spin ...\n"); return 2; }
   resolve(argv[1]);
   setvbuf(stdout, 0, _IONBF, 0);
   if (strcmp(argv[2], "cap") == 0) return cap();
   if (strcmp(argv[2], "bench") == 0 && argc == 4) return bench(atol(argv[3]));
   if (strcmp(argv[2], "hold") == 0 && argc == 4) return hold(atol(argv[3]));
+  if (strcmp(argv[2], "spin") == 0) return spin();
   if (strcmp(argv[2], "count") == 0 && argc == 5) {
     setup_kernel();
     run_op(argv[3], atol(argv[4]));
