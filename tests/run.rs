@@ -863,3 +863,24 @@ fn launches_wait_while_the_agent_is_away_and_are_governed_again_when_it_is_back(
         "{said}"
     );
 }
+
+/// A slice's directory is its workload's to write; the root agent never follows what the
+/// workload put there: a link in the ledger's place (aimed at a file the agent would otherwise
+/// extend and map) is replaced by a ledger of the agent's own, the file it aimed at untouched.
+#[test]
+fn the_agent_replaces_a_link_planted_in_a_slice_directory_without_following_it() {
+    let (dir, state, _children) = lab(|pool, _| pool);
+    let target = dir.path().join("precious");
+    std::fs::write(&target, b"").unwrap();
+    let ledger = state.join("slices/gpu0-s0/memory");
+    std::fs::remove_file(&ledger).unwrap();
+    std::os::unix::fs::symlink(&target, &ledger).unwrap();
+    eventually("the agent put its ledger back", || {
+        std::fs::symlink_metadata(&ledger).is_ok_and(|m| m.file_type().is_file())
+    });
+    assert_eq!(std::fs::metadata(&target).unwrap().len(), 0, "not followed");
+    assert_eq!(
+        std::fs::metadata(&ledger).unwrap().len(),
+        gpuslice_emulator::shm::FILE_SIZE as u64
+    );
+}

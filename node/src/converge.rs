@@ -161,7 +161,9 @@ pub fn converge(
         .collect();
     let after = read_node(gpus, &before.name, state, held)?;
     if apply {
-        slices::sync_dirs(state, &slices::configs(&after))?;
+        let configs = slices::configs(&after);
+        slices::sync_dirs(state, &configs)?;
+        slices::reclaim_ledgers(state, &configs);
     }
     for outcome in &mut outcomes {
         if let Some(gpu) = after.gpus.iter().find(|g| g.index == outcome.index) {

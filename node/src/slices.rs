@@ -173,9 +173,24 @@ pub fn sync_dirs(state: &StateDir, slices: &[SliceConfig]) -> Result<(), SliceEr
         let dir = state.slice(&slice.id);
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
         // The slice's memory ledger: every process of the workload maps it read-write (it can
-        // only spoil its own slice's accounting; its limits come from the read-only config).
+        // only spoil its own slice's accounting; its limits come from the read-only config and
+        // the watchdog holds them). The directory is the workload's to write: whatever it put
+        // in the ledger's place (a link, a file of its own) is replaced, never followed.
         let ledger = state.slice_ledger(&slice.id);
-        if !ledger.exists() {
+        let ours = std::fs::symlink_metadata(&ledger).ok().map(|m| {
+            use std::os::unix::fs::MetadataExt as _;
+            m.file_type().is_file() && m.uid() == rustix::process::geteuid().as_raw()
+        });
+        if ours == Some(false) {
+            tracing::warn!(
+                "{}: not the agent's ledger (a link or another user's file); replaced",
+                ledger.display()
+            );
+            std::fs::remove_file(&ledger)
+                .or_else(|_| std::fs::remove_dir_all(&ledger))
+                .map_err(io(&ledger))?;
+        }
+        if ours != Some(true) {
             gpuslice_shm::Ledger::open(&ledger).map_err(|e| SliceError::Io {
                 path: ledger.display().to_string(),
                 source: std::io::Error::other(e.to_string()),
@@ -203,6 +218,30 @@ pub fn sync_dirs(state: &StateDir, slices: &[SliceConfig]) -> Result<(), SliceEr
         }
     }
     Ok(())
+}
+
+/// Frees the ledger rows of processes that are gone whatever pid namespace they ran in (a
+/// container of a pod that ended, say): the processes themselves only judge their own
+/// namespace's. Reads the host's processes only when some row is of another namespace.
+pub fn reclaim_ledgers(state: &StateDir, slices: &[SliceConfig]) {
+    let own = gpuslice_shm::pid_namespace("self");
+    let ledgers: Vec<gpuslice_shm::Ledger> = slices
+        .iter()
+        .filter(|s| s.kind == SliceKind::Software)
+        .filter_map(|s| gpuslice_shm::Ledger::open(&state.slice_ledger(&s.id)).ok())
+        .filter(|l| {
+            l.rows()
+                .iter()
+                .any(|(p, _, _)| p.pidns != 0 && Some(p.pidns) != own)
+        })
+        .collect();
+    if ledgers.is_empty() {
+        return;
+    }
+    let host = gpuslice_shm::HostProcesses::read();
+    for ledger in ledgers {
+        ledger.reclaim(|p| host.alive(p));
+    }
 }
 
 /// A workload takes the slice: its memory high-water mark starts from what the slice holds now

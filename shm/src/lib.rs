@@ -7,7 +7,13 @@
 //! - a process killed at any instant leaves its row exactly as large as what it holds, so
 //!   reclaiming the rows of dead processes brings the total back to exactly what the living hold.
 //!
-//! A workload can scribble over this file, but only its own slice's: limits never come from here.
+//! A workload can scribble over this file, but only its own slice's: limits never come from here
+//! (the node agent's memory watchdog checks what the driver says each process holds).
+//!
+//! Processes of one slice may live in different pid namespaces (the containers of a pod): each
+//! row names its owner's pid namespace, a pid is only looked up in its own namespace, and a
+//! process judges only rows of its namespace. Rows of other namespaces are the node agent's to
+//! reclaim ([`HostProcesses`]): it sees every namespace.
 
 use std::fs::OpenOptions;
 use std::path::Path;
@@ -46,7 +52,9 @@ struct Row {
     /// The owner's start time (clock ticks since boot), to tell a reused pid apart.
     start: AtomicU64,
     device: AtomicU32,
-    _pad: u32,
+    /// The owner's pid namespace (the low 32 bits of its inode; 0: unknown, as in rows written
+    /// before namespaces were recorded).
+    pidns: AtomicU32,
     bytes: AtomicU64,
 }
 
@@ -71,11 +79,14 @@ pub enum LedgerError {
 }
 
 /// A process as the ledger knows it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Process {
+    /// Its pid in its own pid namespace.
     pub pid: u32,
     /// Start time in clock ticks since boot (`/proc/<pid>/stat` field 22); 0 if unknown.
     pub start: u64,
+    /// Its pid namespace (low 32 bits of the inode); 0 if unknown.
+    pub pidns: u32,
 }
 
 impl Process {
@@ -85,8 +96,22 @@ impl Process {
         Process {
             pid,
             start: start_time(pid).unwrap_or(0),
+            pidns: pid_namespace("self").unwrap_or(0),
         }
     }
+}
+
+/// The pid namespace of a process (`self` or a pid as seen here), from `/proc/<p>/ns/pid`
+/// (`pid:[4026531836]`): the low 32 bits of its inode (the kernel numbers namespaces below 2³²).
+pub fn pid_namespace(process: &str) -> Option<u32> {
+    let link = std::fs::read_link(format!("/proc/{process}/ns/pid")).ok()?;
+    let text = link.to_str()?;
+    let inode: u64 = text
+        .strip_prefix("pid:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()?;
+    Some(inode as u32)
 }
 
 /// A mapped ledger.
@@ -107,14 +132,23 @@ impl Ledger {
             path: shown.clone(),
             source,
         };
+        use std::os::unix::fs::OpenOptionsExt as _;
+        // Never through a symbolic link: the slice's directory is the workload's to write, and
+        // the root agent opens this file too.
+        const O_NOFOLLOW: i32 = 0o400_000;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .custom_flags(O_NOFOLLOW)
             .open(path)
             .map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        if !meta.file_type().is_file() {
+            return Err(LedgerError::Format { path: shown });
+        }
+        let len = meta.len();
         if len == 0 {
             file.set_len(FILE_SIZE as u64).map_err(io)?;
         } else if len != FILE_SIZE as u64 {
@@ -171,6 +205,7 @@ impl Ledger {
             if row.owner.load(Ordering::Acquire) == owner
                 && row.device.load(Ordering::Acquire) == device
                 && row.start.load(Ordering::Acquire) == process.start
+                && row.pidns.load(Ordering::Acquire) == process.pidns
             {
                 return Ok(RowId(i));
             }
@@ -183,6 +218,7 @@ impl Ledger {
                 .is_ok()
             {
                 row.start.store(process.start, Ordering::Release);
+                row.pidns.store(process.pidns, Ordering::Release);
                 row.device.store(device, Ordering::Release);
                 row.bytes.store(0, Ordering::Release);
                 self.header().high_water.fetch_max(i + 1, Ordering::AcqRel);
@@ -302,6 +338,7 @@ impl Ledger {
             let process = Process {
                 pid: (owner - 1) as u32,
                 start: row.start.load(Ordering::Acquire),
+                pidns: row.pidns.load(Ordering::Acquire),
             };
             if alive(process) {
                 continue;
@@ -329,6 +366,7 @@ impl Ledger {
                         Process {
                             pid: (owner - 1) as u32,
                             start: row.start.load(Ordering::Acquire),
+                            pidns: row.pidns.load(Ordering::Acquire),
                         },
                         row.device.load(Ordering::Acquire),
                         row.bytes.load(Ordering::Acquire),
@@ -348,9 +386,75 @@ pub fn start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// Whether a process still runs: it exists, is not a zombie, and started when the ledger says
-/// (a pid reused by another process is not the same process).
+/// Whether a process still runs, as far as this process can tell: one of another pid
+/// namespace is taken to (its pid means nothing here; the node agent judges it); one of this
+/// namespace exists, is not a zombie, and started when the ledger says (a pid reused by
+/// another process is not the same process).
 pub fn alive(process: Process) -> bool {
+    if process.pidns != 0 && Some(process.pidns) != own_pid_namespace() {
+        return true;
+    }
+    alive_here(process)
+}
+
+fn own_pid_namespace() -> Option<u32> {
+    static OWN: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *OWN.get_or_init(|| pid_namespace("self"))
+}
+
+/// What the host's `/proc` shows of every process: its pid namespace and its pid there (the
+/// last of `NSpid`), with its start time. Taken by the node agent, which sees all namespaces.
+#[derive(Debug, Default)]
+pub struct HostProcesses {
+    namespaces: std::collections::HashSet<u32>,
+    by_namespace: std::collections::HashMap<(u32, u32), u64>,
+}
+
+impl HostProcesses {
+    /// Reads `/proc` (processes that end while it reads are left out).
+    pub fn read() -> HostProcesses {
+        let mut host = HostProcesses::default();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return host;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let (Some(ns), Some(start)) = (pid_namespace(&pid.to_string()), start_time(pid)) else {
+                continue;
+            };
+            let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+                continue;
+            };
+            let Some(inner) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("NSpid:"))
+                .and_then(|l| l.split_whitespace().last())
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            host.namespaces.insert(ns);
+            host.by_namespace.insert((ns, inner), start);
+        }
+        host
+    }
+
+    /// Whether a ledger's process still runs: one of a namespace no process is in any more is
+    /// gone (its container ended); otherwise it must be there, with its start time.
+    pub fn alive(&self, process: Process) -> bool {
+        if process.pidns == 0 {
+            return alive_here(process);
+        }
+        self.by_namespace
+            .get(&(process.pidns, process.pid))
+            .is_some_and(|start| process.start == 0 || *start == process.start)
+    }
+}
+
+fn alive_here(process: Process) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", process.pid)) else {
         return false;
     };
@@ -377,6 +481,7 @@ mod tests {
         let other = Process {
             pid: 999_999_999,
             start: 7,
+            pidns: me.pidns,
         };
         let mine = ledger.row_for(me, 0).unwrap();
         let theirs = ledger.row_for(other, 0).unwrap();
@@ -435,6 +540,7 @@ mod tests {
                             Process {
                                 pid: 4_000_000 + w,
                                 start: 1,
+                                pidns: 0,
                             },
                             0,
                         )
@@ -453,6 +559,47 @@ mod tests {
             w.join().unwrap();
         }
         assert_eq!(Ledger::open(&path).unwrap().used(0), 0);
+    }
+
+    /// The containers of a pod share a slice's ledger from different pid namespaces: neither
+    /// reclaims the other's rows (their pids mean nothing to it), the same pid in two namespaces
+    /// gets two rows, and the host's view frees the rows of a namespace that is gone.
+    #[test]
+    fn rows_of_another_pid_namespace_are_left_to_the_host() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open(&dir.path().join("memory")).unwrap();
+        let me = Process::current();
+        let neighbour = Process {
+            pid: me.pid,
+            start: me.start,
+            pidns: me.pidns.wrapping_add(1),
+        };
+        let mine = ledger.row_for(me, 0).unwrap();
+        let theirs = ledger.row_for(neighbour, 0).unwrap();
+        assert_ne!(mine, theirs, "one pid in two namespaces is two processes");
+        assert!(ledger.try_charge(mine, 100, 1000));
+        assert!(ledger.try_charge(theirs, 300, 1000));
+        assert_eq!(ledger.reclaim(alive), 0, "not ours to judge");
+        assert_eq!(ledger.used(0), 400);
+        let host = HostProcesses::read();
+        assert!(host.alive(me), "the host sees this process");
+        assert_eq!(
+            ledger.reclaim(|p| host.alive(p)),
+            300,
+            "no process is in the neighbour's namespace any more"
+        );
+        assert_eq!(ledger.used(0), 100);
+    }
+
+    #[test]
+    fn a_ledger_is_never_opened_through_a_symbolic_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("elsewhere");
+        std::fs::write(&target, b"").unwrap();
+        let link = dir.path().join("memory");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(Ledger::open(&link).is_err());
+        assert_eq!(std::fs::metadata(&target).unwrap().len(), 0, "not extended");
     }
 
     #[test]
