@@ -263,8 +263,8 @@ pub struct LocalCache {
     /// `http://datasets.internal:8080/`). A source matching none is refused, saying which to
     /// add here. Empty: nothing can be fetched.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 64))]
-    #[x_kube(validation = Rule::new("self.all(s, (s.startsWith('/') && !s.contains('/../') && !s.endsWith('/..')) || s.matches('^http://[^/]+/'))").message("each source must be an absolute directory without `..`, or an http:// URL prefix with a host and a path, such as http://datasets.internal:8080/"))]
+    #[schemars(length(max = 16), inner(length(max = 256)))]
+    #[x_kube(validation = Rule::new("self.all(s, s.startsWith('/') ? !s.contains('/..') : s.matches('^http://[^/]+/'))").message("each source must be an absolute directory without `..`, or an http:// URL prefix with a host and a path, such as http://datasets.internal:8080/"))]
     pub sources: Vec<String>,
 }
 
