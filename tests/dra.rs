@@ -656,6 +656,15 @@ async fn xid_taints(
     client: &Client,
     node: &str,
 ) -> Result<BTreeMap<String, Option<String>>, String> {
+    taints_of(client, node, "gpuslice.io/xid").await
+}
+
+/// Each published device of `node` with the value of its NoSchedule taint `key`.
+async fn taints_of(
+    client: &Client,
+    node: &str,
+    key: &str,
+) -> Result<BTreeMap<String, Option<String>>, String> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let mut out = BTreeMap::new();
     for s in slices
@@ -670,7 +679,7 @@ async fn xid_taints(
                 .taints
                 .iter()
                 .flatten()
-                .find(|t| t.key == "gpuslice.io/xid" && t.effect == "NoSchedule")
+                .find(|t| t.key == key && t.effect == "NoSchedule")
                 .and_then(|t| t.value.clone());
             out.insert(d.name.clone(), xid);
         }
@@ -732,6 +741,18 @@ async fn xid_errors_quarantine_the_faulting_slice_or_drain_the_gpu_until_it_is_r
     let (_a, slice_a, pid_a) = hold_slice(&running, "a100-a", "notebook");
     let (_b, slice_b, pid_b) = hold_slice(&running, "a100-a", "notebook");
     assert_ne!(slice_a, slice_b);
+    // The slices `gpuslice run` holds are tainted in DRA: no pod is placed on them meanwhile.
+    eventually("the slices the runs hold are tainted", || async {
+        let held = taints_of(&client, "a100-a", "gpuslice.io/held-locally").await?;
+        let tainted: Vec<&String> = held
+            .iter()
+            .filter_map(|(d, v)| v.as_ref().map(|_| d))
+            .collect();
+        (tainted.len() == 2 && tainted.contains(&&slice_a) && tainted.contains(&&slice_b))
+            .then_some(())
+            .ok_or(format!("{held:?}"))
+    })
+    .await;
 
     // XID 31 (a page fault) that the kernel says pid A caused: A's slice only.
     kernel(31, pid_a);

@@ -45,6 +45,9 @@ pub const RECUT_TAINT: &str = "gpuslice.io/recut";
 /// The device taint of a slice or GPU taken out of service after an XID error (value: the XID);
 /// NoSchedule: what runs there keeps running (a GPU's workloads are drained by the agent).
 pub const XID_TAINT: &str = "gpuslice.io/xid";
+/// The device taint (NoSchedule, value: the `gpuslice run` process's pid) on a slice a command
+/// on the node holds through the agent's socket: no pod is placed on it meanwhile.
+pub const HELD_LOCALLY_TAINT: &str = "gpuslice.io/held-locally";
 /// The device taint (NoSchedule, value `true`) on the devices of a GPU that compaction is
 /// emptying, until the workloads moved off it run elsewhere.
 pub const COMPACTING_TAINT: &str = "gpuslice.io/compacting";

@@ -1440,6 +1440,13 @@ pub async fn run(
             .filter(|o| !o.blocked_by.is_empty())
             .map(|o| o.index)
             .collect();
+        // Slices `gpuslice run` commands hold: one holder per slice, so no pod goes there.
+        let held_locally: BTreeMap<&str, u32> = pass
+            .claims
+            .iter()
+            .filter(|c| c.resource_claim.is_none())
+            .map(|c| (c.slice.as_str(), c.client))
+            .collect();
         let devices = dra::devices(&pass.inventory, &spec.gpus, &|a, slice| {
             // Old drivers break the shim's isolation; MIG's is the hardware's.
             if slice.kind == SliceKind::Software && outdated.contains_key(&a.pool) {
@@ -1459,6 +1466,9 @@ pub async fn run(
                 taints.push(dra::compacting_taint());
             }
             taints.extend(quarantines.taints(a.index, &slice.id));
+            if let Some(pid) = held_locally.get(slice.id.as_str()) {
+                taints.push(dra::held_locally_taint(*pid));
+            }
             Some(taints)
         });
         publisher.publish(devices).await;

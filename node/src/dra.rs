@@ -160,6 +160,16 @@ pub fn compacting_taint() -> DeviceTaint {
     }
 }
 
+/// The taint of a slice a `gpuslice run` command (process `pid`) holds.
+pub fn held_locally_taint(pid: u32) -> DeviceTaint {
+    DeviceTaint {
+        key: dra::HELD_LOCALLY_TAINT.to_string(),
+        value: Some(pid.to_string()),
+        effect: "NoSchedule".to_string(),
+        time_added: None,
+    }
+}
+
 /// The re-cut taint of a GPU whose new layout is waiting for busy slices to be freed.
 pub fn pending_recut_taint() -> DeviceTaint {
     DeviceTaint {
