@@ -1396,3 +1396,104 @@ async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
         100.0 * share
     );
 }
+
+/// The shim is a fast path; the agent's memory watchdog is the guarantee. A tenant that
+/// erases its slice's memory ledger (the file is the workload's to map, so the shim's count
+/// starts from zero again and again) gets past the shim's cap, but not past the driver's own
+/// figures: the agent sees the pod's processes hold more than the claim's 9 GiB, stops the
+/// biggest with SIGTERM, and tells the pod why in an Event.
+#[tokio::test]
+async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
+    let Some(setup) = Setup::start(CLOCK, &["--memory-watchdog-interval", "200ms"]).await else {
+        return;
+    };
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let stop = setup.dir.path().join("stop-eraser");
+    // 1 GiB every 200 ms up to 16 GiB, while the rows of the ledger (after its 64-byte header)
+    // are zeroed every 50 ms.
+    let script = format!(
+        "ledger=\"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/memory\"; \
+         {probe} link creep 1024 16384 & p=$!; \
+         while kill -0 $p 2>/dev/null; do \
+           dd if=/dev/zero of=\"$ledger\" bs=64 seek=1 count=512 conv=notrunc 2>/dev/null; \
+           sleep 0.05; \
+         done; \
+         wait $p; echo creep-ended=$?; \
+         until [ -e {stop} ]; do sleep 0.2; done",
+        probe = setup.probe.display(),
+        stop = stop.display(),
+    );
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "eraser",
+            &["/bin/sh", "-c", &script],
+            &setup.lib,
+            &setup.machine,
+        ),
+    )
+    .await
+    .unwrap();
+    wait_for_phases(&pods, &["eraser"], ["Running"]).await;
+    let container = setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == "eraser")
+        .unwrap();
+    let output = eventually("the watchdog stopped the process past its cap", || {
+        let output = setup.kubelet.output(&container);
+        async move {
+            output
+                .contains("creep-ended=")
+                .then_some(output.clone())
+                .ok_or(output)
+        }
+    })
+    .await;
+    assert!(output.contains("creep-ended=143"), "{output}");
+    // It did get past the shim before the agent stopped it: the erasing worked (the shim alone
+    // stops it at 8 GiB, its context taking 300 MiB of the 9).
+    let most = output
+        .lines()
+        .filter_map(|l| l.strip_prefix("held="))
+        .filter_map(|v| v.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0);
+    assert!(most >= 9 << 30, "{output}");
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(setup.client.clone(), "default");
+    eventually("the pod is told why", || {
+        let events = events.clone();
+        async move {
+            let notes: Vec<String> = events
+                .list(&Default::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .into_iter()
+                .filter(|e| {
+                    e.reason.as_deref() == Some("GpuMemoryOverCap")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("eraser")
+                })
+                .filter_map(|e| e.note)
+                .collect();
+            notes
+                .iter()
+                .any(|n| n.contains("more than its cap of 9216 MiB") && n.contains("SIGTERM"))
+                .then_some(())
+                .ok_or(format!("{notes:?}"))
+        }
+    })
+    .await;
+    let (_, metrics) = gpuslice_testcluster::local_get(setup.metrics_port, "/metrics").unwrap();
+    assert!(
+        metrics.lines().any(
+            |l| l.starts_with("gpuslice_agent_slice_memory_overruns_total{")
+                && l.contains("action=\"signalled\"")
+        ),
+        "{metrics}"
+    );
+    std::fs::write(&stop, "").unwrap();
+    wait_for_phases(&pods, &["eraser"], ["Succeeded"]).await;
+}

@@ -192,6 +192,22 @@ static int churn(int rounds, unsigned seed, unsigned max_mib) {
 
 #include <time.h>
 
+/* Takes argv[3] MiB more every 200 ms until it holds argv[4] MiB (refusals are tried again),
+ * saying how much it holds after each allocation; then holds it until killed. */
+static int creep(long step_mib, long total_mib) {
+  context();
+  size_t got = 0;
+  while (got < (size_t)total_mib * MiB) {
+    dptr_t p;
+    if (cu.alloc(&p, (size_t)step_mib * MiB) == 0) {
+      got += (size_t)step_mib * MiB;
+      printf("held=%zu\n", got);
+    }
+    usleep(200000);
+  }
+  for (;;) sleep(60);
+}
+
 /* Takes argv[3] MiB in allocations of at most 1 GiB, says how much it got, and holds it until
  * killed (a workload that keeps its memory). */
 static int hold(long mib) {
@@ -273,13 +289,14 @@ static int bench(long n) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 3) { fprintf(stderr, "usage: probe link|dlsym|procaddr cap|bench|count|churn|hold|spin ...\n"); return 2; }
+  if (argc < 3) { fprintf(stderr, "usage: probe link|dlsym|procaddr cap|bench|count|churn|hold|spin|creep ...\n"); return 2; }
   resolve(argv[1]);
   setvbuf(stdout, 0, _IONBF, 0);
   if (strcmp(argv[2], "cap") == 0) return cap();
   if (strcmp(argv[2], "bench") == 0 && argc == 4) return bench(atol(argv[3]));
   if (strcmp(argv[2], "hold") == 0 && argc == 4) return hold(atol(argv[3]));
   if (strcmp(argv[2], "spin") == 0) return spin();
+  if (strcmp(argv[2], "creep") == 0 && argc == 5) return creep(atol(argv[3]), atol(argv[4]));
   if (strcmp(argv[2], "count") == 0 && argc == 5) {
     setup_kernel();
     run_op(argv[3], atol(argv[4]));
