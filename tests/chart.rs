@@ -269,7 +269,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     let mut own = other_node.clone();
     own.metadata.name = Some("gpu-0-gpuslice.io-9".into());
     own.spec.node_name = Some("gpu-0".into());
-    let refused = Api::<ResourceSlice>::all(unbound)
+    let refused = Api::<ResourceSlice>::all(unbound.clone())
         .create(&PostParams::default(), &own)
         .await
         .unwrap_err()
@@ -278,6 +278,9 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         refused.contains("only with a token bound to its pod on a node"),
         "{refused}"
     );
+
+    admission_covers_every_route(&admin, &agent, &unbound, &docs).await;
+    assert!(may("update", "resourceslices").await);
 
     // Nothing else: the agent could not, say, change a pool.
     let as_agent: Api<GpuPool> = Api::all(agent);
@@ -572,4 +575,495 @@ async fn admission_takes_policies_by_name(admin: &kube::Client) {
     assert_eq!(got.limits, sent.limits);
     assert_eq!(got.requests, sent.limits);
     assert_eq!(stored.metadata.labels, plain.metadata.labels);
+}
+
+/// The message of a refusal by one of the chart's admission policies, with its HTTP code; an
+/// error when the request went through (or failed otherwise), so that [`eventually`] can wait
+/// for a policy the API server has not loaded yet.
+fn policy_refusal<T: std::fmt::Debug>(r: Result<T, kube::Error>) -> Result<(u16, String), String> {
+    match r {
+        Err(kube::Error::Api(e)) if e.message.contains("ValidatingAdmissionPolicy") => {
+            Ok((e.code, e.message))
+        }
+        other => Err(format!("not refused by a policy: {other:?}")),
+    }
+}
+
+/// Requests are sent as dry runs: admission runs in full, nothing is stored.
+fn dry_post() -> PostParams {
+    PostParams {
+        dry_run: true,
+        ..Default::default()
+    }
+}
+
+fn dry_patch(manager: &str) -> PatchParams {
+    PatchParams::apply(manager).dry_run()
+}
+
+/// Every other route to a GPU goes through admission too (issue #35): init containers and
+/// sidecars, ResourceClaims and ResourceClaimTemplates (`exactly` and `firstAvailable`), the
+/// visible-devices variables in any container, and the agent's writes to other nodes' GpuNodes and
+/// ResourceSlices. Each attack is refused with a message naming the field; the same object
+/// without the attack is admitted.
+async fn admission_covers_every_route(
+    admin: &kube::Client,
+    agent: &kube::Client,
+    unbound: &kube::Client,
+    chart: &[serde_json::Value],
+) {
+    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
+    let image = "example.com/app:1";
+    let pod_of = |spec: serde_json::Value| -> Pod { serde_json::from_value(spec).unwrap() };
+    let try_pod = |p: Pod| {
+        let admin = admin.clone();
+        async move {
+            let ns = p.metadata.namespace.clone().unwrap();
+            Api::<Pod>::namespaced(admin, &ns)
+                .create(&dry_post(), &p)
+                .await
+        }
+    };
+    // A refusal by a policy, waiting for the API server to load it.
+    async fn refused<T, F, Fut>(what: &str, attempt: F) -> (u16, String)
+    where
+        T: std::fmt::Debug,
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<T, kube::Error>>,
+    {
+        eventually(what, || {
+            let fut = attempt();
+            async move { policy_refusal(fut.await) }
+        })
+        .await
+    }
+
+    // 1. Init containers and sidecars are containers too.
+    let with_init = |name: &str, ns: &str, init: serde_json::Value| {
+        pod_of(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"initContainers": [init], "containers": [{"name": "main", "image": image}]}
+        }))
+    };
+    let (code, message) = refused("an init container asking for a forbidden policy", || {
+        try_pod(with_init(
+            "init-0",
+            "web",
+            serde_json::json!({"name": "setup", "image": image,
+                "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}),
+        ))
+    })
+    .await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains(r#"namespace "web" may not use gpuslice.io/llm-inference (spec.initContainers[setup].resources.limits)"#)
+            && message.contains("namespaceSelector"),
+        "{message}"
+    );
+    let (code, message) = refused("a sidecar asking for an unknown policy", || {
+        try_pod(with_init(
+            "sidecar-0",
+            "serving",
+            serde_json::json!({"name": "proxy", "image": image, "restartPolicy": "Always",
+                "resources": {"limits": {"gpuslice.io/nope": "1"}}}),
+        ))
+    })
+    .await;
+    assert_eq!(code, 422, "{message}");
+    assert!(
+        message.contains(
+            "spec.initContainers[proxy].resources.limits gpuslice.io/nope: no such GpuSlicePolicy"
+        ),
+        "{message}"
+    );
+    // Where the namespace may use it, the pod is admitted, marked as naming a policy.
+    let admitted = try_pod(with_init(
+        "init-1",
+        "serving",
+        serde_json::json!({"name": "setup", "image": image,
+            "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}),
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        admitted
+            .metadata
+            .labels
+            .unwrap_or_default()
+            .get("gpuslice.io/uses-policy")
+            .map(String::as_str),
+        Some("true")
+    );
+
+    // 2. ResourceClaims and ResourceClaimTemplates naming a policy's DeviceClass.
+    let request = |class: &str, first_available: bool| {
+        if first_available {
+            serde_json::json!({"name": "gpu", "firstAvailable": [
+                {"name": "other", "deviceClassName": "gpu.example.com"},
+                {"name": "slice", "deviceClassName": class}]})
+        } else {
+            serde_json::json!({"name": "gpu", "exactly": {"deviceClassName": class}})
+        }
+    };
+    let try_claim = |ns: &str, class: &str, first_available: bool| {
+        let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "claim-0", "namespace": ns},
+            "spec": {"devices": {"requests": [request(class, first_available)]}}
+        }))
+        .unwrap();
+        let api = Api::<ResourceClaim>::namespaced(admin.clone(), ns);
+        async move { api.create(&dry_post(), &claim).await }
+    };
+    let try_template = |ns: &str, class: &str, first_available: bool| {
+        let template: ResourceClaimTemplate = serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "template-0", "namespace": ns},
+            "spec": {"spec": {"devices": {"requests": [request(class, first_available)]}}}
+        }))
+        .unwrap();
+        let api = Api::<ResourceClaimTemplate>::namespaced(admin.clone(), ns);
+        async move { api.create(&dry_post(), &template).await }
+    };
+    let (code, message) = refused("a ResourceClaimTemplate of a forbidden policy", || {
+        try_template("web", "llm-inference.gpuslice.io", false)
+    })
+    .await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains(r#"namespace "web" may not use GpuSlicePolicy "llm-inference" (spec.spec.devices.requests[gpu].exactly.deviceClassName llm-inference.gpuslice.io)"#),
+        "{message}"
+    );
+    let (code, message) = refused("a ResourceClaimTemplate of an unknown policy", || {
+        try_template("serving", "nope.gpuslice.io", true)
+    })
+    .await;
+    assert_eq!(code, 422, "{message}");
+    assert!(
+        message.contains(r#"spec.spec.devices.requests[gpu].firstAvailable[slice].deviceClassName nope.gpuslice.io (GpuSlicePolicy "nope"): no such GpuSlicePolicy"#),
+        "{message}"
+    );
+    let (code, message) = refused("a ResourceClaim of a forbidden policy", || {
+        try_claim("web", "llm-inference.gpuslice.io", true)
+    })
+    .await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains(r#"namespace "web" may not use GpuSlicePolicy "llm-inference" (spec.devices.requests[gpu].firstAvailable[slice].deviceClassName llm-inference.gpuslice.io)"#),
+        "{message}"
+    );
+    let (code, message) = refused("a ResourceClaim of an unknown policy", || {
+        try_claim("serving", "nope.gpuslice.io", false)
+    })
+    .await;
+    assert_eq!(code, 422, "{message}");
+    assert!(
+        message.contains(r#"spec.devices.requests[gpu].exactly.deviceClassName nope.gpuslice.io (GpuSlicePolicy "nope"): no such GpuSlicePolicy"#),
+        "{message}"
+    );
+    // Policies the namespace may use, and other drivers' classes, are admitted.
+    try_template("serving", "llm-inference.gpuslice.io", false)
+        .await
+        .unwrap();
+    try_claim("serving", "llm-inference.gpuslice.io", true)
+        .await
+        .unwrap();
+    try_claim("web", "notebook.gpuslice.io", false)
+        .await
+        .unwrap();
+    try_claim("web", "gpu.example.com", false).await.unwrap();
+
+    // 3. The visible-devices variables: never in a pod that names a policy, and
+    // NVIDIA_VISIBLE_DEVICES in no other pod either (admission.denyVisibleDevicesEnv).
+    let with_env = |name: &str, ns: &str, labels: serde_json::Value, env: serde_json::Value| {
+        pod_of(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "labels": labels},
+            "spec": {"containers": [{"name": "main", "image": image, "env": env}]}
+        }))
+    };
+    let all_gpus = serde_json::json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+    let llm = serde_json::json!({"gpuslice.io/policy": "llm-inference"});
+    let (code, message) = refused("a pod of a policy setting NVIDIA_VISIBLE_DEVICES", || {
+        try_pod(with_env("env-0", "serving", llm.clone(), all_gpus.clone()))
+    })
+    .await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message
+            .contains(r#"the pod uses GpuSlicePolicy "llm-inference" (label gpuslice.io/policy)"#)
+            && message.contains("remove spec.containers[main].env NVIDIA_VISIBLE_DEVICES"),
+        "{message}"
+    );
+    try_pod(with_env(
+        "env-0",
+        "serving",
+        llm.clone(),
+        serde_json::json!([{"name": "TZ", "value": "UTC"}]),
+    ))
+    .await
+    .unwrap();
+    // By resource, in an init container, from a valueFrom.
+    let mut by_resource = with_init(
+        "env-1",
+        "web",
+        serde_json::json!({"name": "setup", "image": image, "env": [{"name": "CUDA_VISIBLE_DEVICES",
+            "valueFrom": {"configMapKeyRef": {"name": "gpus", "key": "visible"}}}]}),
+    );
+    by_resource.spec.as_mut().unwrap().containers[0].resources =
+        serde_json::from_value(serde_json::json!({"limits": {"gpuslice.io/notebook": "1"}}))
+            .unwrap();
+    let (code, message) = policy_refusal(try_pod(by_resource).await).unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("the pod asks for gpuslice.io/notebook")
+            && message.contains("remove spec.initContainers[setup].env CUDA_VISIBLE_DEVICES"),
+        "{message}"
+    );
+    // A pod that names no policy may not set NVIDIA_VISIBLE_DEVICES either; CUDA_VISIBLE_DEVICES
+    // is its own business.
+    let (code, message) = policy_refusal(
+        try_pod(with_env(
+            "env-2",
+            "web",
+            serde_json::json!({"app": "web"}),
+            serde_json::json!([{"name": "NVIDIA_VISIBLE_DEVICES",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
+        ))
+        .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains(
+            "spec.containers[main].env NVIDIA_VISIBLE_DEVICES: with the NVIDIA container runtime"
+        ) && message.contains("admission.denyVisibleDevicesEnv"),
+        "{message}"
+    );
+    try_pod(with_env(
+        "env-2",
+        "web",
+        serde_json::json!({"app": "web"}),
+        serde_json::json!([{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]),
+    ))
+    .await
+    .unwrap();
+    // Ephemeral containers, added to stored pods.
+    let debug = |env: serde_json::Value| {
+        Patch::Strategic(serde_json::json!({"spec": {"ephemeralContainers": [
+            {"name": "debug", "image": image, "env": env}]}}))
+    };
+    let dry = PatchParams::default().dry_run();
+    let serving = Api::<Pod>::namespaced(admin.clone(), "serving");
+    let web = Api::<Pod>::namespaced(admin.clone(), "web");
+    let (code, message) = policy_refusal(
+        serving
+            .patch_ephemeral_containers(
+                "llm-0",
+                &dry,
+                &debug(serde_json::json!([{"name": "CUDA_VISIBLE_DEVICES", "value": "1"}])),
+            )
+            .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("remove spec.ephemeralContainers[debug].env CUDA_VISIBLE_DEVICES"),
+        "{message}"
+    );
+    let (code, message) = policy_refusal(
+        web.patch_ephemeral_containers("plain", &dry, &debug(all_gpus.clone()))
+            .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("spec.ephemeralContainers[debug].env NVIDIA_VISIBLE_DEVICES"),
+        "{message}"
+    );
+    serving
+        .patch_ephemeral_containers("llm-0", &dry, &debug(serde_json::json!([])))
+        .await
+        .unwrap();
+    // The chart's own pods are admitted: the agent sets NVIDIA_VISIBLE_DEVICES=all (it manages
+    // every GPU of its node).
+    for (kind, name) in [("DaemonSet", "gs-agent"), ("Deployment", "gs-operator")] {
+        let workload = chart
+            .iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap();
+        let template = &workload["spec"]["template"];
+        let own = pod_of(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("{name}-own"), "namespace": NAMESPACE,
+                "labels": template["metadata"]["labels"]},
+            "spec": template["spec"]
+        }));
+        try_pod(own)
+            .await
+            .unwrap_or_else(|e| panic!("the chart's {kind} {name} is refused: {e}"));
+    }
+
+    // 4. The agent writes only its own node's GpuNode (gpu-0): not gpu-1's, status or spec, and
+    // not its own spec.
+    let gpu_nodes = Api::<gpuslice_api::GpuNode>::all(admin.clone());
+    let gpu_1 = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
+        "metadata": {"name": "gpu-1"}, "spec": {}});
+    gpu_nodes
+        .patch("gpu-1", &PatchParams::apply("test"), &Patch::Apply(&gpu_1))
+        .await
+        .unwrap();
+    let as_agent = Api::<gpuslice_api::GpuNode>::all(agent.clone());
+    let no_op = Patch::Merge(serde_json::json!({"status": {}}));
+    let merge = PatchParams::default().dry_run();
+    let (code, message) = refused("the agent of gpu-0 writing gpu-1's status", || {
+        as_agent.patch_status("gpu-1", &merge, &no_op)
+    })
+    .await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("the gpuslice agent on node gpu-0 may not write GpuNode gpu-1"),
+        "{message}"
+    );
+    // Nor create another node's, as it creates its own (server-side apply, an empty spec).
+    let gpu_2 = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
+        "metadata": {"name": "gpu-2"}, "spec": {}});
+    let (code, message) = policy_refusal(
+        as_agent
+            .patch("gpu-2", &dry_patch("gpuslice-agent"), &Patch::Apply(&gpu_2))
+            .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(message.contains("may not write GpuNode gpu-2"), "{message}");
+    as_agent
+        .patch_status("gpu-0", &merge, &no_op)
+        .await
+        .unwrap();
+    as_agent
+        .patch(
+            "gpu-0",
+            &merge,
+            &Patch::Merge(
+                serde_json::json!({"metadata": {"annotations": {"example.com/seen": "yes"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let (code, message) = policy_refusal(
+        as_agent
+            .patch(
+                "gpu-0",
+                &merge,
+                &Patch::Merge(serde_json::json!({"spec": {"sourceRevision": "mine"}})),
+            )
+            .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("may not write the spec of GpuNode gpu-0"),
+        "{message}"
+    );
+    let (code, message) = policy_refusal(
+        Api::<gpuslice_api::GpuNode>::all(unbound.clone())
+            .patch_status("gpu-0", &merge, &no_op)
+            .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("GpuNodes only with a token bound to its pod on a node"),
+        "{message}"
+    );
+
+    // 5. ResourceSlices: its own node's, of driver gpuslice.io, in its node's pool only.
+    let slice = |name: &str, driver: &str, node: &str, pool: &str| -> ResourceSlice {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1}, "devices": []}
+        }))
+        .unwrap()
+    };
+    let agent_slices = Api::<ResourceSlice>::all(agent.clone());
+    let (code, message) = policy_refusal(
+        agent_slices
+            .create(
+                &dry_post(),
+                &slice("gpu-0-other-0", "gpu.example.com", "gpu-0", "gpu-0"),
+            )
+            .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(message.contains("of driver gpu.example.com"), "{message}");
+    let (code, message) = policy_refusal(
+        agent_slices
+            .create(
+                &dry_post(),
+                &slice("gpu-0-gpuslice.io-8", "gpuslice.io", "gpu-0", "gpu-1"),
+            )
+            .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403, "{message}");
+    assert!(message.contains("pool gpu-1"), "{message}");
+    // It updates its own (RBAC's update verb), as its Publisher does.
+    eventually("the agent updates its own ResourceSlice", || {
+        let (admin, agent_slices) = (admin.clone(), agent_slices.clone());
+        async move {
+            let own = Api::<ResourceSlice>::all(admin)
+                .list(&Default::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .into_iter()
+                .find(|s| s.spec.node_name.as_deref() == Some("gpu-0"))
+                .ok_or("no ResourceSlice of gpu-0")?;
+            agent_slices
+                .replace(own.metadata.name.as_deref().unwrap(), &dry_post(), &own)
+                .await
+                .map_err(|e| e.to_string())
+        }
+    })
+    .await;
+
+    // 6. Without the parameters (the ConfigMap deleted), pods that name a policy are refused,
+    // as it cannot be checked; pods that name none are not even looked at.
+    Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(admin.clone(), NAMESPACE)
+        .delete("gs-policies", &Default::default())
+        .await
+        .unwrap();
+    let (_, message) = refused("a labelled pod without parameters", || {
+        try_pod(pod(
+            "params-0",
+            "serving",
+            serde_json::json!({"gpuslice.io/policy": "llm-inference"}),
+            serde_json::json!({}),
+        ))
+    })
+    .await;
+    assert!(message.contains("no params found"), "{message}");
+    let (_, message) = policy_refusal(
+        try_pod(pod(
+            "params-1",
+            "serving",
+            serde_json::json!({}),
+            serde_json::json!({"gpuslice.io/llm-inference": "1"}),
+        ))
+        .await,
+    )
+    .unwrap();
+    assert!(message.contains("no params found"), "{message}");
+    try_pod(pod(
+        "params-2",
+        "web",
+        serde_json::json!({"app": "web"}),
+        serde_json::json!({"cpu": "1"}),
+    ))
+    .await
+    .unwrap();
 }
