@@ -1411,8 +1411,10 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
     let stop = setup.dir.path().join("stop-eraser");
     // 1 GiB every 200 ms up to 16 GiB, while the rows of the ledger (after its 64-byte header)
     // are zeroed every 50 ms.
+    // First, a slice past DRA through the agent's socket (mounted into the container): refused.
     let script = format!(
-        "ledger=\"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/memory\"; \
+        "{gpuslice} run --state /run/gpuslice --no-wait -- true; echo run-exit=$?; \
+         ledger=\"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/memory\"; \
          {probe} link creep 1024 16384 & p=$!; \
          while kill -0 $p 2>/dev/null; do \
            dd if=/dev/zero of=\"$ledger\" bs=64 seek=1 count=512 conv=notrunc 2>/dev/null; \
@@ -1420,6 +1422,7 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
          done; \
          wait $p; echo creep-ended=$?; \
          until [ -e {stop} ]; do sleep 0.2; done",
+        gpuslice = env!("CARGO_BIN_EXE_gpuslice"),
         probe = setup.probe.display(),
         stop = stop.display(),
     );
@@ -1452,6 +1455,12 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
     })
     .await;
     assert!(output.contains("creep-ended=143"), "{output}");
+    assert!(
+        output.contains("pods get slices through their ResourceClaims")
+            && output.contains("run-exit=")
+            && !output.contains("run-exit=0"),
+        "{output}"
+    );
     // It did get past the shim before the agent stopped it: the erasing worked (the shim alone
     // stops it at 8 GiB, its context taking 300 MiB of the 9).
     let most = output

@@ -254,3 +254,78 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::{BufRead as _, Write as _};
+    use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+    /// One agent socket for all cases, with a panic hook that counts panics on any thread.
+    fn served() -> &'static StateDir {
+        static STATE: std::sync::OnceLock<(tempfile::TempDir, StateDir)> =
+            std::sync::OnceLock::new();
+        &STATE
+            .get_or_init(|| {
+                let previous = std::panic::take_hook();
+                std::panic::set_hook(Box::new(move |info| {
+                    PANICS.fetch_add(1, Ordering::SeqCst);
+                    previous(info);
+                }));
+                let dir = tempfile::tempdir().unwrap();
+                let state = StateDir::new(dir.path());
+                Node::default().serve(&state).unwrap();
+                (dir, state)
+            })
+            .1
+    }
+
+    /// What the agent answers a whole request (to the end of its first line).
+    fn answer(state: &StateDir, bytes: &[u8]) -> String {
+        let mut stream = UnixStream::connect(state.socket()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        // A refusal may close the connection before all is written.
+        let _ = stream.write_all(bytes);
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let mut line = String::new();
+        let _ = BufReader::new(stream).read_line(&mut line);
+        line
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Whatever a caller sends — bytes, JSON of the wrong shape, a request cut anywhere,
+        /// lines longer than the limit — the agent answers or hangs up, never panics, and goes
+        /// on serving the next caller.
+        #[test]
+        fn no_bytes_on_the_socket_stop_the_agent(
+            junk in prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..512),
+                "\\PC{0,200}".prop_map(String::into_bytes),
+                (0usize..80).prop_map(|cut| br#"{"want":{"policy":"p","noWait":true}}"#
+                    .iter().copied().take(cut).collect()),
+                (MAX_LINE - 8..MAX_LINE + 64).prop_map(|n| vec![b'{'; n]),
+                Just(br#"{"compute":{"slice":"../../etc"}}"#.to_vec()),
+                Just(br#"{"cache":{"source":"/proc/self/mem"}}"#.to_vec()),
+                Just(br#"{"gpuReset":{"gpus":"all"}}"#.to_vec()),
+                Just(br#"{"running":{"pid":1}}"#.to_vec()),
+            ],
+        ) {
+            let state = served();
+            answer(state, &junk);
+            let after = answer(state, b"{\"cache\":{\"source\":\"/x\"}}\n");
+            prop_assert!(after.contains("refused"), "the agent stopped answering: {after:?}");
+            prop_assert_eq!(PANICS.load(Ordering::SeqCst), 0);
+        }
+    }
+}

@@ -165,9 +165,7 @@ fn read_only_mount(path: &Path) -> Result<(), String> {
 }
 
 fn load(path: &Path, state: &StateDir) -> Result<Slice, String> {
-    let text = std::fs::read(path).map_err(|e| format!("cannot read the slice config: {e}"))?;
-    let config: SliceConfig =
-        serde_json::from_slice(&text).map_err(|e| format!("not a slice config: {e}"))?;
+    let config = read_config(path)?;
     let mut cap = config.memory_bytes;
     if let Ok(text) = std::env::var(LIMIT_VAR) {
         match parse_bytes(&text) {
@@ -188,6 +186,13 @@ fn load(path: &Path, state: &StateDir) -> Result<Slice, String> {
         row,
         held: Mutex::new(HashMap::new()),
     })
+}
+
+/// The slice config at `path`, whole: a file that is not one (cut short, a field missing, bytes
+/// of anything else) is refused, so the caller fails closed.
+fn read_config(path: &Path) -> Result<SliceConfig, String> {
+    let text = std::fs::read(path).map_err(|e| format!("cannot read the slice config: {e}"))?;
+    serde_json::from_slice(&text).map_err(|e| format!("not a slice config: {e}"))
 }
 
 /// Refuses a config this process could have written or replaced.
@@ -301,6 +306,30 @@ mod tests {
         assert_eq!(parse_bytes("4096"), Some(4096));
         assert_eq!(parse_bytes("lots"), None);
         assert_eq!(parse_bytes("99999999999999999999Gi"), None);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Whatever bytes are where the config should be, the reader never panics and takes
+        /// only a whole config: a real one cut anywhere is refused (the shim then fails closed).
+        #[test]
+        fn the_config_reader_takes_only_whole_configs(
+            junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            cut in 0usize..120,
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("config");
+            std::fs::write(&path, &junk).unwrap();
+            let read = read_config(&path);
+            proptest::prop_assert_eq!(
+                read.is_ok(),
+                serde_json::from_slice::<SliceConfig>(&junk).is_ok()
+            );
+            let whole = br#"{"id":"gpu0-s1","kind":"software","gpu":0,"deviceUuid":"GPU-x","memoryBytes":8589934592,"computePercent":50}"#;
+            std::fs::write(&path, &whole[..cut.min(whole.len() - 1)]).unwrap();
+            proptest::prop_assert!(read_config(&path).is_err());
+        }
     }
 
     #[test]

@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <signal.h>
 #include <unistd.h>
 
 typedef unsigned long long dptr_t;
@@ -195,6 +197,7 @@ static int churn(int rounds, unsigned seed, unsigned max_mib) {
 /* Takes argv[3] MiB more every 200 ms until it holds argv[4] MiB (refusals are tried again),
  * saying how much it holds after each allocation; then holds it until killed. */
 static int creep(long step_mib, long total_mib) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
   context();
   size_t got = 0;
   while (got < (size_t)total_mib * MiB) {
@@ -211,6 +214,7 @@ static int creep(long step_mib, long total_mib) {
 /* Takes argv[3] MiB in allocations of at most 1 GiB, says how much it got, and holds it until
  * killed (a workload that keeps its memory). */
 static int hold(long mib) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL); /* a test that kills its parent leaves nothing behind */
   context();
   size_t left = (size_t)mib * MiB, got = 0;
   while (left > 0) {
@@ -257,6 +261,7 @@ static int cmp(const void *a, const void *b) {
 
 /* Launches kernels until killed, saying every 100 ms how many went through. */
 static int spin(void) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
   setup_kernel();
   long n = 0;
   double last = now_ns();
