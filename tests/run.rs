@@ -684,10 +684,10 @@ fn a_workload_that_bypasses_the_shim_past_its_cap_is_stopped_by_the_agent() {
         (child, held.trim().to_string())
     };
     let probe = probe.display();
-    let (within, held) = start(format!("{probe} link hold 8192"));
+    let (within, held) = start(format!("exec {probe} link hold 8192"));
     let within = children.keep(within);
     assert_eq!(held, format!("held={}", 8u64 << 30));
-    let (mut over, held) = start(format!("env -u LD_PRELOAD {probe} link hold 24576"));
+    let (mut over, held) = start(format!("exec env -u LD_PRELOAD {probe} link hold 24576"));
     // Without the shim the driver gave it all: 24 GiB on a 20 GiB slice.
     assert_eq!(held, format!("held={}", 24u64 << 30));
     let deadline = Instant::now() + Duration::from_secs(60);
