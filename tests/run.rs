@@ -291,6 +291,22 @@ fn lab(
     (dir, state, children)
 }
 
+/// An agent (with `extra` arguments) following a source that holds `pool`, once its slices
+/// exist: the scratch directory, the agent's state directory and the agent itself (killed by
+/// the test, or with the directory's `Reaper`).
+fn agent_on(pool: String, extra: &[&str]) -> (tempfile::TempDir, std::path::PathBuf, Child) {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("pool.yaml"), pool).unwrap();
+    let state = dir.path().join("state");
+    let agent = agent_with(dir.path(), &source, Stdio::null(), extra);
+    eventually("the slices exist", || {
+        state.join("slices/gpu0-s1/config").exists()
+    });
+    (dir, state, agent)
+}
+
 /// `dd`'s rate in bytes per second, from its last line (`67108864 bytes (…) copied, 3.2 s, …`).
 fn dd_rate(stderr: &str) -> f64 {
     let line = stderr
@@ -652,21 +668,8 @@ fn xid_errors_quarantine_a_runs_slice_or_take_the_gpu_out_until_root_resets_it()
 /// on the same GPU keeps running.
 #[test]
 fn a_workload_that_bypasses_the_shim_past_its_cap_is_stopped_by_the_agent() {
-    let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("gitops");
-    std::fs::create_dir_all(&source).unwrap();
-    std::fs::write(source.join("pool.yaml"), pool(4, "20Gi")).unwrap();
-    let state = dir.path().join("state");
-    let mut children = Reaper(Vec::new());
-    children.keep(agent_with(
-        dir.path(),
-        &source,
-        Stdio::null(),
-        &["--memory-watchdog-interval", "200ms"],
-    ));
-    eventually("the slices exist", || {
-        state.join("slices/gpu0-s3/config").exists()
-    });
+    let (dir, state, agent) = agent_on(pool(4, "20Gi"), &["--memory-watchdog-interval", "200ms"]);
+    let mut children = Reaper(vec![agent]);
     let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
     let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
     let start = |script: String| {
@@ -729,18 +732,9 @@ fn the_agents_socket_holds_against_an_endless_line_and_a_flood_of_connections() 
     use std::io::{Read as _, Write as _};
     use std::os::unix::net::UnixStream;
     const CHART_LIMIT: u64 = 128 << 20;
-    let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("gitops");
-    std::fs::create_dir_all(&source).unwrap();
-    std::fs::write(source.join("pool.yaml"), pool(2, "40Gi")).unwrap();
-    let state = dir.path().join("state");
-    let mut children = Reaper(Vec::new());
-    let agent = children
-        .keep(agent(dir.path(), &source, Stdio::null()))
-        .id();
-    eventually("the slices exist", || {
-        state.join("slices/gpu0-s1/config").exists()
-    });
+    let (_dir, state, agent) = agent_on(pool(2, "40Gi"), &[]);
+    let children = Reaper(vec![agent]);
+    let agent = children.0[0].id();
     let socket = state.join("agent.sock");
 
     // A line that never ends: the agent stops reading and hangs up long before 200 MB.
@@ -789,16 +783,9 @@ fn the_agents_socket_holds_against_an_endless_line_and_a_flood_of_connections() 
 /// agent started again.
 #[test]
 fn launches_wait_while_the_agent_is_away_and_are_governed_again_when_it_is_back() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, state, mut first_agent) = agent_on(pool(2, "40Gi"), &[]);
     let source = dir.path().join("gitops");
-    std::fs::create_dir_all(&source).unwrap();
-    std::fs::write(source.join("pool.yaml"), pool(2, "40Gi")).unwrap();
-    let state = dir.path().join("state");
     let mut children = Reaper(Vec::new());
-    let mut first_agent = agent(dir.path(), &source, Stdio::null());
-    eventually("the slices exist", || {
-        state.join("slices/gpu0-s1/config").exists()
-    });
     let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
     let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
     let stderr = dir.path().join("workload.err");

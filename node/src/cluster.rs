@@ -236,17 +236,22 @@ async fn tell_faults(
                         .unwrap_or_default(),
                     quarantine.gpu
                 );
-                let regarding = ObjectReference {
-                    api_version: Some("v1".into()),
-                    kind: Some("Pod".into()),
-                    namespace: Some(namespace.into()),
-                    name: Some(name.into()),
-                    uid: uids.get(i).cloned(),
-                    ..ObjectReference::default()
-                };
+                let regarding = pod_reference(namespace, name, uids.get(i).cloned());
                 publish(EventType::Warning, "GpuFault", note, regarding).await;
             }
         }
+    }
+}
+
+/// What an Event about a pod names.
+fn pod_reference(namespace: &str, name: &str, uid: Option<String>) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
+        uid,
+        ..ObjectReference::default()
     }
 }
 
@@ -264,14 +269,7 @@ async fn tell_overrun(recorder: &Recorder, report: &crate::watchdog::Report) {
             action: "EnforceMemoryCap".into(),
             secondary: None,
         };
-        let regarding = ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            namespace: Some(namespace.into()),
-            name: Some(name.into()),
-            uid: holding.pod_uids.get(i).cloned(),
-            ..ObjectReference::default()
-        };
+        let regarding = pod_reference(namespace, name, holding.pod_uids.get(i).cloned());
         if let Err(e) = recorder.publish(&event, &regarding).await {
             tracing::warn!("recording a memory overrun event: {e}");
         }
@@ -1630,14 +1628,11 @@ async fn evict(
                         action: "Evict".into(),
                         secondary: None,
                     };
-                    let regarding = ObjectReference {
-                        api_version: Some("v1".into()),
-                        kind: Some("Pod".into()),
-                        namespace: Some(namespace.into()),
-                        name: Some(name.into()),
-                        uid: (!eviction.uid.is_empty()).then(|| eviction.uid.clone()),
-                        ..ObjectReference::default()
-                    };
+                    let regarding = pod_reference(
+                        namespace,
+                        name,
+                        (!eviction.uid.is_empty()).then(|| eviction.uid.clone()),
+                    );
                     if let Err(e) = recorder.publish(&event, &regarding).await {
                         tracing::warn!("pod {pod}: recording the eviction: {e}");
                     }
