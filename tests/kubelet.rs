@@ -221,6 +221,30 @@ fn pod_spec(command: &[&str], lib: &Path, machine: &Path) -> serde_json::Value {
     })
 }
 
+/// Creates pod `name` running `script` on a notebook slice, waits for `phase`, and returns its
+/// container as the runtime recorded it.
+async fn run_pod(
+    setup: &Setup,
+    pods: &Api<Pod>,
+    name: &str,
+    script: &str,
+    phase: &str,
+) -> gpuslice_testcluster::Container {
+    pods.create(
+        &PostParams::default(),
+        &pod(name, &["/bin/sh", "-c", script], &setup.lib, &setup.machine),
+    )
+    .await
+    .unwrap();
+    wait_for_phases(pods, &[name], [phase]).await;
+    setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == name)
+        .unwrap()
+}
+
 /// The CDI device id the agent gives for a pod's claim: `gpuslice.io/slice=<claim uid>-<device>`.
 async fn cdi_id(client: &Client, pod: &str) -> String {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -1363,24 +1387,7 @@ async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
         "{} bench compute-worker --kernel-us 2000 --seconds 4",
         env!("CARGO_BIN_EXE_gpuslice")
     );
-    pods.create(
-        &PostParams::default(),
-        &pod(
-            "kernels",
-            &["/bin/sh", "-c", &worker],
-            &setup.lib,
-            &setup.machine,
-        ),
-    )
-    .await
-    .unwrap();
-    wait_for_phases(&pods, &["kernels"], ["Succeeded"]).await;
-    let container = setup
-        .kubelet
-        .containers()
-        .into_iter()
-        .find(|c| c.pod == "kernels")
-        .unwrap();
+    let container = run_pod(&setup, &pods, "kernels", &worker, "Succeeded").await;
     let output = setup.kubelet.output(&container);
     let report: serde_json::Value = output
         .lines()
@@ -1426,24 +1433,7 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
         probe = setup.probe.display(),
         stop = stop.display(),
     );
-    pods.create(
-        &PostParams::default(),
-        &pod(
-            "eraser",
-            &["/bin/sh", "-c", &script],
-            &setup.lib,
-            &setup.machine,
-        ),
-    )
-    .await
-    .unwrap();
-    wait_for_phases(&pods, &["eraser"], ["Running"]).await;
-    let container = setup
-        .kubelet
-        .containers()
-        .into_iter()
-        .find(|c| c.pod == "eraser")
-        .unwrap();
+    let container = run_pod(&setup, &pods, "eraser", &script, "Running").await;
     let output = eventually("the watchdog stopped the process past its cap", || {
         let output = setup.kubelet.output(&container);
         async move {
