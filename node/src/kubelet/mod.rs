@@ -36,7 +36,8 @@ pub const CDI_KIND: &str = "gpuslice.io/slice";
 pub const CONTAINER_STATE: &str = "/run/gpuslice";
 /// Where a container finds the shim.
 pub const CONTAINER_SHIM: &str = "/run/gpuslice/lib/libgpuslice.so";
-/// Where a container finds its pool's dataset cache (read-only).
+/// Where a container finds its pool's dataset cache (read-only): only the content-addressed
+/// objects (`objects/<sha256>`), never the rest of the cache's directory.
 pub const CONTAINER_CACHE: &str = "/run/gpuslice/cache";
 
 /// Why the plugin could not start or a claim could not be prepared.
@@ -214,9 +215,14 @@ pub fn cdi_spec(
                 ),
                 bind(claim_config, &container_state.slice_config(&slice.id), "ro"),
             ];
-            // The dataset cache of the slice's pool, read-only.
+            // The dataset cache of the slice's pool, read-only: its objects only, so that a
+            // cache directory set to a host folder of other things shows pods none of them.
             if let Some(cache) = cache_of(slice.gpu) {
-                mounts.push(bind(&cache, Path::new(CONTAINER_CACHE), "ro"));
+                mounts.push(bind(
+                    &cache.join("objects"),
+                    &Path::new(CONTAINER_CACHE).join("objects"),
+                    "ro",
+                ));
             }
             if slice.kind == SliceKind::Software {
                 env.push(format!(
@@ -613,5 +619,56 @@ impl DRAPlugin for Plugin {
         Ok(tonic::Response::new(
             proto::NodeUnprepareResourcesResponse { claims },
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a software slice's container is given read-only, so the workload cannot change it:
+    /// its config at the pinned path, and of the pool's cache only the objects.
+    #[test]
+    fn a_software_slice_gets_its_config_pinned_and_only_the_cache_objects() {
+        let state = StateDir::new("/run/gpuslice");
+        let paths = Paths::new(
+            Path::new("/var/lib/kubelet"),
+            Path::new("/var/run/cdi"),
+            Some(PathBuf::from("/opt/gpuslice/libgpuslice.so")),
+        );
+        let slice = SliceConfig {
+            id: "gpu0-s1".into(),
+            kind: SliceKind::Software,
+            gpu: 0,
+            device_uuid: "GPU-x".into(),
+            memory_bytes: 8 << 30,
+            compute_percent: 25,
+        };
+        let claim_config = PathBuf::from("/run/gpuslice/dra/uid/gpu0-s1.config");
+        let spec = cdi_spec(
+            &state,
+            &paths,
+            &[("uid-gpu0-s1".into(), slice, claim_config.clone())],
+            &|_| Some(PathBuf::from("/etc")),
+        );
+        let mounts = spec["devices"][0]["containerEdits"]["mounts"]
+            .as_array()
+            .unwrap();
+        let mount_of = |container: &str| {
+            mounts
+                .iter()
+                .find(|m| m["containerPath"] == container)
+                .unwrap_or_else(|| panic!("no mount at {container}: {mounts:?}"))
+        };
+        let pinned = mount_of(gpuslice_contract::paths::PINNED_CONFIG);
+        assert_eq!(pinned["hostPath"], claim_config.to_str().unwrap());
+        assert!(pinned["options"].as_array().unwrap().contains(&"ro".into()));
+        let cache = mount_of("/run/gpuslice/cache/objects");
+        assert_eq!(cache["hostPath"], "/etc/objects");
+        assert!(cache["options"].as_array().unwrap().contains(&"ro".into()));
+        assert!(
+            !mounts.iter().any(|m| m["hostPath"] == "/etc"),
+            "never the cache's whole directory: {mounts:?}"
+        );
     }
 }
