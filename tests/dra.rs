@@ -1171,9 +1171,10 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
                 .find(|m| m["containerPath"] == to)
                 .unwrap_or_else(|| panic!("no mount at {to}: {mounts:?}"))
         };
+        // The socket's directory, so that an agent started again is reached.
         assert_eq!(
-            mount("/run/gpuslice/agent.sock")["hostPath"],
-            state.join("agent.sock").to_str().unwrap()
+            mount("/run/gpuslice/socket")["hostPath"],
+            state.join("socket").to_str().unwrap()
         );
         let preload = mount("/etc/ld.so.preload");
         assert!(

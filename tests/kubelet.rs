@@ -32,7 +32,11 @@ fn root() -> &'static Path {
 /// agent and the operator, all on a clock started at `clock`; the examples' pool and notebook
 /// policy; and the shim's probe program built against the emulated CUDA driver.
 struct Setup {
-    _agent: KillOnDrop,
+    agent: KillOnDrop,
+    /// The agent's extra arguments, its node file and state directory (to start it again).
+    agent_args: Vec<String>,
+    node_file: std::path::PathBuf,
+    state: std::path::PathBuf,
     operator: KillOnDrop,
     clock: String,
     kubelet: Kubelet,
@@ -72,25 +76,16 @@ impl Setup {
         let state = dir.path().join("state");
         let agent_log = dir.path().join("agent.log");
         let metrics_port = gpuslice_testcluster::free_port().unwrap();
-        let agent = KillOnDrop(
-            Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-                .args(["agent", "--kube", "--apply", "--interval", "2s"])
-                .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-                .args(agent_args)
-                .arg("--emulate")
-                .arg(&node_file)
-                .arg("--state")
-                .arg(&state)
-                .arg("--kubelet-dir")
-                .arg(kubelet.root_dir())
-                .arg("--cdi-dir")
-                .arg(kubelet.cdi_dir())
-                .env("KUBECONFIG", cluster.kubeconfig_path())
-                .env("GPUSLICE_CLOCK_START", clock)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&agent_log).unwrap())
-                .spawn()
-                .unwrap(),
+        let agent_args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
+        let agent = spawn_agent(
+            &cluster,
+            &kubelet,
+            clock,
+            &agent_args,
+            &node_file,
+            &state,
+            metrics_port,
+            &agent_log,
         );
         let operator = spawn_operator(&cluster, clock);
         apply_examples(
@@ -108,7 +103,10 @@ impl Setup {
         );
         let machine = gpuslice_contract::StateDir::new(&state).emulated_machine(NODE);
         Some(Setup {
-            _agent: agent,
+            agent,
+            agent_args,
+            node_file,
+            state,
             operator,
             clock: clock.to_string(),
             kubelet,
@@ -127,12 +125,73 @@ impl Setup {
         std::fs::read_to_string(&self.agent_log).unwrap_or_default()
     }
 
+    /// Kills the agent and starts another with the same arguments (its log goes on).
+    fn restart_agent(&mut self) {
+        self.stop_agent();
+        self.agent = spawn_agent(
+            &self.cluster,
+            &self.kubelet,
+            &self.clock,
+            &self.agent_args,
+            &self.node_file,
+            &self.state,
+            self.metrics_port,
+            &self.agent_log,
+        );
+    }
+
+    fn stop_agent(&mut self) {
+        let _ = self.agent.0.kill();
+        let _ = self.agent.0.wait();
+    }
+
     /// Kills the operator and starts another (on a clock started where the first one's was).
     fn restart_operator(&mut self) {
         let _ = self.operator.0.kill();
         let _ = self.operator.0.wait();
         self.operator = spawn_operator(&self.cluster, &self.clock);
     }
+}
+
+/// The agent of node `gpu-a` on the emulated machine of `node_file`, serving the kubelet's
+/// plugin; its log is appended to `log`.
+#[allow(clippy::too_many_arguments)]
+fn spawn_agent(
+    cluster: &ControlPlane,
+    kubelet: &Kubelet,
+    clock: &str,
+    args: &[String],
+    node_file: &Path,
+    state: &Path,
+    metrics_port: u16,
+    log: &Path,
+) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .args(["agent", "--kube", "--apply", "--interval", "2s"])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(args)
+            .arg("--emulate")
+            .arg(node_file)
+            .arg("--state")
+            .arg(state)
+            .arg("--kubelet-dir")
+            .arg(kubelet.root_dir())
+            .arg("--cdi-dir")
+            .arg(kubelet.cdi_dir())
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("GPUSLICE_CLOCK_START", clock)
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(log)
+                    .unwrap(),
+            )
+            .spawn()
+            .unwrap(),
+    )
 }
 
 fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
@@ -1495,4 +1554,41 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
     );
     std::fs::write(&stop, "").unwrap();
     wait_for_phases(&pods, &["eraser"], ["Succeeded"]).await;
+}
+
+/// A pod's workload whose first kernel launch comes while the agent is away (a restart of the
+/// DaemonSet's pod, say) does not run ungoverned: its launches wait, and go on under the agent
+/// started again.
+#[tokio::test]
+async fn a_pods_first_launches_wait_for_an_agent_that_is_restarting() {
+    let Some(mut setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let go = setup.dir.path().join("go");
+    let script = format!(
+        "until [ -e {go} ]; do sleep 0.1; done; exec {probe} link spin",
+        go = go.display(),
+        probe = setup.probe.display(),
+    );
+    let container = run_pod(&setup, &pods, "late", &script, "Running").await;
+    setup.stop_agent();
+    std::fs::write(&go, "").unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let output = setup.kubelet.output(&container);
+    assert!(
+        output.contains("kernel launches wait for it") && !output.contains("launched="),
+        "{output}"
+    );
+    setup.restart_agent();
+    eventually("launches go on under the agent started again", || {
+        let output = setup.kubelet.output(&container);
+        async move {
+            (output.contains("launched=") && output.contains("governed again"))
+                .then_some(())
+                .ok_or(output)
+        }
+    })
+    .await;
+    pods.delete("late", &DeleteParams::default()).await.unwrap();
 }

@@ -538,9 +538,10 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     // night layout is one MIG instance per GPU, which has no compute share to arbitrate.
     {
         use std::io::{BufRead as _, BufReader, Write as _};
-        let mut socket =
-            std::os::unix::net::UnixStream::connect(dir.path().join("gpu-a").join("agent.sock"))
-                .unwrap();
+        let mut socket = std::os::unix::net::UnixStream::connect(
+            gpuslice_contract::StateDir::new(dir.path().join("gpu-a")).socket(),
+        )
+        .unwrap();
         socket
             .write_all(&gpuslice_contract::socket::line(
                 &gpuslice_contract::socket::Request::Compute {

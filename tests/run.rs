@@ -735,7 +735,7 @@ fn the_agents_socket_holds_against_an_endless_line_and_a_flood_of_connections() 
     let (_dir, state, agent) = agent_on(pool(2, "40Gi"), &[]);
     let children = Reaper(vec![agent]);
     let agent = children.0[0].id();
-    let socket = state.join("agent.sock");
+    let socket = gpuslice_contract::StateDir::new(&state).socket();
 
     // A line that never ends: the agent stops reading and hangs up long before 200 MB.
     let mut endless = UnixStream::connect(&socket).unwrap();

@@ -1,7 +1,9 @@
 //! The agent's state directory (default [`DEFAULT`]), of which the agent is the only writer:
 //!
 //! ```text
-//! <state>/agent.sock                 the agent's socket (claims and compute shares)
+//! <state>/socket/agent.sock          the agent's socket (claims and compute shares), alone in its
+//!                                    directory: containers get the directory, so a restarted
+//!                                    agent's new socket reaches them
 //! <state>/gpu-<index>.slices.json    a GPU's software slice table
 //! <state>/slices/<id>/config         a slice's read-only config (SliceConfig as JSON)
 //! <state>/slices/<id>/memory         the slice's memory ledger (shared by its processes)
@@ -58,7 +60,7 @@ impl StateDir {
 
     /// The agent's Unix socket.
     pub fn socket(&self) -> PathBuf {
-        self.root.join("agent.sock")
+        self.root.join("socket").join("agent.sock")
     }
 
     /// A GPU's software slice table.

@@ -1,4 +1,4 @@
-//! The agent's Unix socket (`<state>/agent.sock`), JSON lines. A connection starts with one
+//! The agent's Unix socket (`<state>/socket/agent.sock`), JSON lines. A connection starts with one
 //! [`Request`]:
 //!
 //! - **Claims** (`gpuslice run`): [`Request::Want`]; the agent answers [`Reply::Queued`] (again

@@ -266,7 +266,7 @@ impl Agent {
         self.socket.compute.usage()
     }
 
-    /// Serves claims and compute shares on `<state>/agent.sock` from now on.
+    /// Serves claims and compute shares on `<state>/socket/agent.sock` from now on.
     pub fn serve_socket(&self) -> Result<(), PassError> {
         Ok(self.socket.serve(&self.state)?)
     }

@@ -1,4 +1,4 @@
-//! The agent's Unix socket (`<state>/agent.sock`, messages: `gpuslice_contract::socket`), open to
+//! The agent's Unix socket (`<state>/socket/agent.sock`, messages: `gpuslice_contract::socket`), open to
 //! every local user: the agent tells callers apart by the socket's peer credentials. A
 //! connection's first request decides what it is: a claim ([`crate::claims`]), a shim's compute
 //! session ([`crate::compute`]), a dataset file through the local cache ([`crate::cache`]) or
@@ -122,7 +122,7 @@ pub struct Node {
 }
 
 impl Node {
-    /// Binds `<state>/agent.sock` (replacing one an earlier agent left) and serves it, and the
+    /// Binds `<state>/socket/agent.sock` (replacing one an earlier agent left) and serves it, and the
     /// arbiters' timer, on background threads until the process ends.
     pub fn serve(&self, state: &StateDir) -> Result<(), SocketError> {
         use std::os::unix::fs::PermissionsExt as _;
@@ -131,7 +131,9 @@ impl Node {
             path: path.display().to_string(),
             source,
         };
-        std::fs::create_dir_all(state.root()).map_err(failed)?;
+        let dir = path.parent().unwrap_or(state.root());
+        std::fs::create_dir_all(dir).map_err(failed)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).map_err(failed)?;
         // A socket left by an earlier agent would refuse the bind.
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path).map_err(failed)?;

@@ -12,7 +12,8 @@
 //! The agent is the only judge: the process can delay its release, never grant itself time, and
 //! a holder that ignores a yield is overruled (see `gpuslice_node::arbiter`). When the agent
 //! cannot be reached at the first launch the shim passes launches through (no agent serves this
-//! node); when the agent refuses the process (its slice belongs to another workload), launches
+//! node), except in a slice's container (the pinned config), where the agent that prepared the
+//! slice is only restarting: there launches wait for it; when the agent refuses the process (its slice belongs to another workload), launches
 //! fail with `CUDA_ERROR_NOT_PERMITTED`. Once governed, a process stays governed: when the agent
 //! goes away (a restart, a crash), launches wait while the monitor reconnects with backoff, and
 //! go on under the new agent's grants.
@@ -75,8 +76,9 @@ enum Arbitration {
 }
 
 struct Session {
-    /// The connection requests are written to (replaced when the monitor reconnects).
-    socket: Mutex<UnixStream>,
+    /// The connection requests are written to (replaced when the monitor reconnects; none
+    /// until the first connection in a container whose agent was not ready).
+    socket: Mutex<Option<UnixStream>>,
     local: Mutex<Local>,
     granted: Condvar,
     /// The agent went away: launches wait until the monitor has reconnected.
@@ -125,23 +127,38 @@ fn connect() -> Result<Option<Session>, Refusal> {
     let Some(socket_path) = slice.agent_socket.as_deref() else {
         return Ok(None);
     };
-    let socket = handshake(socket_path, &slice.id)?;
+    let socket = match handshake(socket_path, &slice.id) {
+        Ok(socket) => Some(socket),
+        // In a slice's container the agent prepared this slice: it is restarting (or has not
+        // taken up the slice again yet), so launches wait for it as after losing it.
+        Err(Refusal::Unreachable(reason) | Refusal::Refused(reason)) if slice.pinned => {
+            eprintln!(
+                "gpuslice: the node agent is not ready ({reason}); kernel launches wait for it"
+            );
+            None
+        }
+        Err(refusal) => return Err(refusal),
+    };
     let unreachable = |e: std::io::Error| {
         Refusal::Unreachable(format!("the node agent at {}: {e}", socket_path.display()))
     };
     // SAFETY: registering a fork handler that only stores to an atomic.
     unsafe { libc::pthread_atfork(None, None, Some(forked)) };
-    let monitor = socket.try_clone().map_err(unreachable)?;
+    let monitor = socket
+        .as_ref()
+        .map(UnixStream::try_clone)
+        .transpose()
+        .map_err(unreachable)?;
     let (path, id) = (socket_path.to_path_buf(), slice.id.clone());
     std::thread::Builder::new()
         .name("gpuslice-compute".into())
         .spawn(move || run_monitor(monitor, &path, &id))
         .map_err(unreachable)?;
     Ok(Some(Session {
+        lost: AtomicBool::new(socket.is_none()),
         socket: Mutex::new(socket),
         local: Mutex::new(Local::default()),
         granted: Condvar::new(),
-        lost: AtomicBool::new(false),
     }))
 }
 
@@ -203,8 +220,8 @@ fn send(session: &Session, message: Compute) -> bool {
         .socket
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .write_all(message.wire().as_bytes())
-        .is_ok()
+        .as_ref()
+        .is_some_and(|mut s| s.write_all(message.wire().as_bytes()).is_ok())
 }
 
 /// Runs a launch on `stream` when the slice holds the GPU, waiting for a grant if needed.
@@ -281,7 +298,7 @@ fn reconnect(session: &Session, path: &std::path::Path, slice: &str) -> UnixStre
             continue;
         };
         let mut local = session.local.lock().unwrap_or_else(|p| p.into_inner());
-        *session.socket.lock().unwrap_or_else(|p| p.into_inner()) = socket;
+        *session.socket.lock().unwrap_or_else(|p| p.into_inner()) = Some(socket);
         local.asked = false;
         session.lost.store(false, Ordering::SeqCst);
         session.granted.notify_all();
@@ -428,7 +445,7 @@ fn release_if_idle(session: &Session, seen: u64) -> bool {
     true
 }
 
-fn run_monitor(mut socket: UnixStream, path: &std::path::Path, slice: &str) {
+fn run_monitor(socket: Option<UnixStream>, path: &std::path::Path, slice: &str) {
     let mut buffer = Vec::new();
     // The session is published once connect() returns; the agent sends nothing before an
     // acquire, which only a launch (after publication) sends.
@@ -437,6 +454,10 @@ fn run_monitor(mut socket: UnixStream, path: &std::path::Path, slice: &str) {
             break s;
         }
         std::thread::sleep(Duration::from_millis(1));
+    };
+    let mut socket = match socket {
+        Some(socket) => socket,
+        None => reconnect(session, path, slice),
     };
     let mut seen = GATE.load(Ordering::SeqCst) >> 21;
     loop {

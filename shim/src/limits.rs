@@ -38,6 +38,9 @@ pub struct Slice {
     pub cap: u64,
     /// The node agent's socket, for a software slice's compute share.
     pub agent_socket: Option<PathBuf>,
+    /// The config is the one the CDI spec pinned: this process is in a slice's container, whose
+    /// slice an agent prepared (so an agent that cannot be reached is restarting, not absent).
+    pub pinned: bool,
     ledger: Ledger,
     row: RowId,
     held: Mutex<HashMap<(Kind, u64), u64>>,
@@ -68,6 +71,10 @@ pub fn limits() -> &'static Limits {
             ),
             Found::Pinned(path) => {
                 let loaded = read_only_mount(&path).and_then(|()| load(&path, &pinned_state()));
+                let loaded = loaded.map(|slice| Slice {
+                    pinned: true,
+                    ..slice
+                });
                 (path, loaded)
             }
             Found::Named(path) => {
@@ -180,6 +187,7 @@ fn load(path: &Path, state: &StateDir) -> Result<Slice, String> {
         .map_err(|e| e.to_string())?;
     Ok(Slice {
         agent_socket: (config.kind == SliceKind::Software).then(|| state.socket()),
+        pinned: false,
         id: config.id,
         cap,
         ledger,

@@ -203,7 +203,8 @@ fn a_workload_cannot_raise_its_cap() {
 #[test]
 fn an_agent_that_never_answers_does_not_hang_the_program() {
     let setup = Setup::new(8 << 30);
-    let socket = setup.dir.path().join("state/agent.sock");
+    let socket = gpuslice_contract::StateDir::new(setup.dir.path().join("state")).socket();
+    std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
     let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
     let silent = std::thread::spawn(move || listener.accept().map(|(stream, _)| stream));
     let started = std::time::Instant::now();

@@ -237,7 +237,14 @@ pub fn cdi_spec(
                     Path::new(gpuslice_contract::paths::PINNED_CONFIG),
                     "ro",
                 ));
-                mounts.push(bind(&state.socket(), &container_state.socket(), "rw"));
+                // The socket's directory, not the socket: an agent started again binds a new
+                // socket there, which a bind of the old one would never show.
+                let socket_dir = |s: &StateDir| s.socket().parent().map(Path::to_path_buf);
+                if let (Some(host), Some(container)) =
+                    (socket_dir(state), socket_dir(&container_state))
+                {
+                    mounts.push(bind(&host, &container, "rw"));
+                }
                 if let Some(shim) = &paths.shim {
                     mounts.push(bind(shim, Path::new(CONTAINER_SHIM), "ro"));
                     mounts.push(bind(&preload, Path::new("/etc/ld.so.preload"), "ro"));
