@@ -304,6 +304,24 @@ async fn run_pod(
         .unwrap()
 }
 
+/// The notes of the Events with `reason` about pod `pod` of namespace `default`.
+async fn pod_event_notes(client: &Client, reason: &str, pod: &str) -> Result<Vec<String>, String> {
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    Ok(events
+        .list(&Default::default())
+        .await
+        .map_err(|e| e.to_string())?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pod)
+        })
+        .filter_map(|e| e.note)
+        .collect())
+}
+
 /// The CDI device id the agent gives for a pod's claim: `gpuslice.io/slice=<claim uid>-<device>`.
 async fn cdi_id(client: &Client, pod: &str) -> String {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -536,24 +554,10 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
         .mutate(|m| m.inject_xid(0, 31))
         .unwrap()
         .unwrap();
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(client.clone(), "default");
     eventually("notebook-2 gets an Event naming the XID", || {
-        let events = events.clone();
+        let client = client.clone();
         async move {
-            let notes: Vec<String> = events
-                .list(&Default::default())
-                .await
-                .map_err(|e| e.to_string())?
-                .items
-                .into_iter()
-                .filter(|e| {
-                    e.reason.as_deref() == Some("GpuFault")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref())
-                            == Some("notebook-2")
-                })
-                .filter_map(|e| e.note)
-                .collect();
+            let notes = pod_event_notes(&client, "GpuFault", "notebook-2").await?;
             notes
                 .iter()
                 .any(|n| n.contains("XID 31 (GPU memory page fault)") && n.contains("keep running"))
@@ -1519,23 +1523,10 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
         .max()
         .unwrap_or(0);
     assert!(most >= 9 << 30, "{output}");
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(setup.client.clone(), "default");
     eventually("the pod is told why", || {
-        let events = events.clone();
+        let client = setup.client.clone();
         async move {
-            let notes: Vec<String> = events
-                .list(&Default::default())
-                .await
-                .map_err(|e| e.to_string())?
-                .items
-                .into_iter()
-                .filter(|e| {
-                    e.reason.as_deref() == Some("GpuMemoryOverCap")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("eraser")
-                })
-                .filter_map(|e| e.note)
-                .collect();
+            let notes = pod_event_notes(&client, "GpuMemoryOverCap", "eraser").await?;
             notes
                 .iter()
                 .any(|n| n.contains("more than its cap of 9216 MiB") && n.contains("SIGTERM"))

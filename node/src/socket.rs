@@ -58,8 +58,8 @@ pub fn read_line(reader: &mut impl BufRead, line: &mut String) -> std::io::Resul
 }
 
 /// Who a connection counts against: its pod, else its user.
-fn peer_key(pid: u32, uid: u32) -> String {
-    crate::process::pod_of(pid).map_or_else(|| format!("uid {uid}"), |pod| format!("pod {pod}"))
+fn peer_key(pod: Option<&str>, uid: u32) -> String {
+    pod.map_or_else(|| format!("uid {uid}"), |pod| format!("pod {pod}"))
 }
 
 /// Connections being served, in all and per peer.
@@ -168,15 +168,18 @@ impl Node {
             return;
         };
         let pid = credentials.pid.as_raw_nonzero().get() as u32;
-        let ticket = match Ticket::take(admitted, peer_key(pid, credentials.uid.as_raw())) {
-            Ok(ticket) => ticket,
-            Err(reason) => {
-                // The reply fits the socket's buffer: this write does not wait for the caller.
-                let _ = stream.set_nonblocking(true);
-                let _ = (&stream).write_all(&socket::line(&Reply::Refused { reason }));
-                return;
-            }
-        };
+        // The caller's pod (by its cgroup), read once: it is counted and judged by it.
+        let pod = crate::process::pod_of(pid);
+        let ticket =
+            match Ticket::take(admitted, peer_key(pod.as_deref(), credentials.uid.as_raw())) {
+                Ok(ticket) => ticket,
+                Err(reason) => {
+                    // The reply fits the socket's buffer: this write does not wait for the caller.
+                    let _ = stream.set_nonblocking(true);
+                    let _ = (&stream).write_all(&socket::line(&Reply::Refused { reason }));
+                    return;
+                }
+            };
         let node = self.clone();
         let state = state.clone();
         let spawned = std::thread::Builder::new()
@@ -184,7 +187,7 @@ impl Node {
             .stack_size(THREAD_STACK)
             .spawn(move || {
                 let _ticket = ticket;
-                if let Err(e) = node.connection(stream, credentials, &state) {
+                if let Err(e) = node.connection(stream, credentials, pod, &state) {
                     tracing::debug!("socket connection ended: {e}");
                 }
             });
@@ -197,6 +200,7 @@ impl Node {
         &self,
         stream: UnixStream,
         credentials: rustix::net::UCred,
+        in_pod: Option<String>,
         state: &StateDir,
     ) -> std::io::Result<()> {
         let client = credentials.pid.as_raw_nonzero().get() as u32;
@@ -206,7 +210,6 @@ impl Node {
         read_line(&mut reader, &mut line)?;
         // Claims and compute sessions stay open, idle, for as long as their workload runs.
         stream.set_read_timeout(None)?;
-        let in_pod = crate::process::pod_of(client);
         match serde_json::from_str(&line) {
             Ok(Request::Want(_) | Request::GpuReset { .. }) if in_pod.is_some() => {
                 (&stream).write_all(&socket::line(&Reply::Refused {
