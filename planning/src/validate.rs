@@ -94,7 +94,7 @@ pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
     for w in &repo.workloads {
         if w.via_annotation {
             out.warn(w.doc, &w.path, format!(
-                "{} names its policy in an annotation; use the label {} on the pod template (spec.template.metadata.labels): the webhook selects on labels",
+                "{} names its policy in an annotation; use the label {} on the pod template (spec.template.metadata.labels): the chart's MutatingAdmissionPolicy selects on labels",
                 w.display,
                 gpuslice_api::POLICY_LABEL
             ));
