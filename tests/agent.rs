@@ -222,7 +222,7 @@ fn layout(m: &gpuslice_emulator::Machine) -> Vec<(u32, u32, u32)> {
     let mut out: Vec<_> = gpu
         .instances
         .iter()
-        .map(|i| (i.profile, i.placement.start, i.placement.size))
+        .map(|i| (i.profile_id, i.placement.start, i.placement.size))
         .collect();
     out.sort_unstable();
     out

@@ -126,7 +126,7 @@ fn machine(state: &Path, node: &str) -> Machine {
         .unwrap()
 }
 
-/// Instances on GPU 0 as (profile index, start, size, UUID), sorted.
+/// Instances on GPU 0 as (profile id, start, size, UUID), sorted.
 fn instances(m: &Machine) -> Vec<(u32, u32, u32, String)> {
     let mut out: Vec<_> = m
         .gpu(0)
@@ -135,7 +135,7 @@ fn instances(m: &Machine) -> Vec<(u32, u32, u32, String)> {
         .iter()
         .map(|i| {
             (
-                i.profile,
+                i.profile_id,
                 i.placement.start,
                 i.placement.size,
                 i.uuid.clone(),

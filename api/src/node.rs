@@ -290,6 +290,10 @@ pub struct DriverVersions {
 pub struct GpuInventory {
     /// Index on the node.
     pub index: u32,
+    /// The minor number of the GPU's device node (`/dev/nvidia<minor>`), as NVML reports it;
+    /// it need not equal the index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<u32>,
     /// UUID (`GPU-…`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,

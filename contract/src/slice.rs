@@ -29,6 +29,10 @@ pub struct SliceConfig {
     pub gpu: u32,
     /// The device the workload sees: the GPU's UUID, or the MIG device's.
     pub device_uuid: String,
+    /// The minor number of the GPU's device node (`/dev/nvidia<minor>`), as NVML reports it;
+    /// not the index, which is only NVML's enumeration order. Absent when NVML did not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_minor: Option<u32>,
     /// Memory cap in bytes (the whole device for MIG and exclusive slices).
     pub memory_bytes: u64,
     /// Compute share in percent of the device.

@@ -66,16 +66,20 @@ pub struct Fault {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ComputeInstance {
     pub id: u32,
-    /// Compute-instance profile index (NVML_COMPUTE_INSTANCE_PROFILE_*).
-    pub profile: u32,
+    /// Compute-instance profile id (what `nvmlGpuInstanceGetComputeInstanceProfileInfo`
+    /// answers; NVIDIA's drivers give each the id of its `NVML_COMPUTE_INSTANCE_PROFILE_*` index).
+    pub profile_id: u32,
+    /// Compute slices it takes of its GPU instance.
+    pub slices: u32,
 }
 
 /// A GPU instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuInstance {
     pub id: u32,
-    /// NVML GPU-instance profile index.
-    pub profile: u32,
+    /// The profile id (`nvidia-smi mig -lgip`'s ID, 19 for 1g on an A100): what NVML's MIG calls
+    /// take and report, never the `NVML_GPU_INSTANCE_PROFILE_*` index.
+    pub profile_id: u32,
     pub placement: Placement,
     /// The MIG device UUID (`MIG-…`).
     pub uuid: String,
@@ -99,6 +103,8 @@ pub struct Process {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Gpu {
     pub index: u32,
+    /// The device node's minor number (`/dev/nvidia<minor>`), which need not be the index.
+    pub minor: u32,
     pub uuid: String,
     /// Model name as NVML reports it.
     pub model: String,
@@ -174,6 +180,7 @@ impl Machine {
             m.uuid_counter += 1;
             let mut gpu = Gpu {
                 index: g.index,
+                minor: g.minor.unwrap_or(g.index),
                 uuid: g
                     .uuid
                     .clone()
@@ -202,8 +209,13 @@ impl Machine {
                         .map_err(|e| {
                             err(format!("{} at {}: {e}", inst.profile, inst.placement.start))
                         })?;
+                    // A seeded instance is a MIG device: its full compute instance exists.
+                    let instance = gpu.instance_mut(id).expect("just created");
+                    instance
+                        .compute_instances
+                        .push(full_compute_instance(profile));
                     if let Some(u) = &inst.uuid {
-                        gpu.instance_mut(id).expect("just created").uuid = u.clone();
+                        instance.uuid = u.clone();
                     }
                     gpu.processes
                         .extend(inst.processes.iter().map(|p| process(p, Some(id))));
@@ -237,6 +249,7 @@ impl Machine {
                     };
                     GpuInventory {
                         index: g.index,
+                        minor: Some(g.minor),
                         uuid: Some(g.uuid.clone()),
                         model: g.model.clone(),
                         memory: Some(quantity(g.memory_total)),
@@ -247,15 +260,9 @@ impl Machine {
                                 .iter()
                                 .map(|i| MigInstance {
                                     profile: model
-                                        .and_then(|m| {
-                                            m.mig
-                                                .as_ref()?
-                                                .profiles
-                                                .iter()
-                                                .find(|p| p.nvml_index == i.profile)
-                                        })
+                                        .and_then(|m| m.mig.as_ref()?.profile_by_id(i.profile_id))
                                         .map_or_else(
-                                            || format!("profile-{}", i.profile),
+                                            || format!("profile-{}", i.profile_id),
                                             |p| p.name.clone(),
                                         ),
                                     placement: i.placement,
@@ -325,12 +332,14 @@ impl Machine {
         Ok(())
     }
 
-    /// `nvmlDeviceCreateGpuInstanceWithPlacement`.
+    /// `nvmlDeviceCreateGpuInstanceWithPlacement` (`start`), or `nvmlDeviceCreateGpuInstance`
+    /// (`None`: the first placement, in the profile's order, where the instance fits; NVML does not
+    /// say which it takes).
     pub fn create_gpu_instance(
         &mut self,
         index: u32,
-        profile_index: u32,
-        start: u32,
+        profile_id: u32,
+        start: Option<u32>,
     ) -> Result<u32, NvmlError> {
         self.uuid_counter += 1;
         let n = self.uuid_counter;
@@ -339,8 +348,38 @@ impl Machine {
         if !gpu.mig_enabled {
             return Err(NvmlError::NotSupported);
         }
-        let profile = profile_by_index(model, profile_index)?;
+        let profile = profile_by_id(model, profile_id)?;
+        let start = match start {
+            Some(start) => start,
+            None => *profile
+                .placements
+                .iter()
+                .find(|&&start| gpu.fits(model, profile, start).is_ok())
+                .ok_or(NvmlError::InsufficientResources)?,
+        };
         gpu.place(model, profile, start, n)
+    }
+
+    /// `nvmlDeviceGetGpuInstanceRemainingCapacity`: how many more instances of the profile could
+    /// be created now, one after another, each where it first fits.
+    pub fn remaining_capacity(&self, index: u32, profile_id: u32) -> Result<u32, NvmlError> {
+        let gpu = self.gpu(index)?;
+        let model = mig_model(&gpu.model)?;
+        if !gpu.mig_enabled {
+            return Err(NvmlError::NotSupported);
+        }
+        let profile = profile_by_id(model, profile_id)?;
+        let mut scratch = gpu.clone();
+        let mut n = 0;
+        while let Some(&start) = profile
+            .placements
+            .iter()
+            .find(|&&start| scratch.fits(model, profile, start).is_ok())
+        {
+            scratch.place(model, profile, start, 0)?;
+            n += 1;
+        }
+        Ok(n)
     }
 
     /// `nvmlGpuInstanceDestroy`: refused while compute instances or processes use the instance.
@@ -356,23 +395,32 @@ impl Machine {
         Ok(())
     }
 
-    /// `nvmlGpuInstanceCreateComputeInstance` with the full-instance compute profile.
+    /// `nvmlGpuInstanceCreateComputeInstance`: a compute instance of `profile_id` (see
+    /// [`compute_profile`]) in the compute slices the instance's others leave free.
     pub fn create_compute_instance(
         &mut self,
         index: u32,
         gi: u32,
-        profile: u32,
+        profile_id: u32,
     ) -> Result<u32, NvmlError> {
-        let inst = self
-            .gpu_mut(index)?
-            .instance_mut(gi)
-            .ok_or(NvmlError::NotFound)?;
-        if !inst.compute_instances.is_empty() {
+        let gpu = self.gpu_mut(index)?;
+        let model = mig_model(&gpu.model)?;
+        let inst = gpu.instance_mut(gi).ok_or(NvmlError::NotFound)?;
+        let profile = profile_by_id(model, inst.profile_id)?;
+        let slices = compute_profile(profile, profile_id)?;
+        let used: u32 = inst.compute_instances.iter().map(|c| c.slices).sum();
+        if used + slices > profile.compute_slices {
             return Err(NvmlError::InsufficientResources);
         }
-        inst.compute_instances
-            .push(ComputeInstance { id: 0, profile });
-        Ok(0)
+        let id = (0..)
+            .find(|id| inst.compute_instances.iter().all(|c| c.id != *id))
+            .unwrap_or(0);
+        inst.compute_instances.push(ComputeInstance {
+            id,
+            profile_id,
+            slices,
+        });
+        Ok(id)
     }
 
     /// `nvmlComputeInstanceDestroy`: refused while processes use the GPU instance.
@@ -519,12 +567,41 @@ fn mig_model(name: &str) -> Result<&'static GpuModel, NvmlError> {
         .ok_or(NvmlError::NotSupported)
 }
 
-fn profile_by_index(model: &GpuModel, index: u32) -> Result<&MigProfile, NvmlError> {
+/// The profile of a `profileId`: an id the GPU does not have is an invalid argument, as NVML
+/// answers `nvmlDeviceCreateGpuInstance` and `nvmlDeviceGetGpuInstances`.
+fn profile_by_id(model: &GpuModel, id: u32) -> Result<&MigProfile, NvmlError> {
     model
         .mig
         .as_ref()
-        .and_then(|g| g.profiles.iter().find(|p| p.nvml_index == index))
-        .ok_or(NvmlError::NotSupported)
+        .and_then(|g| g.profile_by_id(id))
+        .ok_or(NvmlError::InvalidArgument)
+}
+
+/// The compute slices of compute-instance profile `profile_id` in an instance of `gi`: the
+/// driver's ids are the `NVML_COMPUTE_INSTANCE_PROFILE_*` indices. As `nvidia-smi mig -lcip`
+/// lists them, an instance offers 1 and 2 slices, its own size, and 3 and 4 in a 7-slice one;
+/// others are not supported there.
+pub fn compute_profile(gi: &MigProfile, profile_id: u32) -> Result<u32, NvmlError> {
+    if profile_id >= 8 {
+        return Err(NvmlError::InvalidArgument);
+    }
+    let slices = catalog::compute_profile_slices(profile_id).ok_or(NvmlError::InvalidArgument)?;
+    let offered = slices == gi.compute_slices
+        || (slices <= 2 && slices < gi.compute_slices)
+        || (gi.compute_slices == 7 && matches!(slices, 3 | 4));
+    if profile_id == 7 || !offered {
+        return Err(NvmlError::NotSupported);
+    }
+    Ok(slices)
+}
+
+/// The compute instance that spans a GPU instance, as `nvidia-smi mig -cgi … -C` creates it.
+fn full_compute_instance(profile: &MigProfile) -> ComputeInstance {
+    ComputeInstance {
+        id: 0,
+        profile_id: catalog::compute_profile_index(profile.compute_slices).unwrap_or(0),
+        slices: profile.compute_slices,
+    }
 }
 
 impl Gpu {
@@ -541,6 +618,26 @@ impl Gpu {
         start: u32,
         n: u64,
     ) -> Result<u32, NvmlError> {
+        self.fits(model, profile, start)?;
+        let id = self.next_instance_id;
+        self.next_instance_id += 1;
+        self.instances.push(GpuInstance {
+            id,
+            profile_id: profile.id,
+            placement: Placement {
+                start,
+                size: profile.memory_slices,
+            },
+            uuid: uuid("MIG", n),
+            compute_instances: Vec::new(),
+        });
+        Ok(id)
+    }
+
+    /// Whether an instance of `profile` may be created at `start` now: an allowed placement, no
+    /// overlap, under the profile's count limit and the compute-slice budget, and at most one
+    /// instance with the media engines.
+    fn fits(&self, model: &GpuModel, profile: &MigProfile, start: u32) -> Result<(), NvmlError> {
         let geometry = model.mig.as_ref().ok_or(NvmlError::NotSupported)?;
         if !profile.placements.contains(&start) {
             return Err(NvmlError::InvalidArgument);
@@ -556,33 +653,23 @@ impl Gpu {
         let same = self
             .instances
             .iter()
-            .filter(|i| i.profile == profile.nvml_index)
+            .filter(|i| i.profile_id == profile.id)
             .count() as u32;
-        let compute: u32 = self
+        let others: Vec<&MigProfile> = self
             .instances
             .iter()
-            .filter_map(|i| geometry.profiles.iter().find(|p| p.nvml_index == i.profile))
-            .map(|p| p.compute_slices)
-            .sum();
+            .filter_map(|i| geometry.profile_by_id(i.profile_id))
+            .collect();
+        let compute: u32 = others.iter().map(|p| p.compute_slices).sum();
+        let media = profile.media && others.iter().any(|p| p.media);
         if used & want != 0
             || same >= profile.max_count
             || compute + profile.compute_slices > geometry.compute_slices
+            || media
         {
             return Err(NvmlError::InsufficientResources);
         }
-        let id = self.next_instance_id;
-        self.next_instance_id += 1;
-        self.instances.push(GpuInstance {
-            id,
-            profile: profile.nvml_index,
-            placement: Placement {
-                start,
-                size: profile.memory_slices,
-            },
-            uuid: uuid("MIG", n),
-            compute_instances: Vec::new(),
-        });
-        Ok(id)
+        Ok(())
     }
 }
 
@@ -601,23 +688,50 @@ mod tests {
     #[test]
     fn mig_instances_follow_nvml_semantics() {
         let mut m = h200();
+        // Profile ids as NVML takes them (H200: 3g is 9, 2g 14, 1g 19).
         // MIG off: creating an instance is not supported.
-        assert_eq!(m.create_gpu_instance(0, 2, 0), Err(NvmlError::NotSupported));
-        m.set_mig_mode(0, true).unwrap();
-        let three_g = m.create_gpu_instance(0, 2, 4).unwrap();
-        // Occupied placement, disallowed placement, count limit.
         assert_eq!(
-            m.create_gpu_instance(0, 1, 4),
-            Err(NvmlError::InsufficientResources)
+            m.create_gpu_instance(0, 9, Some(0)),
+            Err(NvmlError::NotSupported)
         );
+        m.set_mig_mode(0, true).unwrap();
+        // An index is not an id: 2 (NVML_GPU_INSTANCE_PROFILE_3_SLICE) names no profile.
         assert_eq!(
-            m.create_gpu_instance(0, 2, 2),
+            m.create_gpu_instance(0, 2, Some(4)),
             Err(NvmlError::InvalidArgument)
         );
-        m.create_gpu_instance(0, 2, 0).unwrap();
+        let three_g = m.create_gpu_instance(0, 9, Some(4)).unwrap();
+        assert_eq!(m.gpu(0).unwrap().instances[0].profile_id, 9);
+        // Occupied placement, disallowed placement, count limit.
         assert_eq!(
-            m.create_gpu_instance(0, 0, 0),
+            m.create_gpu_instance(0, 14, Some(4)),
             Err(NvmlError::InsufficientResources)
+        );
+        assert_eq!(
+            m.create_gpu_instance(0, 9, Some(2)),
+            Err(NvmlError::InvalidArgument)
+        );
+        assert_eq!(m.remaining_capacity(0, 19), Ok(4));
+        assert_eq!(m.remaining_capacity(0, 9), Ok(1));
+        // Without a placement: the first that fits.
+        let other = m.create_gpu_instance(0, 9, None).unwrap();
+        assert_eq!(m.gpu(0).unwrap().instances[1].placement.start, 0);
+        assert_eq!(m.remaining_capacity(0, 19), Ok(0));
+        assert_eq!(
+            m.create_gpu_instance(0, 19, None),
+            Err(NvmlError::InsufficientResources)
+        );
+        // Compute instances share their GPU instance's compute slices (profile id 2: 3 slices).
+        m.create_compute_instance(0, other, 0).unwrap();
+        m.create_compute_instance(0, other, 1).unwrap();
+        assert_eq!(
+            m.create_compute_instance(0, other, 0),
+            Err(NvmlError::InsufficientResources)
+        );
+        assert_eq!(
+            m.create_compute_instance(0, other, 4),
+            Err(NvmlError::NotSupported),
+            "7 slices in a 3g instance"
         );
         // Busy instance: compute instance or process → IN_USE.
         m.create_compute_instance(0, three_g, 2).unwrap();
@@ -638,10 +752,10 @@ mod tests {
     fn every_instance_gets_a_new_uuid_and_the_inventory_round_trips() {
         let mut m = h200();
         m.set_mig_mode(1, true).unwrap();
-        let a = m.create_gpu_instance(1, 4, 0).unwrap();
+        let a = m.create_gpu_instance(1, 0, Some(0)).unwrap();
         let first = m.gpu(1).unwrap().instances[0].uuid.clone();
         m.destroy_gpu_instance(1, a).unwrap();
-        m.create_gpu_instance(1, 4, 0).unwrap();
+        m.create_gpu_instance(1, 0, Some(0)).unwrap();
         assert_ne!(m.gpu(1).unwrap().instances[0].uuid, first);
         let inv = m.inventory("n");
         assert_eq!(
@@ -668,7 +782,7 @@ mod tests {
             Mutation::Done(Ok(()))
         );
         assert_eq!(
-            m.mutate(|m| m.create_gpu_instance(0, 4, 0)),
+            m.mutate(|m| m.create_gpu_instance(0, 0, Some(0))),
             Mutation::Done(Err(NvmlError::Unknown))
         );
         assert!(
@@ -676,11 +790,25 @@ mod tests {
             "a failed call changes nothing"
         );
         assert_eq!(
-            m.mutate(|m| m.create_gpu_instance(0, 4, 0)),
+            m.mutate(|m| m.create_gpu_instance(0, 0, Some(0))),
             Mutation::Die { applied: true }
         );
         assert_eq!(m.gpu(0).unwrap().instances.len(), 1);
         assert!(m.faults.is_empty());
+    }
+
+    #[test]
+    fn one_instance_with_media_engines_per_gpu() {
+        let mut m = h200();
+        m.set_mig_mode(0, true).unwrap();
+        // 1g.18gb+me is id 20.
+        m.create_gpu_instance(0, 20, None).unwrap();
+        assert_eq!(m.remaining_capacity(0, 20), Ok(0));
+        assert_eq!(
+            m.create_gpu_instance(0, 20, None),
+            Err(NvmlError::InsufficientResources)
+        );
+        assert_eq!(m.remaining_capacity(0, 19), Ok(6));
     }
 
     #[test]

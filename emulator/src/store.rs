@@ -163,7 +163,7 @@ mod tests {
         let store = Store::create(&path, &machine()).unwrap();
         store.mutate(|m| m.set_mig_mode(0, true)).unwrap().unwrap();
         let id = store
-            .mutate(|m| m.create_gpu_instance(0, 2, 4))
+            .mutate(|m| m.create_gpu_instance(0, 9, Some(4)))
             .unwrap()
             .unwrap();
         let reopened = Store::open(&path).unwrap().snapshot().unwrap();
@@ -207,7 +207,7 @@ mod tests {
             let store = Store::open(Path::new(&path)).unwrap();
             store.mutate(|m| m.set_mig_mode(0, true)).unwrap().unwrap();
             store
-                .mutate(|m| m.create_gpu_instance(0, 4, 0))
+                .mutate(|m| m.create_gpu_instance(0, 0, Some(0)))
                 .unwrap()
                 .unwrap();
             unreachable!("the second mutation is armed to kill this process");

@@ -450,6 +450,7 @@ mod tests {
             id: id.into(),
             kind: SliceKind::Software,
             gpu: 0,
+            device_minor: None,
             device_uuid: "GPU-x".into(),
             memory_bytes: gib << 30,
             compute_percent: compute,

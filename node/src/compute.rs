@@ -388,6 +388,7 @@ mod tests {
             id: id.into(),
             kind: SliceKind::Software,
             gpu,
+            device_minor: None,
             device_uuid: "GPU-x".into(),
             memory_bytes: 1 << 30,
             compute_percent: 50,

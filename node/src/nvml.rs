@@ -13,14 +13,12 @@ use gpuslice_planning::transition::Op;
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper_sys::bindings::{
-    nvmlComputeInstance_t, nvmlDevice_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
-    nvmlGpuInstancePlacement_t, nvmlReturn_t,
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
+    NVML_GPU_INSTANCE_PROFILE_COUNT, nvmlComputeInstance_t, nvmlComputeInstanceProfileInfo_t,
+    nvmlDevice_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlGpuInstanceProfileInfo_t, nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT,
+    nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED, nvmlReturn_t,
 };
-
-/// NVML's highest GPU-instance profile index (`NVML_GPU_INSTANCE_PROFILE_COUNT - 1`).
-const MAX_PROFILE_INDEX: u32 = 14;
-/// NVML's compute-instance profile indices (`NVML_COMPUTE_INSTANCE_PROFILE_*`) go up to this.
-const MAX_COMPUTE_PROFILE_INDEX: u32 = 8;
 
 /// Why an NVML call failed, naming the call and the GPU.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +56,13 @@ pub struct GpuTelemetry {
 /// The GPUs of this machine, through NVML.
 pub struct NvmlGpus {
     nvml: Nvml,
+}
+
+/// Whether a profile-info call says the profile is not there: not supported on this GPU, or an
+/// index past the ones this driver knows.
+fn not_offered(rc: nvmlReturn_t) -> bool {
+    rc == nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED
+        || rc == nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT
 }
 
 /// A raw call's return code as nvml-wrapper's error, so raw and safe calls read alike.
@@ -147,6 +152,11 @@ impl NvmlGpus {
         let device = self.device(index)?;
         let model = device.name().map_err(call("nvmlDeviceGetName"))?;
         let uuid = device.uuid().map_err(call("nvmlDeviceGetUUID"))?;
+        // The device node is /dev/nvidia<minor>; NVML's index is only the enumeration order.
+        let minor = device
+            .minor_number()
+            .inspect_err(|e| tracing::warn!(gpu = index, "nvmlDeviceGetMinorNumber: {e}"))
+            .ok();
         let memory = device
             .memory_info()
             .map_err(call("nvmlDeviceGetMemoryInfo"))?
@@ -190,6 +200,7 @@ impl NvmlGpus {
         };
         Ok(GpuInventory {
             index,
+            minor,
             uuid: Some(uuid),
             model,
             memory: Some(Quantity(format_bytes(memory))),
@@ -408,7 +419,33 @@ impl NvmlGpus {
             .collect()
     }
 
-    /// Every GPU instance: (id, profile index, placement), with its handle.
+    /// What NVML says of GPU-instance profile `index` (`NVML_GPU_INSTANCE_PROFILE_*`) on this
+    /// GPU, above all its `id`, which every other MIG call takes; `None` when the GPU does not
+    /// offer the profile.
+    fn gpu_instance_profile(
+        &self,
+        gpu: u32,
+        device: nvmlDevice_t,
+        index: u32,
+    ) -> Result<Option<nvmlGpuInstanceProfileInfo_t>, NvmlError> {
+        let call = "nvmlDeviceGetGpuInstanceProfileInfo";
+        let info = self
+            .nvml
+            .lib()
+            .nvmlDeviceGetGpuInstanceProfileInfo
+            .as_ref()
+            .map_err(|_| NvmlError::Missing { gpu, call })?;
+        // SAFETY: an all-zero nvmlGpuInstanceProfileInfo_t is valid (integers only).
+        let mut out: nvmlGpuInstanceProfileInfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `device` is a live handle; `out` is a valid out-pointer.
+        match unsafe { info(device, index, &mut out) } {
+            rc if not_offered(rc) => Ok(None),
+            rc => check(gpu, call, rc).map(|()| Some(out)),
+        }
+    }
+
+    /// Every GPU instance with its handle: for each profile the GPU offers, the instances of its
+    /// id, in a buffer of the profile's instance count (NVML's contract for the call).
     fn gpu_instance_handles(
         &self,
         gpu: u32,
@@ -430,16 +467,20 @@ impl NvmlGpus {
             })?;
         let device = self.handle(gpu)?;
         let mut out = Vec::new();
-        for profile in 0..=MAX_PROFILE_INDEX {
-            let mut handles: [nvmlGpuInstance_t; 8] = [std::ptr::null_mut(); 8];
-            let mut count = handles.len() as u32;
-            // SAFETY: `handles` has room for `count` entries; `device` is a live handle.
-            let rc = unsafe { list(device, profile, handles.as_mut_ptr(), &mut count) };
-            if rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED {
+        for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
+            let Some(profile) = self.gpu_instance_profile(gpu, device, index)? else {
                 continue;
+            };
+            let mut handles = vec![std::ptr::null_mut(); profile.instanceCount.max(1) as usize];
+            let mut count = handles.len() as u32;
+            // SAFETY: `handles` has room for the profile's instance count; `device` is live.
+            let rc = unsafe { list(device, profile.id, handles.as_mut_ptr(), &mut count) };
+            if rc == nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED {
+                // MIG mode is off: no instances.
+                return Ok(Vec::new());
             }
             check(gpu, "nvmlDeviceGetGpuInstances", rc)?;
-            for &h in &handles[..count as usize] {
+            for &h in &handles[..(count as usize).min(handles.len())] {
                 // SAFETY: an all-zero nvmlGpuInstanceInfo_t is valid (integers and a null pointer).
                 let mut i: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
                 // SAFETY: `h` came from NVML just now; `i` is a valid out-pointer.
@@ -450,6 +491,7 @@ impl NvmlGpus {
         Ok(out)
     }
 
+    /// Every GPU instance: (id, profile id, placement).
     fn gpu_instances(&self, gpu: u32) -> Result<Vec<(u32, u32, Placement)>, NvmlError> {
         Ok(self
             .gpu_instance_handles(gpu)?
@@ -510,14 +552,27 @@ impl NvmlGpus {
                 gpu,
                 call: "nvmlDeviceCreateGpuInstanceWithPlacement",
             })?;
-        let create_ci = lib
-            .nvmlGpuInstanceCreateComputeInstance
-            .as_ref()
-            .map_err(|_| NvmlError::Missing {
-                gpu,
-                call: "nvmlGpuInstanceCreateComputeInstance",
-            })?;
+
         let device = self.handle(gpu)?;
+        // NVML names profiles by the id its profile info gives, not by the index asked with.
+        let info = self
+            .gpu_instance_profile(gpu, device, p.nvml_index)?
+            .ok_or_else(|| NvmlError::Model {
+                gpu,
+                message: format!(
+                    "NVML does not offer profile {profile} (NVML_GPU_INSTANCE_PROFILE index {}) on this {}",
+                    p.nvml_index, model.name
+                ),
+            })?;
+        if info.id != p.id || info.sliceCount != p.compute_slices {
+            tracing::warn!(
+                gpu,
+                profile,
+                nvml_id = info.id,
+                catalog_id = p.id,
+                "NVML describes the profile otherwise than the catalog; going by NVML"
+            );
+        }
         let at = nvmlGpuInstancePlacement_t {
             start: placement.start,
             size: placement.size,
@@ -525,13 +580,73 @@ impl NvmlGpus {
         let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
         // SAFETY: live device handle, valid placement and out-pointer.
         check(gpu, "nvmlDeviceCreateGpuInstanceWithPlacement", unsafe {
-            create(device, p.nvml_index, &at, &mut gi)
+            create(device, info.id, &at, &mut gi)
         })?;
-        let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
         // One compute instance spanning the GPU instance, so workloads can use it.
-        // SAFETY: `gi` was just created; `ci` is a valid out-pointer.
+        self.create_full_compute_instance(gpu, gi, p.compute_slices)
+    }
+
+    /// What NVML says of compute-instance profile `index` (`NVML_COMPUTE_INSTANCE_PROFILE_*`,
+    /// shared engines) in a GPU instance; `None` when the instance does not offer it.
+    fn compute_instance_profile(
+        &self,
+        gpu: u32,
+        gi: nvmlGpuInstance_t,
+        index: u32,
+    ) -> Result<Option<nvmlComputeInstanceProfileInfo_t>, NvmlError> {
+        let call = "nvmlGpuInstanceGetComputeInstanceProfileInfo";
+        let info = self
+            .nvml
+            .lib()
+            .nvmlGpuInstanceGetComputeInstanceProfileInfo
+            .as_ref()
+            .map_err(|_| NvmlError::Missing { gpu, call })?;
+        // SAFETY: an all-zero nvmlComputeInstanceProfileInfo_t is valid (integers only).
+        let mut out: nvmlComputeInstanceProfileInfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `gi` is a live handle from NVML; `out` is a valid out-pointer.
+        let rc = unsafe {
+            info(
+                gi,
+                index,
+                NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                &mut out,
+            )
+        };
+        match rc {
+            rc if not_offered(rc) => Ok(None),
+            rc => check(gpu, call, rc).map(|()| Some(out)),
+        }
+    }
+
+    /// Creates the compute instance that spans a GPU instance of `slices` compute slices, by the
+    /// profile id NVML gives for the full compute profile.
+    fn create_full_compute_instance(
+        &self,
+        gpu: u32,
+        gi: nvmlGpuInstance_t,
+        slices: u32,
+    ) -> Result<(), NvmlError> {
+        let create_ci = self
+            .nvml
+            .lib()
+            .nvmlGpuInstanceCreateComputeInstance
+            .as_ref()
+            .map_err(|_| NvmlError::Missing {
+                gpu,
+                call: "nvmlGpuInstanceCreateComputeInstance",
+            })?;
+        let no_profile = || NvmlError::Model {
+            gpu,
+            message: format!("NVML offers no compute-instance profile of {slices} slices"),
+        };
+        let index = catalog::compute_profile_index(slices).ok_or_else(no_profile)?;
+        let info = self
+            .compute_instance_profile(gpu, gi, index)?
+            .ok_or_else(no_profile)?;
+        let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+        // SAFETY: `gi` is a live handle from NVML; `ci` is a valid out-pointer.
         check(gpu, "nvmlGpuInstanceCreateComputeInstance", unsafe {
-            create_ci(gi, full_compute_profile(p.compute_slices), &mut ci)
+            create_ci(gi, info.id, &mut ci)
         })
     }
 
@@ -551,14 +666,16 @@ impl NvmlGpus {
                 call: "nvmlGpuInstanceGetComputeInstances",
             })?;
         let mut out = Vec::new();
-        for profile in 0..=MAX_COMPUTE_PROFILE_INDEX {
-            let mut cis: [nvmlComputeInstance_t; 8] = [std::ptr::null_mut(); 8];
+        for index in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
+            let Some(profile) = self.compute_instance_profile(gpu, gi, index)? else {
+                continue;
+            };
+            let mut cis = vec![std::ptr::null_mut(); profile.instanceCount.max(1) as usize];
             let mut count = cis.len() as u32;
-            // SAFETY: `cis` has room for `count` entries; `gi` is a live handle.
-            let rc = unsafe { list_ci(gi, profile, cis.as_mut_ptr(), &mut count) };
-            if rc == 0 {
-                out.extend_from_slice(&cis[..count as usize]);
-            }
+            // SAFETY: `cis` has room for the profile's instance count; `gi` is a live handle.
+            let rc = unsafe { list_ci(gi, profile.id, cis.as_mut_ptr(), &mut count) };
+            check(gpu, "nvmlGpuInstanceGetComputeInstances", rc)?;
+            out.extend_from_slice(&cis[..(count as usize).min(cis.len())]);
         }
         Ok(out)
     }
@@ -566,15 +683,6 @@ impl NvmlGpus {
     /// Gives every GPU instance without a compute instance its full one: what a run that died
     /// between creating the two leaves behind. Returns the placements completed.
     pub fn complete_instances(&self, gpu: u32) -> Result<Vec<Placement>, NvmlError> {
-        let create_ci = self
-            .nvml
-            .lib()
-            .nvmlGpuInstanceCreateComputeInstance
-            .as_ref()
-            .map_err(|_| NvmlError::Missing {
-                gpu,
-                call: "nvmlGpuInstanceCreateComputeInstance",
-            })?;
         let model = self.model(gpu).ok();
         let mut done = Vec::new();
         for (gi, info) in self.gpu_instance_handles(gpu)? {
@@ -583,15 +691,11 @@ impl NvmlGpus {
             }
             let Some(profile) = model
                 .and_then(|m| m.mig.as_ref())
-                .and_then(|g| g.profiles.iter().find(|p| p.nvml_index == info.profileId))
+                .and_then(|g| g.profile_by_id(info.profileId))
             else {
                 continue;
             };
-            let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
-            // SAFETY: `gi` is a live handle from NVML; `ci` is a valid out-pointer.
-            check(gpu, "nvmlGpuInstanceCreateComputeInstance", unsafe {
-                create_ci(gi, full_compute_profile(profile.compute_slices), &mut ci)
-            })?;
+            self.create_full_compute_instance(gpu, gi, profile.compute_slices)?;
             done.push(Placement {
                 start: info.placement.start,
                 size: info.placement.size,
@@ -631,25 +735,11 @@ impl NvmlGpus {
     }
 }
 
-/// The compute-instance profile that spans a GPU instance of `slices` compute slices
-/// (`NVML_COMPUTE_INSTANCE_PROFILE_{1,2,3,4,7,8,6}_SLICE`).
-fn full_compute_profile(slices: u32) -> u32 {
-    match slices {
-        1 => 0,
-        2 => 1,
-        3 => 2,
-        4 => 3,
-        7 => 4,
-        8 => 5,
-        6 => 6,
-        _ => 0,
-    }
-}
-
-/// A profile's name from the catalog, or `profile-<index>` for models it does not know.
-fn profile_name(model: Option<&GpuModel>, index: u32) -> String {
+/// A profile's name from the catalog by its NVML profile id, or `profile-<id>` for models it
+/// does not know.
+fn profile_name(model: Option<&GpuModel>, id: u32) -> String {
     model
         .and_then(|m| m.mig.as_ref())
-        .and_then(|g| g.profiles.iter().find(|p| p.nvml_index == index))
-        .map_or_else(|| format!("profile-{index}"), |p| p.name.clone())
+        .and_then(|g| g.profile_by_id(id))
+        .map_or_else(|| format!("profile-{id}"), |p| p.name.clone())
 }

@@ -129,6 +129,7 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
                 id: s.id.clone(),
                 kind: SliceKind::Software,
                 gpu: gpu.index,
+                device_minor: gpu.minor,
                 device_uuid: gpu_uuid.clone(),
                 memory_bytes: gpuslice_api::bytes_of(&s.memory.0).unwrap_or(0),
                 compute_percent: s.compute,
@@ -140,6 +141,7 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
                     id: mig_slice_id(gpu.index, i.placement.start, &i.profile),
                     kind: SliceKind::Mig,
                     gpu: gpu.index,
+                    device_minor: gpu.minor,
                     // Without its UUID a workload could not be pointed at the instance.
                     device_uuid: i.uuid.clone()?,
                     memory_bytes: model
@@ -153,6 +155,7 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
                 id: gpu_slice_id(gpu.index),
                 kind: SliceKind::Exclusive,
                 gpu: gpu.index,
+                device_minor: gpu.minor,
                 device_uuid: gpu_uuid,
                 memory_bytes: gpu_memory,
                 compute_percent: 100,

@@ -41,9 +41,11 @@ pub struct MigGeometry {
 pub struct MigProfile {
     /// Name as `nvidia-smi` prints it, for example `3g.71gb`.
     pub name: String,
-    /// NVML profile index (`NVML_GPU_INSTANCE_PROFILE_*`), passed to `nvmlDeviceGetGpuInstanceProfileInfo`.
+    /// NVML profile index (`NVML_GPU_INSTANCE_PROFILE_*`): only what
+    /// `nvmlDeviceGetGpuInstanceProfileInfo` takes, which answers with the `id`.
     pub nvml_index: u32,
-    /// Profile ID as `nvidia-smi mig -lgip` prints it.
+    /// Profile id as `nvidia-smi mig -lgip` prints it: what every other MIG call takes as
+    /// `profileId` and what `nvmlGpuInstanceGetInfo` reports.
     pub id: u32,
     /// Compute slices the instance takes.
     pub compute_slices: u32,
@@ -102,6 +104,41 @@ impl GpuModel {
             .find(|p| p.name.eq_ignore_ascii_case(name))
     }
 }
+
+impl MigGeometry {
+    /// The profile NVML knows by this id: what `nvmlDeviceGetGpuInstanceProfileInfo` returns as
+    /// `id`, what every other MIG call takes as `profileId`, and what `nvmlGpuInstanceGetInfo`
+    /// reports. Not the `NVML_GPU_INSTANCE_PROFILE_*` index (on an A100, 1g is id 19, index 0).
+    pub fn profile_by_id(&self, id: u32) -> Option<&MigProfile> {
+        self.profiles.iter().find(|p| p.id == id)
+    }
+
+    /// The profile behind an `NVML_GPU_INSTANCE_PROFILE_*` index: only what
+    /// `nvmlDeviceGetGpuInstanceProfileInfo` takes.
+    pub fn profile_by_index(&self, index: u32) -> Option<&MigProfile> {
+        self.profiles.iter().find(|p| p.nvml_index == index)
+    }
+}
+
+/// `NVML_COMPUTE_INSTANCE_PROFILE_*`: the compute-instance profile index of `slices` compute
+/// slices (1, 2, 3, 4, 7, 8, 6 slices are indices 0 to 6), `None` for other counts.
+pub fn compute_profile_index(slices: u32) -> Option<u32> {
+    COMPUTE_PROFILE_SLICES
+        .iter()
+        .position(|&s| s == slices)
+        .map(|i| i as u32)
+}
+
+/// The compute slices of an `NVML_COMPUTE_INSTANCE_PROFILE_*` index (`1_SLICE_REV1`, index 7,
+/// is a one-slice profile too).
+pub fn compute_profile_slices(index: u32) -> Option<u32> {
+    match index {
+        7 => Some(1),
+        i => COMPUTE_PROFILE_SLICES.get(i as usize).copied(),
+    }
+}
+
+const COMPUTE_PROFILE_SLICES: [u32; 7] = [1, 2, 3, 4, 7, 8, 6];
 
 impl MigProfile {
     /// Memory of the instance in bytes.
@@ -466,5 +503,59 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The profile ids of the MIG user guide's tables (`nvidia-smi mig -lgip`), which NVML's
+    /// MIG calls take, against the `NVML_GPU_INSTANCE_PROFILE_*` indices only profile info takes.
+    #[test]
+    fn profile_ids_are_the_mig_guides_and_differ_from_indices() {
+        let ids = |name: &str| -> Vec<(String, u32, u32)> {
+            let mut v: Vec<_> = model(name)
+                .unwrap()
+                .mig
+                .as_ref()
+                .unwrap()
+                .profiles
+                .iter()
+                .map(|p| (p.name.clone(), p.nvml_index, p.id))
+                .collect();
+            v.sort_by_key(|x| x.2);
+            v
+        };
+        let row = |n: &str, index, id| (n.to_string(), index, id);
+        assert_eq!(
+            ids("NVIDIA A100-SXM4-40GB"),
+            [
+                row("7g.40gb", 4, 0),
+                row("4g.20gb", 3, 5),
+                row("3g.20gb", 2, 9),
+                row("2g.10gb", 1, 14),
+                row("1g.10gb", 9, 15),
+                row("1g.5gb", 0, 19),
+                row("1g.5gb+me", 7, 20),
+            ]
+        );
+        assert_eq!(
+            ids("NVIDIA A30"),
+            [
+                row("4g.24gb", 3, 0),
+                row("2g.12gb", 1, 5),
+                row("2g.12gb+me", 8, 6),
+                row("1g.6gb", 0, 14),
+                row("1g.6gb+me", 7, 21),
+            ]
+        );
+        for m in models() {
+            let g = m.mig.as_ref().unwrap();
+            for p in &g.profiles {
+                assert_eq!(g.profile_by_id(p.id), Some(p), "{} {}", m.name, p.name);
+                assert_eq!(g.profile_by_index(p.nvml_index), Some(p), "{}", m.name);
+            }
+            let small = g.profile_by_index(0).unwrap();
+            assert_ne!(small.id, 0, "{}: 1g is not profile id 0", m.name);
+        }
+        assert_eq!(compute_profile_index(7), Some(4));
+        assert_eq!(compute_profile_slices(4), Some(7));
+        assert_eq!(compute_profile_index(5), None);
     }
 }

@@ -875,6 +875,7 @@ fn software(id: &str, compute: u32) -> SliceConfig {
         id: id.to_string(),
         kind: SliceKind::Software,
         gpu: 0,
+        device_minor: None,
         device_uuid: String::new(),
         memory_bytes: 16 << 30,
         compute_percent: compute,

@@ -149,7 +149,7 @@ fn discover(machine: &gpuslice_emulator::Machine) -> Vec<Device> {
         let model = gpuslice_planning::catalog::model(&g.model).ok();
         let profile = model
             .and_then(|m| m.mig.as_ref())
-            .and_then(|mig| mig.profiles.iter().find(|p| p.nvml_index == i.profile));
+            .and_then(|mig| mig.profile_by_id(i.profile_id));
         Device {
             key: device_key(g.index, Some(i.id)),
             name: format!(

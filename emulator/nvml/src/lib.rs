@@ -25,7 +25,8 @@
 //! Every export runs under `catch_unwind`: a panic becomes `NVML_ERROR_UNKNOWN`, never an unwind
 //! across the C boundary. Handles are opaque integers cast to pointers: a device is its index + 1,
 //! a GPU instance is `(device index + 1) << 32 | id`, a compute instance adds its id in bits 48+,
-//! and a MIG device (one per GPU instance here) is a GPU instance's bits with bit 63 set.
+//! and a MIG device (a GPU instance with a compute instance; one per GPU instance here) is a GPU
+//! instance's bits with bit 63 set. MIG follows NVIDIA's documentation ([`mig`]).
 
 #![allow(non_snake_case)] // the exports carry NVML's names
 
@@ -37,14 +38,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 mod board;
 mod events;
+mod mig;
 mod monitor;
 
 use gpuslice_emulator::{Machine, NvmlError, Store};
-use gpuslice_planning::catalog;
 use nvml_wrapper_sys::bindings::{
-    nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlDevice_t, nvmlGpuInstance_t,
-    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlMemory_t,
-    nvmlMemory_v2_t, nvmlProcessInfo_t, nvmlReturn_t,
+    nvmlDevice_t, nvmlGpuInstance_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlProcessInfo_t, nvmlReturn_t,
 };
 
 const SUCCESS: nvmlReturn_t = 0;
@@ -131,10 +130,6 @@ fn gpu_instance_parts(handle: nvmlGpuInstance_t) -> Result<(u32, u32), nvmlRetur
         return Err(INVALID_ARGUMENT);
     }
     Ok(((device - 1) as u32, (raw & 0xffff_ffff) as u32))
-}
-
-fn compute_instance_handle(index: u32, gi: u32, ci: u32) -> nvmlComputeInstance_t {
-    (gpu_instance_handle(index, gi) as usize | ((ci as usize + 1) << 48)) as nvmlComputeInstance_t
 }
 
 /// Writes `value` through an out-pointer, or INVALID_ARGUMENT when it is null.
@@ -237,6 +232,7 @@ pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
         INSUFFICIENT_SIZE => c"Insufficient Size",
         19 => c"In use by another client",
         23 => c"Insufficient Resources",
+        mig::VERSION_MISMATCH => c"Argument version mismatch",
         _ => c"Unknown Error",
     };
     text.as_ptr()
@@ -294,7 +290,7 @@ pub extern "C" fn nvmlDeviceGetName(
             Some((i, gi)) => read(|m| {
                 let gpu = m.gpu(i)?;
                 let instance = gpu.instances.iter().find(|x| x.id == gi);
-                let p = profile(m, i, instance.ok_or(NvmlError::NotFound)?.profile)?;
+                let p = mig::profile(m, i, instance.ok_or(NvmlError::NotFound)?.profile_id)?;
                 Ok(format!("{} MIG {}", gpu.model, p.name))
             })?,
             None => {
@@ -345,74 +341,6 @@ pub extern "C" fn nvmlDeviceGetUUID(
     })
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceIsMigDeviceHandle(
-    device: nvmlDevice_t,
-    is_mig: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(|| put(is_mig, c_uint::from(mig_device_parts(device).is_some())))
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
-    device: nvmlDevice_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(|| {
-        let i = device_index(device)?;
-        let name = read(|m| Ok(m.gpu(i)?.model.clone()))?;
-        let slices = catalog::model(&name)
-            .ok()
-            .and_then(|model| model.mig.as_ref())
-            .map_or(0, |mig| mig.compute_slices);
-        put(count, slices)
-    })
-}
-
-/// The `index`-th MIG device of a GPU, in GPU-instance order; NOT_FOUND past the last.
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
-    device: nvmlDevice_t,
-    index: c_uint,
-    mig_device: *mut nvmlDevice_t,
-) -> nvmlReturn_t {
-    guard(|| {
-        let i = device_index(device)?;
-        let gi = read(|m| {
-            let gpu = m.gpu(i)?;
-            if !gpu.mig_enabled {
-                return Err(NvmlError::NotSupported);
-            }
-            let mut ids: Vec<u32> = gpu.instances.iter().map(|x| x.id).collect();
-            ids.sort_unstable();
-            ids.get(index as usize).copied().ok_or(NvmlError::NotFound)
-        })?;
-        put(
-            mig_device,
-            (gpu_instance_handle(i, gi) as usize | MIG_DEVICE_BIT) as nvmlDevice_t,
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetGpuInstanceId(
-    device: nvmlDevice_t,
-    id: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(|| put(id, mig_device_parts(device).ok_or(INVALID_ARGUMENT)?.1))
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetComputeInstanceId(
-    device: nvmlDevice_t,
-    id: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(|| {
-        mig_device_parts(device).ok_or(INVALID_ARGUMENT)?;
-        put(id, 0)
-    })
-}
-
 /// (total, used) memory of a whole GPU, or of a MIG device: its instance's memory and what the
 /// processes in it hold.
 fn memory_of(device: nvmlDevice_t) -> Result<(u64, u64), nvmlReturn_t> {
@@ -422,7 +350,8 @@ fn memory_of(device: nvmlDevice_t) -> Result<(u64, u64), nvmlReturn_t> {
         let total = match mig {
             Some(gi) => {
                 let instance = gpu.instances.iter().find(|x| x.id == gi);
-                profile(m, i, instance.ok_or(NvmlError::NotFound)?.profile)?.memory_mib << 20
+                mig::profile(m, i, instance.ok_or(NvmlError::NotFound)?.profile_id)?.memory_mib
+                    << 20
             }
             None => gpu.memory_total,
         };
@@ -472,279 +401,6 @@ pub extern "C" fn nvmlDeviceGetMemoryInfo_v2(
                 free: total - used,
             },
         )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetMigMode(
-    device: nvmlDevice_t,
-    current: *mut c_uint,
-    pending: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(|| {
-        let i = device_index(device)?;
-        let mode = read(|m| {
-            let gpu = m.gpu(i)?;
-            catalog::model(&gpu.model)
-                .ok()
-                .and_then(|model| model.mig.as_ref())
-                .ok_or(NvmlError::NotSupported)?;
-            Ok(c_uint::from(gpu.mig_enabled))
-        })?;
-        put(current, mode)?;
-        put(pending, mode)
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceSetMigMode(
-    device: nvmlDevice_t,
-    mode: c_uint,
-    activation: *mut nvmlReturn_t,
-) -> nvmlReturn_t {
-    guard(|| {
-        let i = device_index(device)?;
-        let result = mutate(|m| m.set_mig_mode(i, mode != 0));
-        if !activation.is_null() {
-            put(activation, result.err().unwrap_or(SUCCESS))?;
-        }
-        result
-    })
-}
-
-fn profile(
-    m: &Machine,
-    index: u32,
-    profile: u32,
-) -> Result<&'static catalog::MigProfile, NvmlError> {
-    let gpu = m.gpu(index)?;
-    catalog::model(&gpu.model)
-        .ok()
-        .and_then(|model| model.mig.as_ref())
-        .and_then(|g| g.profiles.iter().find(|p| p.nvml_index == profile))
-        .ok_or(NvmlError::NotSupported)
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
-    device: nvmlDevice_t,
-    profile_index: c_uint,
-    info: *mut nvmlGpuInstanceProfileInfo_t,
-) -> nvmlReturn_t {
-    guard(|| {
-        let i = device_index(device)?;
-        let p = read(|m| profile(m, i, profile_index))?;
-        put(
-            info,
-            nvmlGpuInstanceProfileInfo_t {
-                id: p.nvml_index,
-                isP2pSupported: 0,
-                sliceCount: p.compute_slices,
-                instanceCount: p.max_count,
-                multiprocessorCount: p.sms,
-                copyEngineCount: p.compute_slices,
-                decoderCount: 0,
-                encoderCount: 0,
-                jpegCount: 0,
-                ofaCount: 0,
-                memorySizeMB: p.memory_mib,
-            },
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
-    device: nvmlDevice_t,
-    profile_index: c_uint,
-    placements: *mut nvmlGpuInstancePlacement_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(|| {
-        let i = device_index(device)?;
-        let p = read(|m| profile(m, i, profile_index))?;
-        let all: Vec<nvmlGpuInstancePlacement_t> = p
-            .placements
-            .iter()
-            .map(|&start| nvmlGpuInstancePlacement_t {
-                start,
-                size: p.memory_slices,
-            })
-            .collect();
-        put_list(placements, count, &all)
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
-    device: nvmlDevice_t,
-    profile_index: c_uint,
-    placement: *const nvmlGpuInstancePlacement_t,
-    instance: *mut nvmlGpuInstance_t,
-) -> nvmlReturn_t {
-    guard(|| {
-        let i = device_index(device)?;
-        let start = get(placement)?.start;
-        let id = mutate(|m| m.create_gpu_instance(i, profile_index, start))?;
-        put(instance, gpu_instance_handle(i, id))
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetGpuInstances(
-    device: nvmlDevice_t,
-    profile_index: c_uint,
-    instances: *mut nvmlGpuInstance_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(|| {
-        let i = device_index(device)?;
-        let ids = read(|m| {
-            Ok(m.gpu(i)?
-                .instances
-                .iter()
-                .filter(|g| g.profile == profile_index)
-                .map(|g| g.id)
-                .collect::<Vec<_>>())
-        })?;
-        let handles: Vec<nvmlGpuInstance_t> = ids
-            .into_iter()
-            .map(|id| gpu_instance_handle(i, id))
-            .collect();
-        put_list(instances, count, &handles)
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlGpuInstanceGetInfo(
-    instance: nvmlGpuInstance_t,
-    info: *mut nvmlGpuInstanceInfo_t,
-) -> nvmlReturn_t {
-    guard(|| {
-        let (i, id) = gpu_instance_parts(instance)?;
-        let gi = read(|m| {
-            m.gpu(i)?
-                .instances
-                .iter()
-                .find(|g| g.id == id)
-                .cloned()
-                .ok_or(NvmlError::NotFound)
-        })?;
-        put(
-            info,
-            nvmlGpuInstanceInfo_t {
-                device: device_handle(i),
-                id,
-                profileId: gi.profile,
-                placement: nvmlGpuInstancePlacement_t {
-                    start: gi.placement.start,
-                    size: gi.placement.size,
-                },
-            },
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlGpuInstanceDestroy(instance: nvmlGpuInstance_t) -> nvmlReturn_t {
-    guard(|| {
-        let (i, id) = gpu_instance_parts(instance)?;
-        mutate(|m| m.destroy_gpu_instance(i, id))
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlGpuInstanceCreateComputeInstance(
-    instance: nvmlGpuInstance_t,
-    profile_index: c_uint,
-    compute: *mut nvmlComputeInstance_t,
-) -> nvmlReturn_t {
-    guard(|| {
-        let (i, id) = gpu_instance_parts(instance)?;
-        let ci = mutate(|m| m.create_compute_instance(i, id, profile_index))?;
-        put(compute, compute_instance_handle(i, id, ci))
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlGpuInstanceGetComputeInstances(
-    instance: nvmlGpuInstance_t,
-    profile_index: c_uint,
-    computes: *mut nvmlComputeInstance_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(|| {
-        let (i, id) = gpu_instance_parts(instance)?;
-        let cis = read(|m| {
-            let gi = m
-                .gpu(i)?
-                .instances
-                .iter()
-                .find(|g| g.id == id)
-                .ok_or(NvmlError::NotFound)?;
-            Ok(gi
-                .compute_instances
-                .iter()
-                .filter(|c| c.profile == profile_index)
-                .map(|c| c.id)
-                .collect::<Vec<_>>())
-        })?;
-        let handles: Vec<nvmlComputeInstance_t> = cis
-            .into_iter()
-            .map(|ci| compute_instance_handle(i, id, ci))
-            .collect();
-        put_list(computes, count, &handles)
-    })
-}
-
-fn compute_instance_parts(handle: nvmlComputeInstance_t) -> Result<(u32, u32, u32), nvmlReturn_t> {
-    let raw = handle as usize;
-    let ci = (raw >> 48).checked_sub(1).ok_or(INVALID_ARGUMENT)? as u32;
-    let (i, gi) = gpu_instance_parts(handle as nvmlGpuInstance_t)?;
-    Ok((i, gi, ci))
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlComputeInstanceGetInfo_v2(
-    compute: nvmlComputeInstance_t,
-    info: *mut nvmlComputeInstanceInfo_t,
-) -> nvmlReturn_t {
-    guard(|| {
-        let (i, gi, ci) = compute_instance_parts(compute)?;
-        let profile_id = read(|m| {
-            let inst = m
-                .gpu(i)?
-                .instances
-                .iter()
-                .find(|g| g.id == gi)
-                .ok_or(NvmlError::NotFound)?;
-            inst.compute_instances
-                .iter()
-                .find(|c| c.id == ci)
-                .map(|c| c.profile)
-                .ok_or(NvmlError::NotFound)
-        })?;
-        put(
-            info,
-            nvmlComputeInstanceInfo_t {
-                device: device_handle(i),
-                gpuInstance: gpu_instance_handle(i, gi),
-                id: ci,
-                profileId: profile_id,
-                placement: nvml_wrapper_sys::bindings::nvmlComputeInstancePlacement_t {
-                    start: 0,
-                    size: 0,
-                },
-            },
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn nvmlComputeInstanceDestroy(compute: nvmlComputeInstance_t) -> nvmlReturn_t {
-    guard(|| {
-        let (i, gi, ci) = compute_instance_parts(compute)?;
-        mutate(|m| m.destroy_compute_instance(i, gi, ci))
     })
 }
 

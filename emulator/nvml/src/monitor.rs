@@ -78,9 +78,7 @@ fn load(state: &Path, gpu: &Gpu, from: u64, to: u64) -> Result<f64, nvmlReturn_t
             let mut weighted = 0.0;
             for instance in &gpu.instances {
                 let slices = geometry
-                    .profiles
-                    .iter()
-                    .find(|p| p.nvml_index == instance.profile)
+                    .profile_by_id(instance.profile_id)
                     .map_or(0, |p| p.compute_slices);
                 let busy = busy_ns(state, device_key(gpu.index, Some(instance.id)), from, to)?;
                 weighted += busy as f64 * f64::from(slices) / f64::from(geometry.compute_slices);
@@ -312,13 +310,13 @@ pub extern "C" fn nvmlDeviceGetSerial(
     guard(|| put_str(text, length, &serial(&whole_gpu(device)?.uuid)))
 }
 
-/// The N of `/dev/nvidiaN`: the GPU's index.
+/// The N of `/dev/nvidiaN`: the GPU's minor number (the index unless the seed says otherwise).
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlDeviceGetMinorNumber(
     device: nvmlDevice_t,
     minor: *mut c_uint,
 ) -> nvmlReturn_t {
-    guard(|| put(minor, whole_gpu(device)?.index))
+    guard(|| put(minor, whole_gpu(device)?.minor))
 }
 
 /// Current drivers brand data-centre boards plain "NVIDIA".

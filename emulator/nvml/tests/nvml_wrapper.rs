@@ -8,7 +8,8 @@ use gpuslice_emulator::{Machine, Store};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper_sys::bindings::{
-    nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    NVML_GPU_INSTANCE_PROFILE_3_SLICE, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t,
 };
 
 /// The cdylib cargo built next to this test binary.
@@ -73,11 +74,24 @@ fn nvml_wrapper_drives_the_emulated_h200s() {
         .nvmlDeviceGetGpuInstancePossiblePlacements_v2
         .as_ref()
         .unwrap();
+    // The 3g profile's index answers with its id, which the other calls take.
+    // SAFETY: an all-zero profile info is valid (integers only).
+    let mut profile: nvmlGpuInstanceProfileInfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: valid device handle and out-pointer.
+    let rc = unsafe {
+        raw.nvmlDeviceGetGpuInstanceProfileInfo.as_ref().unwrap()(
+            device,
+            NVML_GPU_INSTANCE_PROFILE_3_SLICE,
+            &mut profile,
+        )
+    };
+    assert_eq!((rc, profile.id, profile.sliceCount), (0, 9, 3));
+    let three_g = profile.id;
     let mut list = [nvmlGpuInstancePlacement_t { start: 0, size: 0 }; 8];
-    let mut count = list.len() as u32;
-    // SAFETY: list has `count` entries; profile 2 is the 3g profile.
+    let mut count = 0;
+    // SAFETY: list has room for every placement of the profile; the count is output only.
     assert_eq!(
-        unsafe { placements(device, 2, list.as_mut_ptr(), &mut count) },
+        unsafe { placements(device, three_g, list.as_mut_ptr(), &mut count) },
         0
     );
     assert_eq!(
@@ -91,11 +105,15 @@ fn nvml_wrapper_drives_the_emulated_h200s() {
     let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
     let at = nvmlGpuInstancePlacement_t { start: 4, size: 4 };
     // SAFETY: valid device handle, placement and out-pointer.
-    assert_eq!(unsafe { create(device, 2, &at, &mut gi) }, 0);
+    assert_eq!(unsafe { create(device, three_g, &at, &mut gi) }, 0);
     // The same placement again: NVML_ERROR_INSUFFICIENT_RESOURCES.
     let mut other: nvmlGpuInstance_t = std::ptr::null_mut();
     // SAFETY: as above.
-    assert_eq!(unsafe { create(device, 2, &at, &mut other) }, 23);
+    assert_eq!(unsafe { create(device, three_g, &at, &mut other) }, 23);
+    // The index is no id: NVML_GPU_INSTANCE_PROFILE_3_SLICE names no profile there.
+    let at0 = nvmlGpuInstancePlacement_t { start: 0, size: 4 };
+    // SAFETY: as above.
+    assert_eq!(unsafe { create(device, 2, &at0, &mut other) }, 2);
 
     let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
     // SAFETY: gi was returned by the create call; info is a valid out-pointer.
@@ -105,18 +123,19 @@ fn nvml_wrapper_drives_the_emulated_h200s() {
     );
     assert_eq!(
         (info.profileId, info.placement.start, info.placement.size),
-        (2, 4, 4)
+        (9, 4, 4)
     );
 
     // Another process (here: this test through the state file) sees the instance.
     let seen = store.snapshot().unwrap();
     assert_eq!(seen.gpu(0).unwrap().instances.len(), 1);
 
-    // A compute instance makes the GPU instance busy until it is destroyed.
+    // A compute instance makes the GPU instance busy until it is destroyed (compute profile id
+    // 2: three slices, the whole 3g instance).
     let mut ci = std::ptr::null_mut();
     // SAFETY: valid handles and out-pointer.
     assert_eq!(
-        unsafe { raw.nvmlGpuInstanceCreateComputeInstance.as_ref().unwrap()(gi, 0, &mut ci) },
+        unsafe { raw.nvmlGpuInstanceCreateComputeInstance.as_ref().unwrap()(gi, 2, &mut ci) },
         0
     );
     // SAFETY: gi is a live GPU instance handle.

@@ -210,6 +210,7 @@ fn inside_a_slice_the_tool_sees_the_slice_memory() {
         id: "gpu0-s0".into(),
         kind: gpuslice_contract::SliceKind::Software,
         gpu: 0,
+        device_minor: None,
         device_uuid: "GPU-aaaa".into(),
         memory_bytes: cap,
         compute_percent: 50,

@@ -250,15 +250,12 @@ pub fn cdi_spec(
                     mounts.push(bind(&preload, Path::new("/etc/ld.so.preload"), "ro"));
                 }
             }
-            let device_nodes: Vec<serde_json::Value> = [
-                format!("/dev/nvidia{}", slice.gpu),
-                "/dev/nvidiactl".to_string(),
-                "/dev/nvidia-uvm".to_string(),
-            ]
-            .into_iter()
-            .filter(|p| Path::new(p).exists())
-            .map(|p| serde_json::json!({"path": p}))
-            .collect();
+            // Only the nodes this host has: a runtime refuses a spec naming a missing one.
+            let device_nodes: Vec<serde_json::Value> = device_nodes(slice)
+                .into_iter()
+                .filter(|p| Path::new(p).exists())
+                .map(|p| serde_json::json!({"path": p}))
+                .collect();
             serde_json::json!({
                 "name": name,
                 "containerEdits": {"env": env, "mounts": mounts, "deviceNodes": device_nodes},
@@ -266,6 +263,24 @@ pub fn cdi_spec(
         })
         .collect();
     serde_json::json!({"cdiVersion": "0.6.0", "kind": CDI_KIND, "devices": devices})
+}
+
+/// The device nodes a slice's container needs: its GPU's, by the minor number NVML gave (NVML's
+/// index is only an enumeration order), and the driver's control and UVM nodes.
+fn device_nodes(slice: &SliceConfig) -> Vec<String> {
+    let gpu = slice
+        .device_minor
+        .map(|minor| format!("/dev/nvidia{minor}"));
+    if gpu.is_none() {
+        tracing::warn!(
+            slice = slice.id,
+            "NVML gave no minor number for GPU {}: its device node is left out",
+            slice.gpu
+        );
+    }
+    gpu.into_iter()
+        .chain(["/dev/nvidiactl".to_string(), "/dev/nvidia-uvm".to_string()])
+        .collect()
 }
 
 /// The plugin's state: the API client, this node, the agent's state directory.
@@ -647,10 +662,16 @@ mod tests {
             id: "gpu0-s1".into(),
             kind: SliceKind::Software,
             gpu: 0,
+            device_minor: Some(3),
             device_uuid: "GPU-x".into(),
             memory_bytes: 8 << 30,
             compute_percent: 25,
         };
+        // GPU 0 whose device node is /dev/nvidia3: the container gets that one.
+        assert_eq!(
+            device_nodes(&slice),
+            ["/dev/nvidia3", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+        );
         let claim_config = PathBuf::from("/run/gpuslice/dra/uid/gpu0-s1.config");
         let spec = cdi_spec(
             &state,

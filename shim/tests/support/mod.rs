@@ -86,6 +86,7 @@ impl Setup {
             id: "gpu0-s0".into(),
             kind: gpuslice_contract::SliceKind::Software,
             gpu: 0,
+            device_minor: None,
             device_uuid: "GPU-x".into(),
             memory_bytes: cap,
             compute_percent: 50,
