@@ -206,7 +206,7 @@ fn machine(state: &Path) -> gpuslice_emulator::Machine {
         .unwrap()
 }
 
-/// What a GPU holds: (profile index, placement start, size) per instance, sorted, after checking
+/// What a GPU holds: (profile id, placement start, size) per instance, sorted, after checking
 /// that each instance has exactly one compute instance (none orphaned, none doubled).
 fn layout(m: &gpuslice_emulator::Machine) -> Vec<(u32, u32, u32)> {
     let gpu = m.gpu(0).unwrap();

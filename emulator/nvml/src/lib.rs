@@ -23,7 +23,8 @@
 //! clocks, architecture, ECC, BAR1) for models outside the board table.
 //!
 //! Every export runs under `catch_unwind`: a panic becomes `NVML_ERROR_UNKNOWN`, never an unwind
-//! across the C boundary. Handles are opaque integers cast to pointers: a device is its index + 1,
+//! across the C boundary. Handles are opaque integers cast to pointers: a device is its index + 1
+//! shifted past the first page (Go clients refuse small pointer values),
 //! a GPU instance is `(device index + 1) << 32 | id`, a compute instance adds its id in bits 48+,
 //! and a MIG device (a GPU instance with a compute instance; one per GPU instance here) is a GPU
 //! instance's bits with bit 63 set. MIG follows NVIDIA's documentation ([`mig`]).
@@ -107,16 +108,21 @@ fn mutate<T>(f: impl FnOnce(&mut Machine) -> Result<T, NvmlError>) -> Result<T, 
     store()?.mutate(f).map_err(|_| UNKNOWN)?.map_err(code)
 }
 
+/// A whole GPU's handle is `(index + 1) << 16`: never below 4096, which Go's runtime takes for a
+/// corrupt pointer when it finds one in a pointer field (go-nvml keeps handles in such fields).
+const DEVICE_HANDLE_SHIFT: u32 = 16;
+
 fn device_index(device: nvmlDevice_t) -> Result<u32, nvmlReturn_t> {
     let raw = device as usize;
-    if raw == 0 || raw > u32::MAX as usize {
+    let low = (1usize << DEVICE_HANDLE_SHIFT) - 1;
+    if raw == 0 || raw > u32::MAX as usize || raw & low != 0 {
         return Err(INVALID_ARGUMENT);
     }
-    Ok((raw - 1) as u32)
+    Ok(((raw >> DEVICE_HANDLE_SHIFT) - 1) as u32)
 }
 
 fn device_handle(index: u32) -> nvmlDevice_t {
-    (index as usize + 1) as nvmlDevice_t
+    ((index as usize + 1) << DEVICE_HANDLE_SHIFT) as nvmlDevice_t
 }
 
 fn gpu_instance_handle(index: u32, id: u32) -> nvmlGpuInstance_t {

@@ -338,7 +338,8 @@ pub extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoV(
     })
 }
 
-/// Placements of a profile id: with a null buffer, only their count.
+/// Placements of a profile id, whether MIG mode is on or not (as `nvml.h` says): with a null
+/// buffer, only their count.
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
     device: nvmlDevice_t,
@@ -347,7 +348,15 @@ pub extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
     count: *mut c_uint,
 ) -> nvmlReturn_t {
     guard(|| {
-        let (_, p) = profile_of_id(device, profile_id)?;
+        let i = device_index(device)?;
+        let p = read(|m| {
+            catalog::model(&m.gpu(i)?.model)
+                .ok()
+                .and_then(|model| model.mig.as_ref())
+                .ok_or(NvmlError::NotSupported)?
+                .profile_by_id(profile_id)
+                .ok_or(NvmlError::InvalidArgument)
+        })?;
         if placements.is_null() {
             return put(count, p.placements.len() as c_uint);
         }
