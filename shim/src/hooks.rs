@@ -125,11 +125,19 @@ hooks! {
         => proc_address::v2;
     Cuda cuCtxCreate_v2 "cuCtxCreate" 3020 false
         (ctx: *mut Handle, flags: c_uint, device: c_int) => memory::ctx_create;
+    Cuda cuCtxCreate_v3 "cuCtxCreate" 11040 false
+        (ctx: *mut Handle, params: *const c_void, count: c_int, flags: c_uint, device: c_int)
+        => memory::ctx_create_v3;
+    Cuda cuCtxCreate_v4 "cuCtxCreate" 12050 false
+        (ctx: *mut Handle, params: *const c_void, flags: c_uint, device: c_int)
+        => memory::ctx_create_v4;
     Cuda cuCtxDestroy_v2 "cuCtxDestroy" 4000 false (ctx: Handle) => memory::ctx_destroy;
     Cuda cuDevicePrimaryCtxRetain "cuDevicePrimaryCtxRetain" 7000 false
         (ctx: *mut Handle, device: c_int) => memory::primary_retain;
     Cuda cuDevicePrimaryCtxRelease_v2 "cuDevicePrimaryCtxRelease" 11000 false
         (device: c_int) => memory::primary_release;
+    Cuda cuDeviceTotalMem_v2 "cuDeviceTotalMem" 3020 false
+        (bytes: *mut usize, device: c_int) => memory::device_total;
     Cuda cuMemGetInfo_v2 "cuMemGetInfo" 3020 false
         (free: *mut usize, total: *mut usize) => memory::get_info;
     Cuda cuMemAlloc_v2 "cuMemAlloc" 3020 false (dptr: *mut u64, bytes: usize) => memory::alloc;

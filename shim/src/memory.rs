@@ -298,6 +298,45 @@ pub fn ctx_create(
     rc
 }
 
+/// `cuCtxCreate_v3` (execution-affinity parameters): charged as any context.
+pub fn ctx_create_v3(
+    real: unsafe extern "C" fn(*mut Handle, *const c_void, c_int, c_uint, c_int) -> c_int,
+    ctx: *mut Handle,
+    params: *const c_void,
+    count: c_int,
+    flags: c_uint,
+    device: c_int,
+) -> c_int {
+    if let Gate::Refuse = gate() {
+        return OUT_OF_MEMORY;
+    }
+    // SAFETY: the program's call, forwarded unchanged.
+    let rc = unsafe { real(ctx, params, count, flags, device) };
+    if rc == SUCCESS {
+        charge_context(read(ctx) as u64);
+    }
+    rc
+}
+
+/// `cuCtxCreate_v4` (`CUctxCreateParams`): charged as any context.
+pub fn ctx_create_v4(
+    real: unsafe extern "C" fn(*mut Handle, *const c_void, c_uint, c_int) -> c_int,
+    ctx: *mut Handle,
+    params: *const c_void,
+    flags: c_uint,
+    device: c_int,
+) -> c_int {
+    if let Gate::Refuse = gate() {
+        return OUT_OF_MEMORY;
+    }
+    // SAFETY: the program's call, forwarded unchanged.
+    let rc = unsafe { real(ctx, params, flags, device) };
+    if rc == SUCCESS {
+        charge_context(read(ctx) as u64);
+    }
+    rc
+}
+
 pub fn ctx_destroy(real: unsafe extern "C" fn(Handle) -> c_int, ctx: Handle) -> c_int {
     crate::compute::forget_context(ctx);
     // SAFETY: the program's call, forwarded unchanged.
@@ -355,6 +394,28 @@ pub fn primary_release(real: unsafe extern "C" fn(c_int) -> c_int, device: c_int
 
 /// `cuMemGetInfo`: the slice's cap is the total; free is what is left of it (or less, when the
 /// device itself has less).
+/// `cuDeviceTotalMem`: the slice's cap, not the device's memory (what `cudaGetDeviceProperties`
+/// reports as `totalGlobalMem`, which frameworks size their pools from).
+pub fn device_total(
+    real: unsafe extern "C" fn(*mut usize, c_int) -> c_int,
+    bytes: *mut usize,
+    device: c_int,
+) -> c_int {
+    // SAFETY: the program's call, forwarded unchanged.
+    let rc = unsafe { real(bytes, device) };
+    if rc != SUCCESS || bytes.is_null() {
+        return rc;
+    }
+    let total = match gate() {
+        Gate::Pass => return rc,
+        Gate::Refuse => 0,
+        Gate::Account(slice) => slice.cap.min(read(bytes) as u64) as usize,
+    };
+    // SAFETY: a non-null pointer the driver just wrote through.
+    unsafe { bytes.write(total) };
+    rc
+}
+
 pub fn get_info(
     real: unsafe extern "C" fn(*mut usize, *mut usize) -> c_int,
     free: *mut usize,

@@ -3,6 +3,10 @@
 //! where it found a function the shim hooks, the hook is handed out instead.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::OnceLock;
+use std::sync::atomic::AtomicUsize;
+
+use crate::dl::{Lib, resolve};
 
 type V1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> c_int;
 type V2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
@@ -17,11 +21,30 @@ fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flag
     }
     // SAFETY: a non-null symbol is a NUL-terminated string (the API's contract).
     let name = unsafe { CStr::from_ptr(symbol) };
+    // The driver hands out the newest variant both the caller and the driver know; the hook
+    // must be of that variant, whose arguments the caller will pass.
+    let version = driver_version().map_or(version, |driver| version.min(driver));
     if let Some(hook) = crate::hooks::by_proc(name.to_bytes(), version, flags) {
         // SAFETY: as above.
         unsafe { pfn.write(hook as *mut c_void) };
     }
 }
+
+/// The real driver's CUDA version (`cuDriverGetVersion`), asked once; `None` when it cannot say.
+fn driver_version() -> Option<c_int> {
+    static VERSION: OnceLock<Option<c_int>> = OnceLock::new();
+    *VERSION.get_or_init(|| {
+        static REAL: AtomicUsize = AtomicUsize::new(0);
+        let address = resolve(&REAL, Lib::Cuda, b"cuDriverGetVersion\0")?;
+        // SAFETY: the real library's cuDriverGetVersion, of this signature.
+        let real = unsafe { std::mem::transmute::<usize, DriverGetVersion>(address) };
+        let mut version = 0;
+        // SAFETY: a valid out-pointer.
+        (unsafe { real(&mut version) } == 0).then_some(version)
+    })
+}
+
+type DriverGetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
 
 pub fn v1(
     real: V1,

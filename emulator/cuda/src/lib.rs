@@ -487,6 +487,30 @@ pub extern "C" fn cuCtxCreate_v2(ctx: *mut Handle, _flags: c_uint, device: CUdev
     })
 }
 
+/// CUDA 11.4's variant, with execution-affinity parameters (the emulator has no SM affinity to
+/// give, so it takes the context whole, as a driver without the feature does).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxCreate_v3(
+    ctx: *mut Handle,
+    _params: *const c_void,
+    _count: c_int,
+    flags: c_uint,
+    device: CUdevice,
+) -> CUresult {
+    cuCtxCreate_v2(ctx, flags, device)
+}
+
+/// CUDA 12.5's variant, with `CUctxCreateParams` (affinity and a CIG context; neither applies).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxCreate_v4(
+    ctx: *mut Handle,
+    _params: *const c_void,
+    flags: c_uint,
+    device: CUdevice,
+) -> CUresult {
+    cuCtxCreate_v2(ctx, flags, device)
+}
+
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxDestroy_v2(ctx: Handle) -> CUresult {
     guard(|| with(|d| d.drop_context(ctx as u64)))
@@ -1288,6 +1312,8 @@ fn entries() -> &'static [Entry] {
             e!("cuDeviceGetUuid", 11040, cuDeviceGetUuid_v2),
             e!("cuDeviceGetAttribute", 2000, cuDeviceGetAttribute),
             e!("cuCtxCreate", 3020, cuCtxCreate_v2),
+            e!("cuCtxCreate", 11040, cuCtxCreate_v3),
+            e!("cuCtxCreate", 12050, cuCtxCreate_v4),
             e!("cuCtxDestroy", 4000, cuCtxDestroy_v2),
             e!("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
             e!(
@@ -1367,8 +1393,10 @@ fn entries() -> &'static [Entry] {
     })
 }
 
-/// The newest variant of `name` that `version` knows, per-thread when asked and one exists.
+/// The newest variant of `name` that both `version` and this driver know, per-thread when asked
+/// and one exists (what the driver's `cuGetProcAddress` hands out).
 fn lookup(name: &str, version: c_int, flags: u64) -> Option<usize> {
+    let version = version.min(DRIVER_VERSION);
     let wanted = flags & PER_THREAD_DEFAULT_STREAM != 0;
     let pick = |per_thread: bool| {
         entries()
