@@ -377,13 +377,17 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     gpuslice_testcluster::ensure_namespace(&client, "gpuslice-system")
         .await
         .unwrap();
+    // The operator and the agents run as the chart's identities.
+    cluster.install_chart_identities().await.unwrap();
     operator
         .args([
             "operator",
             "--admission-params",
             "gpuslice-system/gs-policies",
+            "--lease-namespace",
+            gpuslice_testcluster::CHART_NAMESPACE,
         ])
-        .env("KUBECONFIG", cluster.kubeconfig_path())
+        .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
         .env("GPUSLICE_CLOCK_START", CLOCK);
     gpuslice.push(spawn_logged(&logs, "operator", &mut operator));
     for (node, pool, model) in [
@@ -418,7 +422,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
             .arg(dir.path().join(format!("kubelet-{node}")))
             .arg("--cdi-dir")
             .arg(dir.path().join(format!("cdi-{node}")))
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("KUBECONFIG", cluster.agent_kubeconfig(node).await.unwrap())
             .env("GPUSLICE_CLOCK_START", CLOCK);
         gpuslice.push(spawn_logged(&logs, &format!("agent-{node}"), &mut agent));
     }
@@ -435,9 +439,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
         .map(|d| serde::Deserialize::deserialize(d).unwrap())
         .filter(|d: &serde_json::Value| {
             let kind = d["kind"].as_str().unwrap_or_default();
-            let name = d["metadata"]["name"].as_str().unwrap_or_default();
-            (kind.contains("AdmissionPolicy") && !name.contains("agent-resourceslices"))
-                || kind == "PriorityClass"
+            kind.contains("AdmissionPolicy") || kind == "PriorityClass"
         })
         .collect();
     gpuslice_testcluster::apply_all(&client, &admission).await;

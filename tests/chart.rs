@@ -142,7 +142,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
             .arg(&node_file)
             .arg("--state")
             .arg(dir.path())
-            .env("KUBECONFIG", kubeconfig("gs-agent"))
+            .env("KUBECONFIG", kubeconfig("gs-agent-on-gpu-0"))
             .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
             .stdout(Stdio::null())
             .spawn()

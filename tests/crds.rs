@@ -8,24 +8,32 @@ use gpuslice_api::Kind;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuslice");
 
+/// Both copies: `crds/`, and the chart's (which helm installs before its templates).
 #[test]
 fn crds_folder_matches_the_types() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("crds");
+    for dir in ["crds", "charts/gpuslice/crds"] {
+        crds_in(&Path::new(env!("CARGO_MANIFEST_DIR")).join(dir));
+    }
+}
+
+fn crds_in(dir: &Path) {
     for kind in Kind::ALL {
         let file = dir.join(gpuslice_api::crd::file_name(kind));
         let on_disk =
             std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         assert!(
             on_disk == gpuslice_api::crd::crd_yaml(kind),
-            "{} differs from the {kind} type: run `cargo run -- crds` and commit crds/",
+            "{} differs from the {kind} type: run `cargo run -- crds` and \
+             `cargo run -- crds --dir charts/gpuslice/crds`, and commit both",
             file.display()
         );
     }
-    let entries = std::fs::read_dir(&dir).unwrap().count();
+    let entries = std::fs::read_dir(dir).unwrap().count();
     assert_eq!(
         entries,
         Kind::ALL.len(),
-        "crds/ holds exactly one file per kind"
+        "{} holds exactly one file per kind",
+        dir.display()
     );
 }
 

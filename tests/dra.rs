@@ -147,8 +147,9 @@ struct Cluster {
     processes: Vec<KillOnDrop>,
 }
 
-/// The agent of node `name` (its node file, state, kubelet and CDI folders under `dir/<name>`).
-fn spawn_agent(
+/// The agent of node `name` (its node file, state, kubelet and CDI folders under `dir/<name>`),
+/// as the chart's agent identity with a token bound to its pod on that node.
+async fn spawn_agent(
     cluster: &ControlPlane,
     dir: &Path,
     name: &str,
@@ -167,7 +168,7 @@ fn spawn_agent(
             .arg(dir.join(name).join("kubelet"))
             .arg("--cdi-dir")
             .arg(dir.join(name).join("cdi"))
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("KUBECONFIG", cluster.agent_kubeconfig(name).await.unwrap())
             .env("GPUSLICE_CLOCK_START", clock)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -192,6 +193,9 @@ async fn start_with_driver(
     gpuslice_testcluster::install_crds(&client, &root().join("crds"))
         .await
         .unwrap();
+    if !cluster.install_chart_identities().await.unwrap() {
+        return None;
+    }
     let dir = tempfile::tempdir().unwrap();
     let mut processes = Vec::new();
     for (name, pool, model) in [
@@ -211,12 +215,16 @@ async fn start_with_driver(
             format!("name: {name}\n{driver}gpus:\n- {{index: 0, model: {model}}}\n"),
         )
         .unwrap();
-        processes.push(spawn_agent(&cluster, dir.path(), name, clock, agent_args));
+        processes.push(spawn_agent(&cluster, dir.path(), name, clock, agent_args).await);
     }
     processes.push(KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .arg("operator")
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .args([
+                "operator",
+                "--lease-namespace",
+                gpuslice_testcluster::CHART_NAMESPACE,
+            ])
+            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
             .env("GPUSLICE_CLOCK_START", clock)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -1280,7 +1288,8 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
         "a100-a",
         "2026-12-02T10:00:00Z",
         &[],
-    );
+    )
+    .await;
     eventually("the restarted agent reports both prepared claims", || {
         let gpu_nodes = gpu_nodes.clone();
         async move {

@@ -38,6 +38,9 @@ struct Setup {
     node_file: std::path::PathBuf,
     state: std::path::PathBuf,
     operator: KillOnDrop,
+    /// The chart's identities the agent and the operator run as.
+    agent_kubeconfig: std::path::PathBuf,
+    operator_kubeconfig: std::path::PathBuf,
     clock: String,
     kubelet: Kubelet,
     cluster: ControlPlane,
@@ -67,6 +70,11 @@ impl Setup {
         gpuslice_testcluster::install_crds(&client, &root().join("crds"))
             .await
             .unwrap();
+        if !cluster.install_chart_identities().await.unwrap() {
+            return None;
+        }
+        let agent_kubeconfig = cluster.agent_kubeconfig(NODE).await.unwrap();
+        let operator_kubeconfig = cluster.operator_kubeconfig().await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let node_file = dir.path().join("node.yaml");
         let gpu_lines: String = (0..gpus)
@@ -78,7 +86,7 @@ impl Setup {
         let metrics_port = gpuslice_testcluster::free_port().unwrap();
         let agent_args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
         let agent = spawn_agent(
-            &cluster,
+            &agent_kubeconfig,
             &kubelet,
             clock,
             &agent_args,
@@ -87,7 +95,7 @@ impl Setup {
             metrics_port,
             &agent_log,
         );
-        let operator = spawn_operator(&cluster, clock);
+        let operator = spawn_operator(&operator_kubeconfig, clock);
         apply_examples(
             &client,
             &[
@@ -108,6 +116,8 @@ impl Setup {
             node_file,
             state,
             operator,
+            agent_kubeconfig,
+            operator_kubeconfig,
             clock: clock.to_string(),
             kubelet,
             cluster,
@@ -129,7 +139,7 @@ impl Setup {
     fn restart_agent(&mut self) {
         self.stop_agent();
         self.agent = spawn_agent(
-            &self.cluster,
+            &self.agent_kubeconfig,
             &self.kubelet,
             &self.clock,
             &self.agent_args,
@@ -149,15 +159,15 @@ impl Setup {
     fn restart_operator(&mut self) {
         let _ = self.operator.0.kill();
         let _ = self.operator.0.wait();
-        self.operator = spawn_operator(&self.cluster, &self.clock);
+        self.operator = spawn_operator(&self.operator_kubeconfig, &self.clock);
     }
 }
 
 /// The agent of node `gpu-a` on the emulated machine of `node_file`, serving the kubelet's
-/// plugin; its log is appended to `log`.
+/// plugin, as the chart's agent identity; its log is appended to `log`.
 #[allow(clippy::too_many_arguments)]
 fn spawn_agent(
-    cluster: &ControlPlane,
+    kubeconfig: &Path,
     kubelet: &Kubelet,
     clock: &str,
     args: &[String],
@@ -179,7 +189,7 @@ fn spawn_agent(
             .arg(kubelet.root_dir())
             .arg("--cdi-dir")
             .arg(kubelet.cdi_dir())
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("KUBECONFIG", kubeconfig)
             .env("GPUSLICE_CLOCK_START", clock)
             .stdout(Stdio::null())
             .stderr(
@@ -194,11 +204,16 @@ fn spawn_agent(
     )
 }
 
-fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
+/// The operator, as the chart's operator identity (its lease in the chart's namespace).
+fn spawn_operator(kubeconfig: &Path, clock: &str) -> KillOnDrop {
     KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .arg("operator")
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .args([
+                "operator",
+                "--lease-namespace",
+                gpuslice_testcluster::CHART_NAMESPACE,
+            ])
+            .env("KUBECONFIG", kubeconfig)
             .env("GPUSLICE_CLOCK_START", clock)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

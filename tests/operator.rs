@@ -100,8 +100,15 @@ async fn cluster_with_crds() -> Option<(ControlPlane, Client)> {
     gpuslice_testcluster::install_crds(&client, &root().join("crds"))
         .await
         .unwrap();
+    // The operator and the agents run as the chart's identities.
+    if !cluster.install_chart_identities().await.unwrap() {
+        return None;
+    }
     Some((cluster, client))
 }
+
+/// The operator's arguments that go with its chart identity: its lease in the chart's namespace.
+const LEASE: [&str; 2] = ["--lease-namespace", gpuslice_testcluster::CHART_NAMESPACE];
 
 #[tokio::test]
 async fn pools_become_node_layouts_and_status() {
@@ -126,7 +133,8 @@ async fn pools_become_node_layouts_and_status() {
     let _operator = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .arg("operator")
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .args(LEASE)
+            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
             // Mid-morning in Berlin on a Wednesday: the pool's default layout is in force.
             .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
             .stdout(Stdio::null())
@@ -341,7 +349,7 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
             agent
                 .arg("--state")
                 .arg(dir.path().join(name))
-                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("KUBECONFIG", cluster.agent_kubeconfig(name).await.unwrap())
                 // The operator's clock: the agents switch at the boundary on their own.
                 .env("GPUSLICE_CLOCK_START", "2026-12-02T20:59:00Z")
                 .stdout(Stdio::null())
@@ -353,8 +361,9 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     processes.push(KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .arg("operator")
+            .args(LEASE)
             .args(["--metrics-addr", &format!("127.0.0.1:{operator_port}")])
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
             // 21:59 in Berlin on a Wednesday: the night window opens in 60 s, time for the day
             // layout to be applied and the workload to start even on a loaded machine.
             .env("GPUSLICE_CLOCK_START", "2026-12-02T20:59:00Z")
@@ -576,10 +585,12 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
         cluster.create_node(name, &[], &[]).await.unwrap();
         report_gpus(&client, name, "- {index: 0, model: NVIDIA H200}\n").await;
     }
+    let kubeconfig = cluster.operator_kubeconfig().await.unwrap();
     let spawn = || {
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .args(["operator", "--lease-duration", "2s"])
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .args(LEASE)
+            .env("KUBECONFIG", &kubeconfig)
             // A Wednesday morning in Berlin: the pool's default layout is in force, whatever
             // the time the test runs (at night the `whole` preset would be).
             .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
@@ -590,7 +601,7 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
     };
     let mut operators = vec![KillOnDrop(spawn()), KillOnDrop(spawn())];
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
-        Api::namespaced(client.clone(), "default");
+        Api::namespaced(client.clone(), gpuslice_testcluster::CHART_NAMESPACE);
     let holder = eventually("one operator holds the lease", || {
         let leases = leases.clone();
         async move {
@@ -713,11 +724,11 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
     let state = dir.path().join("gpu-s");
     let metrics_port = free_port().unwrap();
     // 19:59 in Shanghai for both: the pool's night window (2 slices instead of 4) opens in 60 s.
-    let spawn = |args: &[&str]| {
+    let spawn = |args: &[&str], kubeconfig: &Path| {
         KillOnDrop(
             Command::new(env!("CARGO_BIN_EXE_gpuslice"))
                 .args(args)
-                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("KUBECONFIG", kubeconfig)
                 .env("GPUSLICE_CLOCK_START", "2026-12-02T11:59:00Z")
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
@@ -725,19 +736,25 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
                 .unwrap(),
         )
     };
-    let _agent = spawn(&[
-        "agent",
-        "--kube",
-        "--interval",
-        "1s",
-        "--emulate",
-        node_file.to_str().unwrap(),
-        "--state",
-        state.to_str().unwrap(),
-        "--metrics-addr",
-        &format!("127.0.0.1:{metrics_port}"),
-    ]);
-    let _operator = spawn(&["operator"]);
+    let _agent = spawn(
+        &[
+            "agent",
+            "--kube",
+            "--interval",
+            "1s",
+            "--emulate",
+            node_file.to_str().unwrap(),
+            "--state",
+            state.to_str().unwrap(),
+            "--metrics-addr",
+            &format!("127.0.0.1:{metrics_port}"),
+        ],
+        &cluster.agent_kubeconfig("gpu-s").await.unwrap(),
+    );
+    let _operator = spawn(
+        &["operator", LEASE[0], LEASE[1]],
+        &cluster.operator_kubeconfig().await.unwrap(),
+    );
     // No CheckpointPolicy: nothing is signalled, the change waits for the claim to end.
     let pool = std::fs::read_to_string(root().join("examples/gitops/pools/shared-a100.yaml"))
         .unwrap()

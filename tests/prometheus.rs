@@ -122,6 +122,8 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
         .cloned()
         .collect();
     gpuslice_testcluster::apply_all(&client, &admission).await;
+    // The operator and the agent run as the chart's identities.
+    cluster.install_chart_identities().await.unwrap();
 
     let dir = tempfile::tempdir().unwrap();
     let rules_file = dir.path().join("gpuslice.rules.yaml");
@@ -177,7 +179,10 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
             .arg("--cdi-dir")
             .arg(dir.path().join("cdi"))
             .args(["--metrics-addr", &format!("127.0.0.1:{agent_port}")])
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env(
+                "KUBECONFIG",
+                cluster.agent_kubeconfig("a100-m").await.unwrap(),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -185,9 +190,13 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
     );
     let _operator = KillOnDrop(
         Command::new(bin)
-            .arg("operator")
+            .args([
+                "operator",
+                "--lease-namespace",
+                gpuslice_testcluster::CHART_NAMESPACE,
+            ])
             .args(["--metrics-addr", &format!("127.0.0.1:{operator_port}")])
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

@@ -104,11 +104,16 @@ struct Harness {
     _dir: tempfile::TempDir,
 }
 
-fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
+/// The operator, as the chart's operator identity.
+async fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
     KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .arg("operator")
-            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .args([
+                "operator",
+                "--lease-namespace",
+                gpuslice_testcluster::CHART_NAMESPACE,
+            ])
+            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
             .env("GPUSLICE_CLOCK_START", clock)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -152,10 +157,12 @@ impl Harness {
             "four policies, their bindings and the queued pods' PriorityClass"
         );
         gpuslice_testcluster::apply_all(&client, &mutating).await;
+        cluster.install_chart_identities().await.unwrap();
         cluster
             .create_node(node, &[("gpuslice.io/pool", pool)], &[("cpu", cpu)])
             .await
             .unwrap();
+        let agent_kubeconfig = cluster.agent_kubeconfig(node).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
         let node_file = dir.path().join("node.yaml");
         let gpu_lines: String = (0..gpus)
@@ -180,14 +187,14 @@ impl Harness {
                 .arg(dir.path().join("kubelet"))
                 .arg("--cdi-dir")
                 .arg(dir.path().join("cdi"))
-                .env("KUBECONFIG", cluster.kubeconfig_path())
+                .env("KUBECONFIG", &agent_kubeconfig)
                 .env("GPUSLICE_CLOCK_START", clock)
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
                 .spawn()
                 .unwrap(),
         );
-        let operator = spawn_operator(&cluster, clock);
+        let operator = spawn_operator(&cluster, clock).await;
         Some(Harness {
             _agent: agent,
             operator,
@@ -199,8 +206,8 @@ impl Harness {
     }
 
     /// Stops the operator and starts a new one.
-    fn restart_operator(&mut self) {
-        self.operator = spawn_operator(&self.cluster, &self.clock);
+    async fn restart_operator(&mut self) {
+        self.operator = spawn_operator(&self.cluster, &self.clock).await;
     }
 
     /// Applies `docs`, then waits until the operator has written `classes` DeviceClasses.
@@ -651,7 +658,7 @@ spec: {pool: teams, memory: 8Gi}
     })
     .await;
     let mut h = h;
-    h.restart_operator();
+    h.restart_operator().await;
     let restarted = k8s_openapi::jiff::Timestamp::now();
     let after = eventually("the restarted operator records alpha's use", || {
         let client = client.clone();

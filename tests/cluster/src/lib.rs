@@ -117,6 +117,10 @@ pub fn locate_binaries() -> Result<PathBuf, Error> {
     }
 }
 
+/// The namespace and release name the e2e tests give the chart's identities.
+pub const CHART_NAMESPACE: &str = "gpuslice-system";
+pub const CHART_RELEASE: &str = "gs";
+
 /// A tool that one of `tests/<dir>/build.sh` builds and caches: `name` in the folder (or the file,
 /// when `name` is empty) that `env` names or the build script prints. `None` (the test skips) when it is not built; under CI that is a
 /// failure, so that a missing tool never passes silently.
@@ -610,6 +614,73 @@ impl ControlPlane {
         self.token_client(namespace, name, None).await
     }
 
+    /// Applies the identities the chart gives gpuslice, as `helm install` would: its
+    /// ServiceAccounts, roles and bindings, and the policies that keep each agent to its own
+    /// node's objects, rendered by helm from `charts/gpuslice` (release [`CHART_RELEASE`] in
+    /// [`CHART_NAMESPACE`]). End-to-end tests run the operator and the agents as these
+    /// ([`operator_kubeconfig`](Self::operator_kubeconfig),
+    /// [`agent_kubeconfig`](Self::agent_kubeconfig)), never as admin, so a verb the chart's roles
+    /// lack fails them. `false` (the test skips) when helm is not built; under CI that fails.
+    pub async fn install_chart_identities(&self) -> Result<bool, Error> {
+        let Some(helm) = built_tool("GPUSLICE_HELM", "helm", "") else {
+            return Ok(false);
+        };
+        let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/gpuslice");
+        let out = Command::new(&helm)
+            .args(["template", CHART_RELEASE, "--namespace", CHART_NAMESPACE])
+            .arg(&chart)
+            .output()
+            .map_err(io(format!("running {}", helm.display())))?;
+        if !out.status.success() {
+            return Err(Error::Kubeconfig(format!(
+                "helm template: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        let identity = |doc: &serde_json::Value| {
+            let kind = doc["kind"].as_str().unwrap_or_default();
+            let name = doc["metadata"]["name"].as_str().unwrap_or_default();
+            matches!(
+                kind,
+                "ServiceAccount" | "ClusterRole" | "ClusterRoleBinding" | "Role" | "RoleBinding"
+            ) || (kind.starts_with("ValidatingAdmissionPolicy")
+                && name.starts_with(&format!("{CHART_RELEASE}-agent-")))
+        };
+        let docs: Vec<serde_json::Value> = documents(&String::from_utf8_lossy(&out.stdout))
+            .into_iter()
+            .filter(identity)
+            .collect();
+        let admin = self.client().await?;
+        ensure_namespace(&admin, CHART_NAMESPACE).await?;
+        apply_all(&admin, &docs).await;
+        Ok(true)
+    }
+
+    /// A kubeconfig for the chart's operator ServiceAccount (after
+    /// [`install_chart_identities`](Self::install_chart_identities)).
+    pub async fn operator_kubeconfig(&self) -> Result<PathBuf, Error> {
+        let name = format!("{CHART_RELEASE}-operator");
+        self.token_client(CHART_NAMESPACE, &name, None).await?;
+        Ok(self.token_kubeconfig_path(CHART_NAMESPACE, &name, None))
+    }
+
+    /// A kubeconfig for the chart's agent ServiceAccount with a token bound to its pod on
+    /// `node`, as the DaemonSet's pod there has (after
+    /// [`install_chart_identities`](Self::install_chart_identities)).
+    pub async fn agent_kubeconfig(&self, node: &str) -> Result<PathBuf, Error> {
+        let name = format!("{CHART_RELEASE}-agent");
+        self.pod_service_account_client(CHART_NAMESPACE, &name, node)
+            .await?;
+        Ok(self.token_kubeconfig_path(CHART_NAMESPACE, &name, Some(node)))
+    }
+
+    fn token_kubeconfig_path(&self, namespace: &str, name: &str, node: Option<&str>) -> PathBuf {
+        let node = node.map(|n| format!("-on-{n}")).unwrap_or_default();
+        self.dir
+            .path()
+            .join(format!("sa-{namespace}-{name}{node}.kubeconfig"))
+    }
+
     /// Like [`service_account_client`](Self::service_account_client), with a token bound to a pod
     /// of that ServiceAccount on `node` (created if missing, never run), as a DaemonSet's pod
     /// has: the API server then names the node in the token's user info.
@@ -644,15 +715,21 @@ impl ControlPlane {
             name: pod.metadata.name.clone(),
             uid: pod.metadata.uid.clone(),
         };
-        self.token_client(namespace, name, Some(bound)).await
+        self.token_client(namespace, name, Some((bound, node)))
+            .await
     }
 
     async fn token_client(
         &self,
         namespace: &str,
         name: &str,
-        bound: Option<k8s_openapi::api::authentication::v1::BoundObjectReference>,
+        bound: Option<(
+            k8s_openapi::api::authentication::v1::BoundObjectReference,
+            &str,
+        )>,
     ) -> Result<Client, Error> {
+        let path = self.token_kubeconfig_path(namespace, name, bound.as_ref().map(|b| b.1));
+        let bound = bound.map(|b| b.0);
         let admin = self.client().await?;
         let accounts: Api<ServiceAccount> = Api::namespaced(admin, namespace);
         if accounts.get_opt(name).await?.is_none() {
@@ -677,10 +754,6 @@ impl ControlPlane {
             .create_token_request(name, &PostParams::default(), &request)
             .await?;
         let token = token.status.and_then(|s| s.token).unwrap_or_default();
-        let path = self
-            .dir
-            .path()
-            .join(format!("sa-{namespace}-{name}.kubeconfig"));
         self.write_kubeconfig(&path, Some(&token))?;
         Self::client_from(&path).await
     }
