@@ -1,4 +1,4 @@
-//! NVIDIA's own clients judge the NVML emulator, and our agent and NVIDIA's tools agree on MIG.
+//! NVIDIA's own clients judge our emulators, and our agent and NVIDIA's tools agree on MIG.
 //!
 //! - nvidia-ml-py reads every catalog model's MIG profiles the way NVIDIA's tools do
 //!   (`tests/device/mig_profiles.py`, the same read-only script a real GPU runs) and gets the
@@ -8,13 +8,20 @@
 //!   call with NVIDIA's documented answer and the emulator's, printed as a table (`--nocapture`);
 //! - for every MIG layout of mig-parted's standard configs on A30, A100 40/80GB, H100 and H200:
 //!   what our agent applies, go-nvml exports as the layout declared; what go-nvml applies the
-//!   mig-parted way, our agent reads back and finds nothing to change.
+//!   mig-parted way, our agent reads back and finds nothing to change;
+//! - cuda-bindings (`cuda.bindings.driver`) fetches every driver entry point through
+//!   `cuGetProcAddress`, by name and the CUDA version of the variant it means, and calls it with
+//!   that variant's arguments (`tests/cuda_bindings/driver_calls.py`). Against the CUDA emulator
+//!   every call answers as the driver documents; under the shim, in a slice, the same calls see the
+//!   slice's cap, an allocation past it fails, and the versioned variants (`cuCtxCreate_v3`,
+//!   `_v4`) reach code that takes their arguments.
 //!
-//! The clients come from `GPUSLICE_TEST_PYTHON` (a Python with nvidia-ml-py) and
+//! The clients come from `GPUSLICE_TEST_PYTHON` (a Python with nvidia-ml-py and cuda-bindings) and
 //! `GPUSLICE_GONVML` (`tests/gonvml/build.sh`); `.ci/run` provides both. Without them the tests
 //! say why and skip, except under `CI`, where they fail.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -38,13 +45,18 @@ fn missing(why: String) -> Option<PathBuf> {
     None
 }
 
-/// The Python with nvidia-ml-py.
-fn python() -> Option<PathBuf> {
+/// The Python that can import `module` (nvidia-ml-py's `pynvml`, cuda-bindings'
+/// `cuda.bindings.driver`).
+fn python(module: &str) -> Option<PathBuf> {
     let python = std::env::var("GPUSLICE_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    match Command::new(&python).args(["-c", "import pynvml"]).output() {
+    match Command::new(&python)
+        .args(["-c", &format!("import {module}")])
+        .output()
+    {
         Ok(out) if out.status.success() => Some(PathBuf::from(python)),
         _ => missing(format!(
-            "{python} cannot import pynvml (set GPUSLICE_TEST_PYTHON to a Python with nvidia-ml-py)"
+            "{python} cannot import {module} (set GPUSLICE_TEST_PYTHON to a Python with \
+             nvidia-ml-py and cuda-bindings)"
         )),
     }
 }
@@ -68,8 +80,8 @@ fn gonvml() -> Option<PathBuf> {
     }
 }
 
-/// An emulated node in a temporary folder: its state file and a lib folder holding the emulator
-/// as `libnvidia-ml.so.1`, as a driver install has it.
+/// An emulated node in a temporary folder: its state file and a lib folder holding the emulators
+/// as `libnvidia-ml.so.1` and `libcuda.so.1`, as a driver install has them, and the shim.
 struct Node {
     dir: tempfile::TempDir,
 }
@@ -79,9 +91,15 @@ impl Node {
         let dir = tempfile::tempdir().unwrap();
         let lib = dir.path().join("lib");
         std::fs::create_dir_all(&lib).unwrap();
-        let built = Path::new(BIN).parent().unwrap().join("libnvidia_ml.so");
-        std::fs::copy(&built, lib.join("libnvidia-ml.so.1"))
-            .unwrap_or_else(|e| panic!("{}: {e}", built.display()));
+        let built = Path::new(BIN).parent().unwrap();
+        for (name, file) in [
+            ("libnvidia-ml.so.1", "libnvidia_ml.so"),
+            ("libcuda.so.1", "libcuda.so"),
+            ("libgpuslice.so", "libgpuslice.so"),
+        ] {
+            std::fs::copy(built.join(file), lib.join(name))
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+        }
         std::fs::write(dir.path().join("node.yaml"), yaml).unwrap();
         let node: gpuslice_api::NodeInventory = serde_yaml::from_str(yaml).unwrap();
         // Where `gpuslice agent --emulate node.yaml --state <dir>/state` keeps the machine.
@@ -105,11 +123,16 @@ impl Node {
 
     /// Runs a client against the emulated node; its stdout as JSON (and whether it succeeded).
     fn client(&self, program: &Path, args: &[&str]) -> (bool, Value) {
+        self.client_with(program, args, &[])
+    }
+
+    fn client_with(&self, program: &Path, args: &[&str], env: &[(&str, &Path)]) -> (bool, Value) {
         let out = Command::new(program)
             .args(args)
             .env("GPUSLICE_EMULATOR_STATE", self.state_file())
             .env("LD_LIBRARY_PATH", self.dir.path().join("lib"))
             .env("GONVML_LIBRARY", self.library())
+            .envs(env.iter().copied())
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -184,7 +207,7 @@ fn every_model_node() -> String {
 
 #[test]
 fn nvidia_clients_read_every_models_profiles_as_the_catalog_has_them() {
-    let (Some(python), Some(gonvml)) = (python(), gonvml()) else {
+    let (Some(python), Some(gonvml)) = (python("pynvml"), gonvml()) else {
         return;
     };
     let node = Node::new(&every_model_node());
@@ -250,7 +273,7 @@ fn nvidia_clients_read_every_models_profiles_as_the_catalog_has_them() {
 
 #[test]
 fn nvidia_clients_drive_mig_call_by_call_as_nvidia_documents() {
-    let (Some(python), Some(gonvml)) = (python(), gonvml()) else {
+    let (Some(python), Some(gonvml)) = (python("pynvml"), gonvml()) else {
         return;
     };
     let mut failed = Vec::new();
@@ -279,57 +302,49 @@ fn layouts() -> Vec<(&'static str, BTreeMap<String, u32>)> {
     let layout = |pairs: &[(&str, u32)]| -> BTreeMap<String, u32> {
         pairs.iter().map(|(p, n)| (p.to_string(), *n)).collect()
     };
-    let eight =
-        |model: &'static str, g1: &str, g1d: &str, g2: &str, g3: &str, g4: &str, g7: &str| {
-            let me = format!("{g1}+me");
-            vec![
-                (model, layout(&[(g1, 7)])),
-                (model, layout(&[(g1d, 4)])),
-                (model, layout(&[(g2, 3)])),
-                (model, layout(&[(g3, 2)])),
-                (model, layout(&[(g4, 1)])),
-                (model, layout(&[(g7, 1)])),
-                (model, layout(&[(g1, 2), (g2, 1), (g3, 1)])),
-                (model, layout(&[(me.as_str(), 1), (g1, 6)])),
-            ]
-        };
+    // Per 8-slice model: the names of 1g, 1g with double memory, 2g, 3g, 4g and 7g.
+    let eight_slice: [(&'static str, [&str; 6]); 4] = [
+        (
+            "NVIDIA H200",
+            [
+                "1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb",
+            ],
+        ),
+        (
+            "NVIDIA H100 80GB HBM3",
+            [
+                "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb",
+            ],
+        ),
+        (
+            "NVIDIA A100-SXM4-80GB",
+            [
+                "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb",
+            ],
+        ),
+        (
+            "NVIDIA A100-SXM4-40GB",
+            [
+                "1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb",
+            ],
+        ),
+    ];
     let mut all = Vec::new();
-    all.extend(eight(
-        "NVIDIA H200",
-        "1g.18gb",
-        "1g.35gb",
-        "2g.35gb",
-        "3g.71gb",
-        "4g.71gb",
-        "7g.141gb",
-    ));
-    all.extend(eight(
-        "NVIDIA H100 80GB HBM3",
-        "1g.10gb",
-        "1g.20gb",
-        "2g.20gb",
-        "3g.40gb",
-        "4g.40gb",
-        "7g.80gb",
-    ));
-    all.extend(eight(
-        "NVIDIA A100-SXM4-80GB",
-        "1g.10gb",
-        "1g.20gb",
-        "2g.20gb",
-        "3g.40gb",
-        "4g.40gb",
-        "7g.80gb",
-    ));
-    all.extend(eight(
-        "NVIDIA A100-SXM4-40GB",
-        "1g.5gb",
-        "1g.10gb",
-        "2g.10gb",
-        "3g.20gb",
-        "4g.20gb",
-        "7g.40gb",
-    ));
+    for (model, [g1, g1d, g2, g3, g4, g7]) in eight_slice {
+        let me = format!("{g1}+me");
+        for l in [
+            layout(&[(g1, 7)]),
+            layout(&[(g1d, 4)]),
+            layout(&[(g2, 3)]),
+            layout(&[(g3, 2)]),
+            layout(&[(g4, 1)]),
+            layout(&[(g7, 1)]),
+            layout(&[(g1, 2), (g2, 1), (g3, 1)]),
+            layout(&[(me.as_str(), 1), (g1, 6)]),
+        ] {
+            all.push((model, l));
+        }
+    }
     for l in [
         layout(&[("1g.6gb", 4)]),
         layout(&[("2g.12gb", 2)]),
@@ -422,4 +437,67 @@ fn mig_parted_and_our_agent_agree_on_every_layout() {
     for row in rows {
         println!("  {row}");
     }
+}
+
+/// Two emulated H200s for the CUDA calls.
+const TWO_H200S: &str =
+    "name: n\ngpus:\n- {index: 0, model: NVIDIA H200}\n- {index: 1, model: NVIDIA H200}\n";
+
+fn driver_calls() -> PathBuf {
+    root().join("tests/cuda_bindings/driver_calls.py")
+}
+
+#[test]
+fn cuda_bindings_drive_the_emulated_driver_as_nvidia_documents() {
+    let Some(python) = python("cuda.bindings.driver") else {
+        return;
+    };
+    let node = Node::new(TWO_H200S);
+    let (_, rows) = node.client(&python, &[driver_calls().to_str().unwrap()]);
+    assert!(rows.as_array().unwrap().len() > 20, "{rows}");
+    let failed = table("cuda-bindings on the CUDA emulator", &rows);
+    assert!(failed.is_empty(), "calls answered otherwise: {failed:?}");
+}
+
+#[test]
+fn under_the_shim_cuda_bindings_see_the_slice_and_every_variant_works() {
+    let Some(python) = python("cuda.bindings.driver") else {
+        return;
+    };
+    let node = Node::new(TWO_H200S);
+    // The slice as the agent writes it: its read-only config and its memory ledger.
+    let state = gpuslice_contract::StateDir::new(node.dir.path().join("agent"));
+    let cap = 8 << 30;
+    let slice = gpuslice_contract::SliceConfig {
+        id: "gpu0-s0".into(),
+        kind: gpuslice_contract::SliceKind::Software,
+        gpu: 0,
+        device_minor: None,
+        device_uuid: "GPU-aaaa".into(),
+        memory_bytes: cap,
+        compute_percent: 100,
+    };
+    gpuslice_node::slices::sync_dirs(&state, std::slice::from_ref(&slice)).unwrap();
+    let config = state.slice_config(&slice.id);
+    if std::fs::metadata(&config).unwrap().uid() != 0 {
+        println!("SKIPPED: the shim accepts a slice config its own user wrote only as root");
+        return;
+    }
+    let (_, rows) = node.client_with(
+        &python,
+        &[driver_calls().to_str().unwrap(), &cap.to_string()],
+        &[
+            ("LD_PRELOAD", &node.dir.path().join("lib/libgpuslice.so")),
+            ("GPUSLICE_SLICE_CONFIG", &config),
+        ],
+    );
+    let failed = table("cuda-bindings under the shim, in an 8 GiB slice", &rows);
+    assert!(failed.is_empty(), "calls answered otherwise: {failed:?}");
+    assert!(
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["call"] == "cuMemAlloc past the slice's cap" && r["ok"] == true),
+        "{rows}"
+    );
 }
