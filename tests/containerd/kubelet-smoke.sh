@@ -8,10 +8,24 @@
 # empty tmpfs and the sysctl files the kubelet sets are plain files, so nothing leaks to the host
 # or to kubelets that other tests run at the same time. Needs root; prints "N passed, N failed".
 #
-#   tests/containerd/kubelet-smoke.sh [--keep]
+# --qos: cgroupsPerQOS true, as on a real node, under a cgroupRoot of this run's own
+# (/gpuslice-kubelet.XXXXXX, made here in every hierarchy, removed at the end): a second,
+# Guaranteed pod, and checks that each container's cgroup path carries pod<uid>
+# (<root>/kubepods/besteffort/pod<uid>/<id>, <root>/kubepods/pod<uid>/<id>), seen from the host in
+# /proc/<pid>/cgroup of the pid crictl inspect gives (translated out of the pid namespace), and
+# that every cgroup the kubelet made is gone after the teardown.
+#
+#   tests/containerd/kubelet-smoke.sh [--qos] [--keep]
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-keep=0; [[ "${1:-}" == --keep ]] && keep=1
+keep=0; qos=0
+for a in "$@"; do
+  case "$a" in
+    --keep) keep=1 ;;
+    --qos) qos=1 ;;
+    *) echo "usage: $0 [--qos] [--keep]" >&2; exit 2 ;;
+  esac
+done
 
 B="$("$here/build.sh")/bin" || exit 1
 K="$("$here/../controlplane/build.sh")/bin" || exit 1
@@ -25,18 +39,47 @@ check() {
 }
 crictl() { "$B/crictl" --runtime-endpoint "unix://$D/containerd.sock" --timeout 30s "$@" 2>/dev/null; }
 ns_pid=""
-cleanup() {
+# --qos: the kubelet's cgroupRoot, this run's own. The kubelet refuses a root that is missing from
+# any of cpu, cpuacct, cpuset, memory, pids, name=systemd ("invalid configuration: cgroup
+# [...] has some missing paths: ..."); it is made in every hierarchy here, cpuset given its
+# parent's cpus and mems.
+cg_root=""
+cg_dirs() { for h in /sys/fs/cgroup/*/; do [[ -d "$h${cg_root#/}" ]] && echo "$h${cg_root#/}"; done; }
+teardown() {
   [[ -n "$ns_pid" ]] && { kill -KILL "$ns_pid" 2>/dev/null; wait "$ns_pid" 2>/dev/null; }
+  ns_pid=""
+  sleep 1  # the kernel ends the namespace's processes after unshare has gone
   # Container cgroups, empty now: with cgroupsPerQOS=false the kubelet gives no cgroup parent and
   # containerd uses /k8s.io/<id> in each hierarchy.
-  sleep 1  # the kernel ends the namespace's processes after unshare has gone
   for id in $(cat "$D/containers" 2>/dev/null); do
     for c in /sys/fs/cgroup/*/k8s.io/"$id"; do [[ -d "$c" ]] && rmdir "$c" 2>/dev/null; done
   done
   rmdir /sys/fs/cgroup/*/k8s.io 2>/dev/null  # only where empty
+  # With --qos: <root>/kubepods/{besteffort,burstable,}/pod<uid>/<id>, deepest first; a cgroup
+  # whose last task is still exiting is EBUSY for a moment.
+  if [[ -n "$cg_root" ]]; then
+    for _ in $(seq 10); do
+      for c in $(cg_dirs); do find "$c" -depth -type d -exec rmdir {} + 2>/dev/null; done
+      [[ -z "$(cg_dirs)" ]] && break
+      sleep 0.5
+    done
+  fi
+}
+cleanup() {
+  teardown
   if [[ $keep == 1 ]]; then echo "kept $D" >&2; else rm -rf "$D"; fi
 }
 trap cleanup EXIT
+if [[ $qos == 1 ]]; then
+  cg_root="/${D##*/}"
+  for h in /sys/fs/cgroup/*/; do
+    [[ -e "${h}cgroup.procs" ]] || continue
+    mkdir "$h${cg_root#/}" || exit 1
+    if [[ -e "${h}cpuset.cpus" ]]; then
+      cat "${h}cpuset.cpus" >"$h${cg_root#/}/cpuset.cpus"; cat "${h}cpuset.mems" >"$h${cg_root#/}/cpuset.mems"
+    fi
+  done
+fi
 
 "$here/image.sh" "$D/probe.tar" 2>/dev/null
 "$here/image.sh" --name gpuslice.test/pause:1 --entrypoint 'sleep inf' "$D/pause.tar" 2>/dev/null
@@ -50,7 +93,8 @@ apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 failCgroupV1: false
 cgroupDriver: cgroupfs
-cgroupsPerQOS: false
+$(if [[ $qos == 1 ]]; then echo "cgroupsPerQOS: true"; echo "cgroupRoot: $cg_root";
+  else echo "cgroupsPerQOS: false"; fi)
 enforceNodeAllocatable: []
 failSwapOn: false
 containerRuntimeEndpoint: unix://$D/containerd.sock
@@ -84,6 +128,20 @@ spec:
       readOnlyRootFilesystem: true
       seccompProfile: {type: RuntimeDefault}
 EOF
+# --qos: requests = limits, so Guaranteed: directly under kubepods, no QoS-class level.
+[[ $qos == 1 ]] && cat >"$D/manifests/guaranteed.yaml" <<'EOF'
+apiVersion: v1
+kind: Pod
+metadata: {name: guaranteed, namespace: default}
+spec:
+  hostNetwork: true
+  containers:
+  - name: guaranteed
+    image: gpuslice.test/probe:1
+    imagePullPolicy: Never
+    command: [sleep, inf]
+    resources: {limits: {cpu: 100m, memory: 32Mi}}
+EOF
 # The sysctls the kubelet checks and sets, as plain files holding the values it wants.
 sysctls=(vm/overcommit_memory:1 vm/panic_on_oom:0 kernel/panic:10 kernel/panic_on_oops:1
          kernel/keys/root_maxkeys:1000000 kernel/keys/root_maxbytes:25000000)
@@ -107,10 +165,11 @@ PATH="$B:$PATH" unshare --mount --propagation private --pid --fork --mount-proc 
 " >"$D/kubelet.log" 2>&1 &
 ns_pid=$!
 
-cid=""
+cid=""; gid=""
 for _ in $(seq 120); do
-  cid="$(crictl ps -q --name probe --state running)"
-  [[ -n "$cid" ]] && break
+  cid="$(crictl ps -q --name '^probe$' --state running)"
+  [[ $qos == 1 ]] && gid="$(crictl ps -q --name '^guaranteed$' --state running)"
+  [[ -n "$cid" && ( $qos == 0 || -n "$gid" ) ]] && break
   sleep 0.5
 done
 crictl ps -a -q >"$D/containers"; crictl pods -q >>"$D/containers"
@@ -126,5 +185,54 @@ check "pod log under podLogsDir" eval 'ls "$D"/pod-logs/default_probe-containerd
 check "host /var/lib/kubelet and sysctls as they were" \
   eval '[[ "$(host_state)" == "$host_before" ]]'
 grep -E 'oom|OOM' "$D/kubelet.log" | grep -iE 'error|fail' | head -3 >>"$D/checks.log"
+
+if [[ $qos == 1 ]]; then
+  # crictl inspect's info.pid is in containerd's pid namespace (the unshare's, where the kubelet is
+  # pid 1); the container has a pid namespace of its own below that. The host pid is the one whose
+  # NSpid (host, unshare's namespace, the container's) has it second, below the kubelet (unshare's
+  # child, its namespace's init: the shims' parent once they daemonize).
+  kubelet_pid="$(awk '{print $1}' /proc/"$ns_pid"/task/"$ns_pid"/children 2>/dev/null)"
+  host_pid() {
+    local p q
+    # grep, not one awk: mawk stops at a status file whose process has just gone.
+    for p in $(grep -s '^NSpid:' /proc/[0-9]*/status | awk -v want="$1" '$3 == want {print $1}'); do
+      p="${p#/proc/}"; p="${p%/status:NSpid:}"; q="$p"
+      while [[ -n "$q" && "$q" != 0 && "$q" != 1 ]]; do
+        [[ "$q" == "$kubelet_pid" ]] && { echo "$p"; return; }
+        q="$(awk '/^PPid:/ {print $2}' /proc/"$q"/status 2>/dev/null)"
+      done
+    done
+  }
+  # check_pod NAME CONTAINER-ID QOS-LEVEL ("besteffort/" or ""): the container's cgroupsPath and its
+  # process's /proc/<pid>/cgroup on the host show <root>/kubepods/<level>pod<uid>/<id>, uid as the
+  # pod's io.kubernetes.pod.uid label.
+  check_pod() {
+    local name="$1" id="$2" level="$3" json uid nspid hpid want
+    json="$(crictl inspect "$id")"
+    uid="$(python3 -c 'import json,sys; print(json.load(sys.stdin)["status"]["labels"]["io.kubernetes.pod.uid"])' <<<"$json")"
+    nspid="$(python3 -c 'import json,sys; print(json.load(sys.stdin)["info"]["pid"])' <<<"$json")"
+    hpid="$(host_pid "$nspid")"
+    want="$cg_root/kubepods/${level}pod$uid/$id"
+    echo "$name: uid $uid, pid $nspid in the namespace, $hpid on the host, want $want" | tee -a "$D/checks.log"
+    check "$name: cgroupsPath $cg_root/kubepods/${level}pod<uid>/<id>" \
+      grep -q "\"cgroupsPath\": \"$want\"" <<<"$json"
+    cat /proc/"$hpid"/cgroup >"$D/cgroup.$name" 2>&1
+    sed "s/^/  /" "$D/cgroup.$name" | tee -a "$D/checks.log"
+    # Every v1 hierarchy the kubelet checks, and cgroup2 (unified) as well.
+    check "$name: host /proc/<pid>/cgroup shows it in cpu, cpuacct, cpuset, memory, pids, systemd, unified" \
+      in_all "$want" "$D/cgroup.$name"
+  }
+  in_all() {
+    local c
+    for c in :cpu: :cpuacct: :cpuset: :memory: :pids: :name=systemd: 0::; do
+      grep -q "$c$1\$" "$2" || { echo "no $c$1 in $2"; return 1; }
+    done
+  }
+  check_pod probe "$cid" besteffort/
+  check_pod guaranteed "$gid" ""
+  teardown
+  check "teardown removed $cg_root (and the kubepods tree in it) from every hierarchy" \
+    eval '[[ -z "$(cg_dirs)" ]]'
+fi
 echo "$passed passed, $failed failed"
 [[ $failed == 0 ]] || { tail -30 "$D/checks.log" >&2; grep -E '^E[0-9]' "$D/kubelet.log" | tail -15 >&2; exit 1; }
