@@ -109,6 +109,11 @@ enum Command {
         /// Run against an emulated node described by this NodeInventory YAML instead of real GPUs.
         #[arg(long, conflicts_with = "nvml")]
         emulate: Option<PathBuf>,
+        /// With --emulate: where the emulated machine keeps its state (the emulated driver, which
+        /// containers share through a host path) instead of the state directory's
+        /// `emulated-<node>.json`.
+        #[arg(long, requires = "emulate")]
+        emulator_state: Option<PathBuf>,
         /// Load NVML from this library instead of the system's libnvidia-ml.so.1.
         #[arg(long)]
         nvml: Option<PathBuf>,
@@ -566,6 +571,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             node_name,
             labels,
             emulate,
+            emulator_state,
             nvml,
             state,
             apply,
@@ -608,7 +614,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let state = StateDir::new(state);
             let library = match &emulate {
                 Some(_) => {
-                    gpuslice_node::emulate::prepare_emulator(&state, &node)?;
+                    let machine =
+                        emulator_state.unwrap_or_else(|| state.emulated_machine(&node.name));
+                    gpuslice_node::emulate::prepare_emulator(&machine, &node)?;
                     Some(gpuslice_node::emulate::emulator_library()?)
                 }
                 None => nvml,

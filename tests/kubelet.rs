@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, Kubelet, eventually};
+use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, Kubelet, Runtime, eventually};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -52,7 +52,16 @@ struct Setup {
     dir: tempfile::TempDir,
     /// Where the agent serves /metrics.
     metrics_port: u16,
+    /// On containerd: the folder holding the emulated driver's state, shared with containers by
+    /// a host path (world-writable, as the driver's device nodes are).
+    driver: Option<std::path::PathBuf>,
 }
+
+/// In the probe image: the probe, and the emulated driver's libraries (what the NVIDIA container
+/// runtime would bring from the host).
+const IMAGE_PROBE: &str = "/usr/local/bin/probe";
+const IMAGE_DRIVER_LIBS: &str = "/usr/local/lib/gpuslice-driver";
+const PROBE_IMAGE: &str = "gpuslice.test/probe:1";
 
 impl Setup {
     async fn start(clock: &str, agent_args: &[&str]) -> Option<Setup> {
@@ -61,9 +70,48 @@ impl Setup {
 
     /// As [`Setup::start`], with `gpus` emulated A100s on the node.
     async fn start_with_gpus(clock: &str, agent_args: &[&str], gpus: u32) -> Option<Setup> {
+        Setup::start_on(clock, agent_args, gpus, false).await
+    }
+
+    /// As [`Setup::start`], the kubelet on containerd: pods run in real containers of the probe
+    /// image, as user 1000 where they say so.
+    async fn start_on_containerd(clock: &str) -> Option<Setup> {
+        Setup::start_on(clock, &[], 1, true).await
+    }
+
+    async fn start_on(
+        clock: &str,
+        agent_args: &[&str],
+        gpus: u32,
+        containerd: bool,
+    ) -> Option<Setup> {
+        let dir = tempfile::tempdir().unwrap();
+        let (probe, lib) = gpuslice_testcluster::build_probe(
+            Path::new(env!("CARGO_BIN_EXE_gpuslice")),
+            dir.path(),
+        );
+        let runtime = if containerd {
+            let image = dir.path().join("probe.tar");
+            // ldd finds the probe's libraries (the emulated driver's among them) for the image.
+            gpuslice_testcluster::containerd::build_image(
+                &image,
+                PROBE_IMAGE,
+                None,
+                &[
+                    format!("{}:{IMAGE_PROBE}", probe.display()),
+                    format!("{}:{IMAGE_DRIVER_LIBS}", lib.display()),
+                ],
+                &[("LD_LIBRARY_PATH", lib.as_path())],
+            );
+            Runtime::Containerd {
+                images: vec![image],
+            }
+        } else {
+            Runtime::Test
+        };
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
         let kubelet = cluster
-            .start_kubelet(NODE, &[("gpuslice.io/pool", "shared-a100")])
+            .start_kubelet_on(NODE, &[("gpuslice.io/pool", "shared-a100")], runtime)
             .await
             .unwrap()?;
         let client = cluster.client().await.unwrap();
@@ -75,7 +123,6 @@ impl Setup {
         }
         let agent_kubeconfig = cluster.agent_kubeconfig(NODE).await.unwrap();
         let operator_kubeconfig = cluster.operator_kubeconfig().await.unwrap();
-        let dir = tempfile::tempdir().unwrap();
         let node_file = dir.path().join("node.yaml");
         let gpu_lines: String = (0..gpus)
             .map(|i| format!("- {{index: {i}, model: NVIDIA A100-SXM4-80GB}}\n"))
@@ -84,7 +131,16 @@ impl Setup {
         let state = dir.path().join("state");
         let agent_log = dir.path().join("agent.log");
         let metrics_port = gpuslice_testcluster::free_port().unwrap();
-        let agent_args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
+        let mut agent_args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
+        let driver = containerd.then(|| {
+            use std::os::unix::fs::PermissionsExt as _;
+            let driver = dir.path().join("driver");
+            std::fs::create_dir_all(&driver).unwrap();
+            std::fs::set_permissions(&driver, std::fs::Permissions::from_mode(0o777)).unwrap();
+            agent_args.push("--emulator-state".into());
+            agent_args.push(driver.join("machine.json").display().to_string());
+            driver
+        });
         let agent = spawn_agent(
             &agent_kubeconfig,
             &kubelet,
@@ -105,11 +161,10 @@ impl Setup {
             ],
         )
         .await;
-        let (probe, lib) = gpuslice_testcluster::build_probe(
-            Path::new(env!("CARGO_BIN_EXE_gpuslice")),
-            dir.path(),
-        );
-        let machine = gpuslice_contract::StateDir::new(&state).emulated_machine(NODE);
+        let machine = match &driver {
+            Some(driver) => driver.join("machine.json"),
+            None => gpuslice_contract::StateDir::new(&state).emulated_machine(NODE),
+        };
         Some(Setup {
             agent,
             agent_args,
@@ -127,6 +182,7 @@ impl Setup {
             lib,
             machine,
             metrics_port,
+            driver,
             dir,
         })
     }
@@ -1597,4 +1653,123 @@ async fn a_pods_first_launches_wait_for_an_agent_that_is_restarting() {
     })
     .await;
     pods.delete("late", &DeleteParams::default()).await.unwrap();
+}
+
+/// A notebook pod for containerd: the probe image, host network (no CNI here), user 1000, a
+/// read-only root filesystem; the emulated driver's folder and a control folder (read-only) by
+/// host path.
+fn container_pod(name: &str, script: &str, driver: &Path, control: &Path) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "kubelet-test"}},
+        "spec": {
+            "hostNetwork": true,
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "terminationGracePeriodSeconds": 5,
+            "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": true},
+            "containers": [{
+                "name": "main",
+                "image": PROBE_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", script],
+                "env": [
+                    {"name": "LD_LIBRARY_PATH", "value": IMAGE_DRIVER_LIBS},
+                    {"name": "GPUSLICE_EMULATOR_STATE", "value": driver.join("machine.json")},
+                ],
+                "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false},
+                "volumeMounts": [
+                    {"name": "driver", "mountPath": driver},
+                    {"name": "control", "mountPath": "/control", "readOnly": true},
+                ],
+                "resources": {"limits": {"gpuslice.io/notebook": "1"}}
+            }],
+            "volumes": [
+                {"name": "driver", "hostPath": {"path": driver, "type": "Directory"}},
+                {"name": "control", "hostPath": {"path": control, "type": "Directory"}},
+            ]
+        }
+    }))
+    .unwrap()
+}
+
+/// On containerd, in real containers of the probe image — their own pid and mount namespaces,
+/// user 1000, a read-only root filesystem — the CDI spec containerd applies puts the shim in the
+/// image's /etc/ld.so.preload and pins the slice's config, so each notebook is held to its 9 GiB
+/// whatever its environment says: unsetting the variable that names the config, or pointing it
+/// at a forged one, changes nothing.
+#[tokio::test]
+async fn in_real_containers_each_pod_is_held_to_its_slice() {
+    let Some(setup) = Setup::start_on_containerd(CLOCK).await else {
+        return;
+    };
+    let driver = setup.driver.clone().unwrap();
+    let control = setup.dir.path().join("control");
+    std::fs::create_dir_all(&control).unwrap();
+    std::fs::write(
+        control.join("forged-config"),
+        r#"{"id":"gpu0-s0","kind":"software","gpu":0,"deviceUuid":"x","memoryBytes":1099511627776,"computePercent":100}"#,
+    )
+    .unwrap();
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let names = ["notebook-0", "notebook-1", "notebook-2"];
+    let escapes = [
+        "",
+        "env -u GPUSLICE_SLICE_CONFIG ",
+        "env GPUSLICE_SLICE_CONFIG=/control/forged-config ",
+    ];
+    for (name, escape) in names.iter().zip(escapes) {
+        let script = format!(
+            "echo pid=$$$$ uid=$(id -u) preload=$(cat /etc/ld.so.preload); \
+             {escape}{IMAGE_PROBE} link cap && until [ -e /control/stop-{name} ]; do sleep 0.2; done"
+        );
+        pods.create(
+            &PostParams::default(),
+            &container_pod(name, &script, &driver, &control),
+        )
+        .await
+        .unwrap();
+    }
+    wait_for_phases(&pods, &names, ["Running"; 3]).await;
+
+    let containers = setup.kubelet.containers();
+    assert_eq!(containers.len(), 3, "{containers:#?}");
+    for c in &containers {
+        assert_eq!(
+            c.cdi_devices,
+            [cdi_id(&setup.client, &c.pod).await],
+            "{c:#?}"
+        );
+        assert!(
+            !c.env.iter().any(|e| e.starts_with("LD_PRELOAD=")),
+            "{c:#?}"
+        );
+        let output = eventually("the container printed its GPU", || {
+            let output = setup.kubelet.output(c);
+            async move {
+                output
+                    .contains("alloc_over=")
+                    .then_some(output.clone())
+                    .ok_or(output)
+            }
+        })
+        .await;
+        // Its own pid namespace (the shell is pid 1), the pod's user, and the shim preloaded by
+        // the file the CDI spec put over the image's.
+        assert!(output.contains("pid=1 uid=1000 "), "{output}");
+        assert!(
+            output.contains("preload=") && output.contains("libgpuslice.so"),
+            "{output}"
+        );
+        assert_eq!(value(&output, "info_total"), 9 << 30, "{}: {output}", c.pod);
+        assert_eq!(value(&output, "chunks"), 8, "{}: {output}", c.pod);
+        assert_ne!(value(&output, "alloc_over"), 0, "{}: {output}", c.pod);
+    }
+
+    for name in names {
+        std::fs::write(control.join(format!("stop-{name}")), "").unwrap();
+    }
+    wait_for_phases(&pods, &names, ["Succeeded"; 3]).await;
 }

@@ -4,6 +4,11 @@
 //! applies the change and replaces the file atomically.
 
 use std::fs::{File, OpenOptions};
+use std::os::unix::fs::PermissionsExt as _;
+
+/// The state and its lock file are for every user, as a driver's device nodes (`/dev/nvidia*`,
+/// mode 0666) are: a workload of any user in a container reaches the emulated GPUs.
+const SHARED: u32 = 0o666;
 use std::path::{Path, PathBuf};
 
 use crate::model::{Machine, Mutation, NvmlError};
@@ -61,13 +66,17 @@ impl Store {
     }
 
     fn lock(&self) -> Result<File, StoreError> {
+        use std::os::unix::fs::OpenOptionsExt as _;
         let lock_path = self.path.with_extension("lock");
         let file = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(SHARED)
             .open(&lock_path)
             .map_err(|e| self.io(e))?;
+        // The umask took from the mode; the file's owner gives it back (others cannot, nor need).
+        let _ = file.set_permissions(std::fs::Permissions::from_mode(SHARED));
         file.lock().map_err(|e| self.io(e))?;
         Ok(file)
     }
@@ -91,6 +100,10 @@ impl Store {
             .unwrap_or(Path::new("."));
         let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| self.io(e))?;
         serde_json::to_writer(&tmp, machine).map_err(|e| self.io(e.into()))?;
+        // Whatever the umask: every user of the machine reaches the emulated driver.
+        tmp.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(SHARED))
+            .map_err(|e| self.io(e))?;
         tmp.as_file().sync_all().map_err(|e| self.io(e))?;
         tmp.persist(&self.path).map_err(|e| self.io(e.error))?;
         Ok(())

@@ -4,7 +4,6 @@
 use std::path::{Path, PathBuf};
 
 use gpuslice_api::NodeInventory;
-use gpuslice_contract::StateDir;
 
 /// Why the emulated machine cannot be set up.
 #[derive(Debug, thiserror::Error)]
@@ -30,22 +29,21 @@ pub fn emulator_library() -> Result<PathBuf, EmulateError> {
     .ok_or_else(|| EmulateError::NoLibrary(exe.display().to_string()))
 }
 
-/// Seeds (or reuses) the emulated machine's state file for an inventory, and points the
+/// Seeds (or reuses) the emulated machine's state file (`path`) for an inventory, and points the
 /// emulated NVML at it. The state persists between runs, as hardware would.
-pub fn prepare_emulator(state: &StateDir, node: &NodeInventory) -> Result<PathBuf, EmulateError> {
+pub fn prepare_emulator(path: &Path, node: &NodeInventory) -> Result<PathBuf, EmulateError> {
     let failed = |message: String| EmulateError::Machine {
         node: node.name.clone(),
         message,
     };
-    std::fs::create_dir_all(state.root())
-        .map_err(|e| failed(format!("{}: {e}", state.root().display())))?;
-    let path = state.emulated_machine(&node.name);
-    if gpuslice_emulator::Store::open(&path).is_err() {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| failed(format!("{}: {e}", dir.display())))?;
+    if gpuslice_emulator::Store::open(path).is_err() {
         let machine =
             gpuslice_emulator::Machine::from_inventory(node).map_err(|e| failed(e.to_string()))?;
-        gpuslice_emulator::Store::create(&path, &machine).map_err(|e| failed(e.to_string()))?;
+        gpuslice_emulator::Store::create(path, &machine).map_err(|e| failed(e.to_string()))?;
     }
     // SAFETY: called from main before any other thread exists; the emulated NVML reads it at init.
-    unsafe { std::env::set_var(gpuslice_contract::env::EMULATOR_STATE, &path) };
-    Ok(path)
+    unsafe { std::env::set_var(gpuslice_contract::env::EMULATOR_STATE, path) };
+    Ok(path.to_path_buf())
 }

@@ -1,6 +1,7 @@
 //! A real kubelet for one node of a test control plane, on our test container runtime
 //! (`testruntime`: the kubelet's fake CRI server, plus CDI resolution and validation, and each
-//! container's command run as a local process with the CDI edits applied).
+//! container's command run as a local process with the CDI edits applied), or on containerd with
+//! runc ([`Runtime::Containerd`]: real containers from local images).
 //!
 //! The kubelet needs root. It changes a few host settings and paths, which [`Kubelet`] puts back
 //! when it is dropped: three sysctls, `/var/lib/kubelet/device-plugins/kubelet.sock` and
@@ -53,6 +54,24 @@ pub struct Container {
     #[serde(default)]
     pub started: bool,
     pub exit_code: Option<i32>,
+    /// containerd: the container's CRI log file.
+    #[serde(skip)]
+    pub log_path: Option<PathBuf>,
+}
+
+/// The container runtime under the kubelet.
+pub enum Runtime {
+    /// `testruntime`: commands as local processes, CDI applied by our Go code.
+    Test,
+    /// containerd with runc: real containers in their own namespaces; these images (OCI
+    /// tarballs, see [`crate::containerd::build_image`]) imported for `imagePullPolicy: Never`.
+    /// Only hostNetwork pods run.
+    Containerd { images: Vec<PathBuf> },
+}
+
+enum RuntimeProcess {
+    Test(Process),
+    Containerd(crate::containerd::Containerd),
 }
 
 /// One kubelet at a time per test process: kubelets share host paths and sysctls, and each puts
@@ -66,7 +85,7 @@ pub struct Kubelet {
     dir: PathBuf,
     bin: PathBuf,
     args: Vec<String>,
-    runtime: Process,
+    runtime: RuntimeProcess,
     kubelet: Option<Process>,
     sysctls: Vec<(&'static str, String)>,
     created: Vec<&'static str>,
@@ -81,6 +100,17 @@ impl ControlPlane {
         &self,
         node: &str,
         labels: &[(&str, &str)],
+    ) -> Result<Option<Kubelet>, Error> {
+        self.start_kubelet_on(node, labels, Runtime::Test).await
+    }
+
+    /// [`start_kubelet`](Self::start_kubelet) on the given runtime; `Ok(None)` also when
+    /// containerd is asked for and not built (which under `CI` fails).
+    pub async fn start_kubelet_on(
+        &self,
+        node: &str,
+        labels: &[(&str, &str)],
+        runtime: Runtime,
     ) -> Result<Option<Kubelet>, Error> {
         // SAFETY: geteuid has no preconditions and touches no memory.
         if unsafe { libc::geteuid() } != 0 {
@@ -108,18 +138,48 @@ impl ControlPlane {
         ] {
             std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("creating {sub}")))?;
         }
-        let socket = dir.join("cri.sock");
-        let runtime = Process::spawn(
-            "testruntime",
-            &self.bin.join("testruntime"),
-            &[
-                format!("--endpoint=unix://{}", socket.display()),
-                format!("--records={}", dir.join("records").display()),
-                format!("--cdi-dir={}", dir.join("cdi").display()),
-                format!("--scratch={}", dir.join("scratch").display()),
-            ],
-            &dir,
-        )?;
+        // The kubelet runs in a private mount namespace (its mounts end with it), or in
+        // containerd's, whose runc must see the kubelet's mounts for pods.
+        let (runtime, socket, namespace) = match runtime {
+            Runtime::Test => {
+                let socket = dir.join("cri.sock");
+                let process = Process::spawn(
+                    "testruntime",
+                    &self.bin.join("testruntime"),
+                    &[
+                        format!("--endpoint=unix://{}", socket.display()),
+                        format!("--records={}", dir.join("records").display()),
+                        format!("--cdi-dir={}", dir.join("cdi").display()),
+                        format!("--scratch={}", dir.join("scratch").display()),
+                    ],
+                    &dir,
+                )?;
+                let private = ["--mount", "--propagation", "private"].map(String::from);
+                (RuntimeProcess::Test(process), socket, private.to_vec())
+            }
+            Runtime::Containerd { images } => {
+                let Some(containerd) =
+                    crate::containerd::Containerd::start(&dir.join("containerd"))?
+                else {
+                    return Ok(None);
+                };
+                for image in &images {
+                    containerd.import(image)?;
+                }
+                let socket = containerd.socket();
+                // Its pid namespace too: that mount namespace's /proc is the pid namespace's.
+                let join = vec![
+                    format!("--mount={}", containerd.namespace("mnt").display()),
+                    format!("--pid={}", containerd.namespace("pid").display()),
+                ];
+                (RuntimeProcess::Containerd(containerd), socket, join)
+            }
+        };
+        let launcher = if matches!(runtime, RuntimeProcess::Test(_)) {
+            "unshare"
+        } else {
+            "nsenter"
+        };
         let (port, healthz) = (free_port()?, free_port()?);
         let config = serde_json::json!({
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -153,10 +213,8 @@ impl ControlPlane {
             &serde_yaml::to_string(&config).map_err(|e| Error::Kubeconfig(e.to_string()))?,
         )?;
         let node_labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let args = vec![
-            "--mount".to_string(),
-            "--propagation".to_string(),
-            "private".to_string(),
+        let mut args = namespace;
+        args.extend([
             self.bin.join("kubelet").display().to_string(),
             format!("--config={}", config_path.display()),
             format!("--kubeconfig={}", self.kubeconfig_path().display()),
@@ -165,7 +223,7 @@ impl ControlPlane {
             format!("--hostname-override={node}"),
             format!("--node-labels={}", node_labels.join(",")),
             "--v=2".to_string(),
-        ];
+        ]);
         let sysctls = SYSCTLS
             .iter()
             .filter_map(|p| Some((*p, std::fs::read_to_string(p).ok()?)))
@@ -178,7 +236,7 @@ impl ControlPlane {
         let mut kubelet = Kubelet {
             _turn: turn,
             node: node.to_string(),
-            bin: PathBuf::from("unshare"),
+            bin: PathBuf::from(launcher),
             args,
             runtime,
             kubelet: None,
@@ -201,11 +259,17 @@ impl Kubelet {
 
     /// Where the runtime looks for CDI specs (the agent's `--cdi-dir`).
     pub fn cdi_dir(&self) -> PathBuf {
-        self.dir.join("cdi")
+        match &self.runtime {
+            RuntimeProcess::Test(_) => self.dir.join("cdi"),
+            RuntimeProcess::Containerd(c) => c.cdi_dir(),
+        }
     }
 
     /// Every container the runtime was asked to create.
     pub fn containers(&self) -> Vec<Container> {
+        if let RuntimeProcess::Containerd(c) = &self.runtime {
+            return c.containers();
+        }
         let mut all: Vec<Container> = std::fs::read_dir(self.dir.join("records"))
             .into_iter()
             .flatten()
@@ -220,6 +284,9 @@ impl Kubelet {
 
     /// What a container's process printed.
     pub fn output(&self, container: &Container) -> String {
+        if let Some(log) = &container.log_path {
+            return crate::containerd::output(log);
+        }
         std::fs::read_to_string(
             self.dir
                 .join("records")
@@ -232,7 +299,7 @@ impl Kubelet {
     /// when its node is Ready again.
     pub async fn restart(&mut self, cluster: &ControlPlane) -> Result<(), Error> {
         if let Some(mut k) = self.kubelet.take() {
-            k.stop();
+            k.stop_with_children();
         }
         self.start(cluster).await
     }
@@ -276,10 +343,13 @@ impl Kubelet {
             .as_ref()
             .map(|k| k.log_text())
             .unwrap_or_default();
+        let (name, runtime) = match &self.runtime {
+            RuntimeProcess::Test(p) => ("testruntime", p.log_text()),
+            RuntimeProcess::Containerd(c) => ("containerd", c.log_text()),
+        };
         format!(
-            "----- kubelet of {} -----\n{kubelet}\n----- testruntime -----\n{}\n",
-            self.node,
-            self.runtime.log_text()
+            "----- kubelet of {} -----\n{kubelet}\n----- {name} -----\n{runtime}\n",
+            self.node
         )
     }
 }
@@ -287,9 +357,11 @@ impl Kubelet {
 impl Drop for Kubelet {
     fn drop(&mut self) {
         if let Some(mut k) = self.kubelet.take() {
-            k.stop();
+            k.stop_with_children();
         }
-        self.runtime.stop();
+        if let RuntimeProcess::Test(p) = &mut self.runtime {
+            p.stop();
+        }
         for (path, value) in &self.sysctls {
             let _ = std::fs::write(path, value);
         }

@@ -11,10 +11,11 @@
 //! One control plane per test: etcd and the API server are ready in a few seconds, and a test
 //! that owns its control plane can restart it, break it and read its logs without disturbing others.
 
+pub mod containerd;
 mod kubelet;
 pub mod scale;
 
-pub use kubelet::{Container, Kubelet};
+pub use kubelet::{Container, Kubelet, Runtime};
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -232,6 +233,17 @@ impl Process {
         }
     }
 
+    /// Stops a launcher (`nsenter`) and the process it forked, which outlives it otherwise.
+    fn stop_with_children(&mut self) {
+        for child in children(self.child.id()) {
+            // SAFETY: sending a signal to a process; no memory is touched.
+            unsafe {
+                libc::kill(child as i32, libc::SIGKILL);
+            }
+        }
+        self.stop();
+    }
+
     fn stop(&mut self) {
         // SIGTERM first so etcd and the API server shut down cleanly; SIGKILL if they linger.
         if let Ok(pid) = i32::try_from(self.child.id()) {
@@ -250,6 +262,15 @@ impl Process {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The direct children of a process (none when it is gone).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
 }
 
 /// Children die with the test process even when it is killed, so no component outlives a run.
