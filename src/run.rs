@@ -38,7 +38,8 @@ pub enum RunError {
     },
 }
 
-/// Where `libgpuslice.so` is: next to the running `gpuslice`, as cargo builds it.
+/// Where `libgpuslice.so` is: next to the running `gpuslice`, as cargo builds it, else where a
+/// slice's CDI spec puts it in a container (`gpuslice run` inside a pod).
 pub fn shim_library() -> Result<PathBuf, RunError> {
     let exe = std::env::current_exe().unwrap_or_default();
     let dir = exe.parent().unwrap_or(Path::new("."));
@@ -48,6 +49,10 @@ pub fn shim_library() -> Result<PathBuf, RunError> {
         .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
         .max()
         .map(|(_, p)| p)
+        .or_else(|| {
+            let mounted = PathBuf::from(gpuslice_node::kubelet::CONTAINER_SHIM);
+            mounted.exists().then_some(mounted)
+        })
         .ok_or_else(|| RunError::NoShim(exe.display().to_string()))
 }
 

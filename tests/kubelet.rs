@@ -55,12 +55,15 @@ struct Setup {
     /// On containerd: the folder holding the emulated driver's state, shared with containers by
     /// a host path (world-writable, as the driver's device nodes are).
     driver: Option<std::path::PathBuf>,
+    /// What the test writes for its pods to read (stop files), at one path for both.
+    control: std::path::PathBuf,
 }
 
 /// In the probe image: the probe, and the emulated driver's libraries (what the NVIDIA container
 /// runtime would bring from the host).
 const IMAGE_PROBE: &str = "/usr/local/bin/probe";
 const IMAGE_DRIVER_LIBS: &str = "/usr/local/lib/gpuslice-driver";
+const IMAGE_GPUSLICE: &str = "/usr/local/bin/gpuslice";
 const PROBE_IMAGE: &str = "gpuslice.test/probe:1";
 
 impl Setup {
@@ -75,8 +78,8 @@ impl Setup {
 
     /// As [`Setup::start`], the kubelet on containerd: pods run in real containers of the probe
     /// image, as user 1000 where they say so.
-    async fn start_on_containerd(clock: &str) -> Option<Setup> {
-        Setup::start_on(clock, &[], 1, true).await
+    async fn start_on_containerd(clock: &str, agent_args: &[&str]) -> Option<Setup> {
+        Setup::start_on(clock, agent_args, 1, true).await
     }
 
     async fn start_on(
@@ -100,6 +103,7 @@ impl Setup {
                 &[
                     format!("{}:{IMAGE_PROBE}", probe.display()),
                     format!("{}:{IMAGE_DRIVER_LIBS}", lib.display()),
+                    format!("{}:{IMAGE_GPUSLICE}", env!("CARGO_BIN_EXE_gpuslice")),
                 ],
                 &[("LD_LIBRARY_PATH", lib.as_path())],
             );
@@ -161,6 +165,8 @@ impl Setup {
             ],
         )
         .await;
+        let control = dir.path().join("control");
+        std::fs::create_dir_all(&control).unwrap();
         let machine = match &driver {
             Some(driver) => driver.join("machine.json"),
             None => gpuslice_contract::StateDir::new(&state).emulated_machine(NODE),
@@ -183,6 +189,7 @@ impl Setup {
             machine,
             metrics_port,
             driver,
+            control,
             dir,
         })
     }
@@ -319,36 +326,88 @@ async fn apply_policies(setup: &Setup, yaml: &str, classes: usize) {
     gpuslice_testcluster::wait_for_device_classes(&setup.client, classes).await;
 }
 
-/// A pod asking for one `notebook` slice by the policy's extended resource, running `command`
-/// with the emulated CUDA driver (what the NVIDIA container runtime would bring) on its path.
-fn pod(name: &str, command: &[&str], lib: &Path, machine: &Path) -> Pod {
-    let mut spec = pod_spec(command, lib, machine);
-    spec["restartPolicy"] = "Never".into();
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": "kubelet-test"}},
-        "spec": spec,
-    }))
-    .unwrap()
-}
+impl Setup {
+    /// A pod asking for one `notebook` slice by the policy's extended resource, running
+    /// `command` with the emulated CUDA driver (what the NVIDIA container runtime would bring)
+    /// on its path.
+    fn pod(&self, name: &str, command: &[&str]) -> Pod {
+        let mut spec = self.pod_spec(command);
+        spec["restartPolicy"] = "Never".into();
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": {"app": "kubelet-test"}},
+            "spec": spec,
+        }))
+        .unwrap()
+    }
 
-fn pod_spec(command: &[&str], lib: &Path, machine: &Path) -> serde_json::Value {
-    serde_json::json!({
-        "automountServiceAccountToken": false,
-        "enableServiceLinks": false,
-        "terminationGracePeriodSeconds": 5,
-        "containers": [{
-            "name": "main",
-            "image": "example.com/notebook:1",
-            "command": command,
-            "env": [
-                {"name": "LD_LIBRARY_PATH", "value": lib},
-                {"name": "GPUSLICE_EMULATOR_STATE", "value": machine},
-            ],
-            "resources": {"limits": {"gpuslice.io/notebook": "1"}}
-        }]
-    })
+    /// On the test runtime, the command runs as a host process. On containerd, in a real
+    /// container of the probe image: host network (no CNI here), user 1000, a read-only root
+    /// filesystem; the emulated driver's folder and the control folder (read-only) by host path,
+    /// at the paths the host has.
+    fn pod_spec(&self, command: &[&str]) -> serde_json::Value {
+        let Some(driver) = &self.driver else {
+            return serde_json::json!({
+                "automountServiceAccountToken": false,
+                "enableServiceLinks": false,
+                "terminationGracePeriodSeconds": 5,
+                "containers": [{
+                    "name": "main",
+                    "image": "example.com/notebook:1",
+                    "command": command,
+                    "env": [
+                        {"name": "LD_LIBRARY_PATH", "value": self.lib},
+                        {"name": "GPUSLICE_EMULATOR_STATE", "value": self.machine},
+                    ],
+                    "resources": {"limits": {"gpuslice.io/notebook": "1"}}
+                }]
+            });
+        };
+        serde_json::json!({
+            "hostNetwork": true,
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "terminationGracePeriodSeconds": 5,
+            "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": true},
+            "containers": [{
+                "name": "main",
+                "image": PROBE_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": command,
+                "env": [
+                    {"name": "LD_LIBRARY_PATH", "value": IMAGE_DRIVER_LIBS},
+                    {"name": "GPUSLICE_EMULATOR_STATE", "value": self.machine},
+                ],
+                "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false},
+                "volumeMounts": [
+                    {"name": "driver", "mountPath": driver},
+                    {"name": "control", "mountPath": self.control, "readOnly": true},
+                ],
+                "resources": {"limits": {"gpuslice.io/notebook": "1"}}
+            }],
+            "volumes": [
+                {"name": "driver", "hostPath": {"path": driver, "type": "Directory"}},
+                {"name": "control", "hostPath": {"path": self.control, "type": "Directory"}},
+            ]
+        })
+    }
+
+    /// The probe program, as a pod's command names it.
+    fn probe(&self) -> String {
+        match self.driver {
+            Some(_) => IMAGE_PROBE.to_string(),
+            None => self.probe.display().to_string(),
+        }
+    }
+
+    /// `gpuslice`, as a pod's command names it.
+    fn gpuslice(&self) -> String {
+        match self.driver {
+            Some(_) => IMAGE_GPUSLICE.to_string(),
+            None => env!("CARGO_BIN_EXE_gpuslice").to_string(),
+        }
+    }
 }
 
 /// Creates pod `name` running `script` on a notebook slice, waits for `phase`, and returns its
@@ -362,7 +421,7 @@ async fn run_pod(
 ) -> gpuslice_testcluster::Container {
     pods.create(
         &PostParams::default(),
-        &pod(name, &["/bin/sh", "-c", script], &setup.lib, &setup.machine),
+        &setup.pod(name, &["/bin/sh", "-c", script]),
     )
     .await
     .unwrap();
@@ -468,8 +527,8 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
         return;
     };
     let client = setup.client.clone();
-    let probe = setup.probe.to_str().unwrap().to_string();
-    let (lib, machine) = (setup.lib.clone(), setup.machine.clone());
+    let probe = setup.probe();
+    let machine = setup.machine.clone();
 
     // Three notebooks that check their GPU, then wait until told to end. Two try to switch the
     // cap off through the environment, as a hostile tenant would: one unsets the variable that
@@ -497,7 +556,7 @@ async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
         );
         pods.create(
             &PostParams::default(),
-            &pod(name, &["/bin/sh", "-c", &script], &lib, &machine),
+            &setup.pod(name, &["/bin/sh", "-c", &script]),
         )
         .await
         .unwrap();
@@ -730,7 +789,7 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
     let client = setup.client.clone();
     let script = format!(
         "{} link cap; trap 'echo checkpointing; touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"' USR1; while :; do sleep 0.2; done",
-        setup.probe.display()
+        setup.probe()
     );
     let deployment: Deployment = serde_json::from_value(serde_json::json!({
         "apiVersion": "apps/v1",
@@ -741,7 +800,7 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
             "selector": {"matchLabels": {"app": "trainer"}},
             "template": {
                 "metadata": {"labels": {"app": "trainer"}},
-                "spec": pod_spec(&["/bin/sh", "-c", &script], &setup.lib, &setup.machine),
+                "spec": setup.pod_spec(&["/bin/sh", "-c", &script]),
             }
         }
     }))
@@ -853,7 +912,7 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
 /// A pod of `policy` (by label and its extended resource) running `script`; `gated`: waiting
 /// in the operator's queue, as the chart's admission policy would have created it.
 fn policy_pod(setup: &Setup, name: &str, policy: &str, script: &str, gated: bool) -> Pod {
-    let mut spec = pod_spec(&["/bin/sh", "-c", script], &setup.lib, &setup.machine);
+    let mut spec = setup.pod_spec(&["/bin/sh", "-c", script]);
     spec["restartPolicy"] = "Never".into();
     spec["containers"][0]["resources"] =
         serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): "1"}});
@@ -1198,7 +1257,7 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
 /// A one-pod Deployment `name` of policy `policy`, created as the chart's admission policies
 /// would leave its pods: labelled, asking for the policy's extended resource, gated.
 fn queued_deployment(setup: &Setup, name: &str, policy: &str, script: &str) -> Deployment {
-    let mut spec = pod_spec(&["/bin/sh", "-c", script], &setup.lib, &setup.machine);
+    let mut spec = setup.pod_spec(&["/bin/sh", "-c", script]);
     spec["containers"][0]["resources"] =
         serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): "1"}});
     spec["schedulingGates"] = serde_json::json!([{"name": "gpuslice.io/queue"}]);
@@ -1545,11 +1604,15 @@ async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
 /// biggest with SIGTERM, and tells the pod why in an Event.
 #[tokio::test]
 async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
-    let Some(setup) = Setup::start(CLOCK, &["--memory-watchdog-interval", "200ms"]).await else {
+    // In a real container (containerd), as user 1000: the agent finds the process by the pid
+    // the driver reports and its pod by its cgroup.
+    let Some(setup) =
+        Setup::start_on_containerd(CLOCK, &["--memory-watchdog-interval", "200ms"]).await
+    else {
         return;
     };
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
-    let stop = setup.dir.path().join("stop-eraser");
+    let stop = setup.control.join("stop-eraser");
     // 1 GiB every 200 ms up to 16 GiB, while the rows of the ledger (after its 64-byte header)
     // are zeroed every 50 ms.
     // First, a slice past DRA through the agent's socket (mounted into the container): refused.
@@ -1563,8 +1626,8 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
          done; \
          wait $p; echo creep-ended=$?; \
          until [ -e {stop} ]; do sleep 0.2; done",
-        gpuslice = env!("CARGO_BIN_EXE_gpuslice"),
-        probe = setup.probe.display(),
+        gpuslice = setup.gpuslice(),
+        probe = setup.probe(),
         stop = stop.display(),
     );
     let container = run_pod(&setup, &pods, "eraser", &script, "Running").await;
@@ -1631,7 +1694,7 @@ async fn a_pods_first_launches_wait_for_an_agent_that_is_restarting() {
     let script = format!(
         "until [ -e {go} ]; do sleep 0.1; done; exec {probe} link spin",
         go = go.display(),
-        probe = setup.probe.display(),
+        probe = setup.probe(),
     );
     let container = run_pod(&setup, &pods, "late", &script, "Running").await;
     setup.stop_agent();
@@ -1655,46 +1718,6 @@ async fn a_pods_first_launches_wait_for_an_agent_that_is_restarting() {
     pods.delete("late", &DeleteParams::default()).await.unwrap();
 }
 
-/// A notebook pod for containerd: the probe image, host network (no CNI here), user 1000, a
-/// read-only root filesystem; the emulated driver's folder and a control folder (read-only) by
-/// host path.
-fn container_pod(name: &str, script: &str, driver: &Path, control: &Path) -> Pod {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": "kubelet-test"}},
-        "spec": {
-            "hostNetwork": true,
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": false,
-            "enableServiceLinks": false,
-            "terminationGracePeriodSeconds": 5,
-            "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": true},
-            "containers": [{
-                "name": "main",
-                "image": PROBE_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", script],
-                "env": [
-                    {"name": "LD_LIBRARY_PATH", "value": IMAGE_DRIVER_LIBS},
-                    {"name": "GPUSLICE_EMULATOR_STATE", "value": driver.join("machine.json")},
-                ],
-                "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false},
-                "volumeMounts": [
-                    {"name": "driver", "mountPath": driver},
-                    {"name": "control", "mountPath": "/control", "readOnly": true},
-                ],
-                "resources": {"limits": {"gpuslice.io/notebook": "1"}}
-            }],
-            "volumes": [
-                {"name": "driver", "hostPath": {"path": driver, "type": "Directory"}},
-                {"name": "control", "hostPath": {"path": control, "type": "Directory"}},
-            ]
-        }
-    }))
-    .unwrap()
-}
-
 /// On containerd, in real containers of the probe image — their own pid and mount namespaces,
 /// user 1000, a read-only root filesystem — the CDI spec containerd applies puts the shim in the
 /// image's /etc/ld.so.preload and pins the slice's config, so each notebook is held to its 9 GiB
@@ -1702,12 +1725,10 @@ fn container_pod(name: &str, script: &str, driver: &Path, control: &Path) -> Pod
 /// at a forged one, changes nothing.
 #[tokio::test]
 async fn in_real_containers_each_pod_is_held_to_its_slice() {
-    let Some(setup) = Setup::start_on_containerd(CLOCK).await else {
+    let Some(setup) = Setup::start_on_containerd(CLOCK, &[]).await else {
         return;
     };
-    let driver = setup.driver.clone().unwrap();
-    let control = setup.dir.path().join("control");
-    std::fs::create_dir_all(&control).unwrap();
+    let control = &setup.control;
     std::fs::write(
         control.join("forged-config"),
         r#"{"id":"gpu0-s0","kind":"software","gpu":0,"deviceUuid":"x","memoryBytes":1099511627776,"computePercent":100}"#,
@@ -1718,16 +1739,21 @@ async fn in_real_containers_each_pod_is_held_to_its_slice() {
     let escapes = [
         "",
         "env -u GPUSLICE_SLICE_CONFIG ",
-        "env GPUSLICE_SLICE_CONFIG=/control/forged-config ",
+        &format!(
+            "env GPUSLICE_SLICE_CONFIG={} ",
+            control.join("forged-config").display()
+        ),
     ];
     for (name, escape) in names.iter().zip(escapes) {
         let script = format!(
             "echo pid=$$$$ uid=$(id -u) preload=$(cat /etc/ld.so.preload); \
-             {escape}{IMAGE_PROBE} link cap && until [ -e /control/stop-{name} ]; do sleep 0.2; done"
+             {escape}{} link cap && until [ -e {} ]; do sleep 0.2; done",
+            setup.probe(),
+            control.join(format!("stop-{name}")).display()
         );
         pods.create(
             &PostParams::default(),
-            &container_pod(name, &script, &driver, &control),
+            &setup.pod(name, &["/bin/sh", "-c", &script]),
         )
         .await
         .unwrap();

@@ -16,7 +16,9 @@ pub enum EmulateError {
     Machine { node: String, message: String },
 }
 
-/// Where the emulated `libnvidia-ml` is: next to the running `gpuslice`, as cargo builds it.
+/// Where the emulated `libnvidia-ml` is: next to the running `gpuslice`, as cargo builds it
+/// (beside the binaries after a plain build, in `deps/` after a test build: the newer is the
+/// one built with this binary).
 pub fn emulator_library() -> Result<PathBuf, EmulateError> {
     let exe = std::env::current_exe().unwrap_or_default();
     let dir = exe.parent().unwrap_or(Path::new("."));
@@ -25,7 +27,9 @@ pub fn emulator_library() -> Result<PathBuf, EmulateError> {
         dir.join("deps/libnvidia_ml.so"),
     ]
     .into_iter()
-    .find(|p| p.exists())
+    .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+    .max()
+    .map(|(_, p)| p)
     .ok_or_else(|| EmulateError::NoLibrary(exe.display().to_string()))
 }
 

@@ -407,7 +407,8 @@ fn own_pid_namespace() -> Option<u32> {
 #[derive(Debug, Default)]
 pub struct HostProcesses {
     namespaces: std::collections::HashSet<u32>,
-    by_namespace: std::collections::HashMap<(u32, u32), u64>,
+    /// (pid namespace, pid there) → (start time, pid here).
+    by_namespace: std::collections::HashMap<(u32, u32), (u64, u32)>,
 }
 
 impl HostProcesses {
@@ -437,7 +438,7 @@ impl HostProcesses {
                 continue;
             };
             host.namespaces.insert(ns);
-            host.by_namespace.insert((ns, inner), start);
+            host.by_namespace.insert((ns, inner), (start, pid));
         }
         host
     }
@@ -450,7 +451,20 @@ impl HostProcesses {
         }
         self.by_namespace
             .get(&(process.pidns, process.pid))
-            .is_some_and(|start| process.start == 0 || *start == process.start)
+            .is_some_and(|(start, _)| process.start == 0 || *start == process.start)
+    }
+
+    /// The pid a ledger's process has in this process's namespace (what the driver reports, and
+    /// what a signal from here reaches): its own for a row of this namespace, found through
+    /// `NSpid` for one of another; `None` when it no longer runs.
+    pub fn local_pid(&self, process: Process) -> Option<u32> {
+        if process.pidns == 0 || Some(process.pidns) == own_pid_namespace() {
+            return alive_here(process).then_some(process.pid);
+        }
+        self.by_namespace
+            .get(&(process.pidns, process.pid))
+            .filter(|(start, _)| process.start == 0 || *start == process.start)
+            .map(|(_, here)| *here)
     }
 }
 
@@ -559,6 +573,43 @@ mod tests {
             w.join().unwrap();
         }
         assert_eq!(Ledger::open(&path).unwrap().used(0), 0);
+    }
+
+    /// What the emulated driver reports of a container's process: its pid as the caller sees it.
+    #[test]
+    fn a_process_of_another_pid_namespace_is_found_by_its_pid_here() {
+        // A process in a pid namespace of its own, as a container's: pid 1 there.
+        let Ok(mut child) = std::process::Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc", "sleep", "30"])
+            .spawn()
+        else {
+            println!("SKIPPED: no unshare here");
+            return;
+        };
+        let inner = (0..100).find_map(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let children =
+                std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id())).ok()?;
+            children.split_whitespace().next()?.parse::<u32>().ok()
+        });
+        let found = inner.and_then(|host_pid| {
+            let ns = pid_namespace(&host_pid.to_string())?;
+            let recorded = Process {
+                pid: 1,
+                start: start_time(host_pid)?,
+                pidns: ns,
+            };
+            Some((host_pid, HostProcesses::read().local_pid(recorded)))
+        });
+        let _ = child.kill();
+        let _ = child.wait();
+        match found {
+            Some((host_pid, local)) => assert_eq!(local, Some(host_pid)),
+            // Not allowed to make a pid namespace here (no root): nothing to check.
+            None => println!("SKIPPED: cannot make a pid namespace here"),
+        }
+        let me = Process::current();
+        assert_eq!(HostProcesses::read().local_pid(me), Some(me.pid));
     }
 
     /// The containers of a pod share a slice's ledger from different pid namespaces: neither

@@ -95,12 +95,20 @@ fn add_cuda_processes(machine: &mut Machine, state: &std::path::Path) {
     let Ok(ledger) = gpuslice_emulator::shm::Ledger::open(&path) else {
         return;
     };
-    for (process, key, bytes) in ledger.rows() {
-        if !gpuslice_emulator::shm::alive(process) {
+    let rows = ledger.rows();
+    // A process in a container recorded its pid there; the driver reports the caller's view of
+    // it (the host's, for the node agent), as NVIDIA's does.
+    let host = rows
+        .iter()
+        .any(|(p, _, _)| p.pidns != 0)
+        .then(gpuslice_emulator::shm::HostProcesses::read)
+        .unwrap_or_default();
+    for (process, key, bytes) in rows {
+        let Some(pid) = host.local_pid(process) else {
             continue;
-        }
+        };
         let (gpu, gpu_instance) = gpuslice_emulator::device_of_key(key);
-        let _ = machine.attach_real_process(gpu, process.pid, bytes, gpu_instance);
+        let _ = machine.attach_real_process(gpu, pid, bytes, gpu_instance);
     }
 }
 

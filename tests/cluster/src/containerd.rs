@@ -262,32 +262,16 @@ pub(crate) fn output(log: &Path) -> String {
     out
 }
 
-impl Drop for Containerd {
-    fn drop(&mut self) {
-        // unshare ignores SIGTERM: stop() ends with SIGKILL, and the kernel ends containerd, its
-        // shims and every container with the pid namespace.
+impl Containerd {
+    /// Ends containerd: unshare ignores SIGTERM, so stop() ends with SIGKILL, and the kernel
+    /// ends containerd, its shims and every container with the pid namespace.
+    pub(crate) fn stop(&mut self) {
         self.process.stop();
-        std::thread::sleep(Duration::from_millis(500));
-        // Their cgroups stay behind, empty.
-        for hierarchy in std::fs::read_dir("/sys/fs/cgroup")
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            for top in ["k8s.io", "kubepods"] {
-                let dir = hierarchy.path().join(top);
-                remove_empty_cgroups(&dir);
-            }
-        }
     }
 }
 
-/// Removes a cgroup folder and its sub-cgroups, deepest first, where they hold no process.
-fn remove_empty_cgroups(dir: &Path) {
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if entry.path().is_dir() {
-            remove_empty_cgroups(&entry.path());
-        }
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        self.stop();
     }
-    let _ = std::fs::remove_dir(dir);
 }

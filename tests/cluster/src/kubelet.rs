@@ -91,6 +91,53 @@ pub struct Kubelet {
     created: Vec<&'static str>,
     /// `/var/lib/kubelet`, when the kubelet made it.
     var_lib_kubelet: bool,
+    /// The kubelet's own cgroup root in every hierarchy (containerd), removed at the end.
+    cgroup_root: Option<String>,
+}
+
+/// The cgroup hierarchies of this machine (`/sys/fs/cgroup/<name>`).
+fn cgroup_hierarchies() -> Vec<PathBuf> {
+    std::fs::read_dir("/sys/fs/cgroup")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("cgroup.procs").exists())
+        .collect()
+}
+
+/// Makes cgroup `name` in every hierarchy (the kubelet refuses a root missing from one), with
+/// the parent's CPUs and memory nodes where cpuset needs them.
+fn make_cgroup_root(name: &str) -> Result<String, Error> {
+    for hierarchy in cgroup_hierarchies() {
+        let dir = hierarchy.join(name);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        for file in ["cpuset.cpus", "cpuset.mems"] {
+            if let Ok(value) = std::fs::read_to_string(hierarchy.join(file)) {
+                std::fs::write(dir.join(file), value.trim())
+                    .map_err(io(format!("writing {}", dir.join(file).display())))?;
+            }
+        }
+    }
+    Ok(name.to_string())
+}
+
+/// Removes cgroup `name` and what the kubelet made under it, deepest first; a cgroup whose last
+/// process is still exiting is busy for a moment, so this tries for a few seconds.
+fn remove_cgroup_root(name: &str) {
+    fn remove(dir: &Path) -> bool {
+        let mut gone = true;
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if entry.path().is_dir() {
+                gone &= remove(&entry.path());
+            }
+        }
+        gone && (std::fs::remove_dir(dir).is_ok() || !dir.exists())
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cgroup_hierarchies().iter().all(|h| remove(&h.join(name))) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 impl ControlPlane {
@@ -180,6 +227,16 @@ impl ControlPlane {
         } else {
             "nsenter"
         };
+        // On containerd the kubelet lays out pod cgroups as on a real node
+        // (`<root>/kubepods/<qos>/pod<uid>/<container>`), under a root of its own: the agent finds
+        // a process's pod from that path.
+        let cgroup_root = match runtime {
+            RuntimeProcess::Test(_) => None,
+            RuntimeProcess::Containerd(_) => Some(make_cgroup_root(&format!(
+                "gpuslice-kubelet-{node}-{}",
+                std::process::id()
+            ))?),
+        };
         let (port, healthz) = (free_port()?, free_port()?);
         let config = serde_json::json!({
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -187,7 +244,8 @@ impl ControlPlane {
             // These machines are cgroup v1 without systemd managing the tree.
             "failCgroupV1": false,
             "cgroupDriver": "cgroupfs",
-            "cgroupsPerQOS": false,
+            "cgroupsPerQOS": cgroup_root.is_some(),
+            "cgroupRoot": cgroup_root.as_ref().map_or("/".to_string(), |r| format!("/{r}")),
             "enforceNodeAllocatable": [],
             "failSwapOn": false,
             "containerRuntimeEndpoint": format!("unix://{}", socket.display()),
@@ -243,6 +301,7 @@ impl ControlPlane {
             sysctls,
             created,
             var_lib_kubelet: !Path::new("/var/lib/kubelet").exists(),
+            cgroup_root,
             dir,
         };
         kubelet.start(self).await?;
@@ -359,8 +418,13 @@ impl Drop for Kubelet {
         if let Some(mut k) = self.kubelet.take() {
             k.stop_with_children();
         }
-        if let RuntimeProcess::Test(p) = &mut self.runtime {
-            p.stop();
+        match &mut self.runtime {
+            RuntimeProcess::Test(p) => p.stop(),
+            // Its containers end with it; then their cgroups can go.
+            RuntimeProcess::Containerd(c) => c.stop(),
+        }
+        if let Some(root) = &self.cgroup_root {
+            remove_cgroup_root(root);
         }
         for (path, value) in &self.sysctls {
             let _ = std::fs::write(path, value);
