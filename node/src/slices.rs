@@ -175,6 +175,10 @@ pub fn sync_dirs(state: &StateDir, slices: &[SliceConfig]) -> Result<(), SliceEr
     for slice in slices {
         let dir = state.slice(&slice.id);
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        // The workload writes here (its checkpoint marker) whatever its user; like /tmp, sticky:
+        // what the agent put here (config, ledger) no other user may remove or rename.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777))
+            .map_err(io(&dir))?;
         // The slice's memory ledger: every process of the workload maps it read-write (it can
         // only spoil its own slice's accounting; its limits come from the read-only config and
         // the watchdog holds them). The directory is the workload's to write: whatever it put

@@ -83,18 +83,20 @@ pub fn catch_up_due(
     at: DateTime<Utc>,
 ) -> Option<DateTime<Utc>> {
     let switched = current.last_switch(at)?;
-    let in_force = |gpus: &[GpuAssignment]| -> Vec<GpuAssignment> {
-        gpus.iter()
-            .map(|g| GpuAssignment {
-                recut_at: None,
-                next: None,
-                ..g.in_force(at)
-            })
-            .collect()
-    };
-    (in_force(&current.gpus) == in_force(&desired.gpus)
+    (in_force(&current.gpus, at) == in_force(&desired.gpus, at)
         && current.source_revision == desired.source_revision)
         .then_some(switched + CATCH_UP_AFTER)
+}
+
+/// What a node's GPUs are to have at `at`, without what is staged for later.
+fn in_force(gpus: &[GpuAssignment], at: DateTime<Utc>) -> Vec<GpuAssignment> {
+    gpus.iter()
+        .map(|g| GpuAssignment {
+            recut_at: None,
+            next: None,
+            ..g.in_force(at)
+        })
+        .collect()
 }
 
 /// Whether the node's spec staged a switch that has come by `at` and its agent has not reported
@@ -260,9 +262,16 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             if nodes.contains(&node.node)
                 && let Some(r) = report
             {
+                // The spec this pass writes changes what the node is to have now: its agent
+                // has not applied that, whatever generation it reported.
+                let respecified = out
+                    .node_specs
+                    .get(&node.node)
+                    .is_some_and(|spec| in_force(&spec.gpus, at) != in_force(&r.assigned, at));
                 if let Some(b) = &r.blocked {
                     blocked.push(format!("{}: {b}", node.node));
-                } else if r.applied_generation.is_none()
+                } else if respecified
+                    || r.applied_generation.is_none()
                     || r.applied_generation < r.generation
                     || switch_pending(r, at)
                 {
@@ -567,7 +576,7 @@ mod tests {
 
     #[test]
     fn each_node_gets_the_layout_in_force_and_pools_count_what_they_hold() {
-        let observed = Observed {
+        let mut observed = Observed {
             pools: vec![pool(MIG), pool(SOFT)],
             nodes: vec![
                 node("a", &[("team", "a")], true),
@@ -575,7 +584,24 @@ mod tests {
             ],
             ..Observed::default()
         };
-        let day = desired(&observed, at("2026-12-02T10:00:00Z"));
+        // Node a reported its spec applied, but the spec it holds is last night's: the pass that
+        // writes the day's layout does not call the pool ready (Argo CD would see it Healthy
+        // before the agent re-cut anything).
+        let ten = at("2026-12-02T10:00:00Z");
+        let night = desired(&observed, at("2026-12-02T23:00:00Z"));
+        observed.nodes[0].assigned = night.node_specs["a"].gpus.clone();
+        let ready = |s: &GpuPoolStatus| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .unwrap()
+                .status
+                .clone()
+        };
+        assert_eq!(ready(&desired(&observed, ten).pool_status["mig"]), "False");
+        // Once it holds the day's spec and reports it applied, the pool is ready.
+        observed.nodes[0].assigned = desired(&observed, ten).node_specs["a"].gpus.clone();
+        let day = desired(&observed, ten);
         let a = &day.node_specs["a"].gpus;
         assert_eq!(a.len(), 2);
         assert_eq!(a[0].window, None);
@@ -591,14 +617,6 @@ mod tests {
         let mig = &day.pool_status["mig"];
         assert_eq!((mig.nodes, mig.gpus, mig.slices.total), (1, 2, 4));
         assert_eq!(mig.observed_generation, Some(3));
-        let ready = |s: &GpuPoolStatus| {
-            s.conditions
-                .iter()
-                .find(|c| c.type_ == "Ready")
-                .unwrap()
-                .status
-                .clone()
-        };
         assert_eq!(ready(mig), "True");
         let soft = &day.pool_status["soft"];
         assert_eq!(ready(soft), "False", "node b has not applied yet");
