@@ -232,10 +232,15 @@ impl ControlPlane {
         // a process's pod from that path.
         let cgroup_root = match runtime {
             RuntimeProcess::Test(_) => None,
-            RuntimeProcess::Containerd(_) => Some(make_cgroup_root(&format!(
-                "gpuslice-kubelet-{node}-{}",
-                std::process::id()
-            ))?),
+            RuntimeProcess::Containerd(_) => {
+                // One per kubelet ever started: a root left busy by the last is never reused.
+                static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Some(make_cgroup_root(&format!(
+                    "gpuslice-kubelet-{node}-{}-{n}",
+                    std::process::id()
+                ))?)
+            }
         };
         let (port, healthz) = (free_port()?, free_port()?);
         let config = serde_json::json!({
