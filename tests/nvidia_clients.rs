@@ -97,8 +97,16 @@ impl Node {
             ("libcuda.so.1", "libcuda.so"),
             ("libgpuslice.so", "libgpuslice.so"),
         ] {
-            std::fs::copy(built.join(file), lib.join(name))
-                .unwrap_or_else(|e| panic!("{file}: {e}"));
+            // Cargo leaves a dependency's cdylib in deps/, and after a plain build beside the
+            // binaries too: the newer is the one just built.
+            let newest = [built.join(file), built.join("deps").join(file)]
+                .into_iter()
+                .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+                .max()
+                .map(|(_, p)| p)
+                .unwrap_or_else(|| panic!("{file} is not built: cargo build --workspace"));
+            std::fs::copy(&newest, lib.join(name))
+                .unwrap_or_else(|e| panic!("{}: {e}", newest.display()));
         }
         std::fs::write(dir.path().join("node.yaml"), yaml).unwrap();
         let node: gpuslice_api::NodeInventory = serde_yaml::from_str(yaml).unwrap();

@@ -11,7 +11,8 @@
 #
 # It needs nvidia-ml-py (python3 -c "import pynvml"; else a copy of pynvml.py in target/pynvml/,
 # carried along for machines without a package index) and target/release/gpuslice with the
-# emulator beside it (built elsewhere with `cargo build --release` and carried along), else
+# emulator beside it (built elsewhere with `cargo build --release -p gpuslice -p
+# gpuslice-nvml-emulator` and carried along), else
 # builds them (needs cargo). GPUSLICE_BIN_DIR points elsewhere (target/debug, say).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,7 +23,8 @@ if ! "$python" -c "import pynvml" 2>/dev/null; then
   export PYTHONPATH="$PWD/target/pynvml${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if [ ! -x "$bin/gpuslice" ] || [ ! -e "$bin/libnvidia_ml.so" ]; then
-  cargo build --release -q -p gpuslice
+  # Naming the emulator's package puts its library beside the binary.
+  cargo build --release -q -p gpuslice -p gpuslice-nvml-emulator
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
