@@ -43,12 +43,7 @@ pub enum RunError {
 pub fn shim_library() -> Result<PathBuf, RunError> {
     let exe = std::env::current_exe().unwrap_or_default();
     let dir = exe.parent().unwrap_or(Path::new("."));
-    // Cargo leaves a copy in both places; the newer is the one just built.
-    [dir.join("libgpuslice.so"), dir.join("deps/libgpuslice.so")]
-        .into_iter()
-        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-        .max()
-        .map(|(_, p)| p)
+    gpuslice_node::emulate::newest_built(dir, "libgpuslice.so")
         .or_else(|| {
             let mounted = PathBuf::from(gpuslice_node::kubelet::CONTAINER_SHIM);
             mounted.exists().then_some(mounted)

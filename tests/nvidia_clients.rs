@@ -97,13 +97,7 @@ impl Node {
             ("libcuda.so.1", "libcuda.so"),
             ("libgpuslice.so", "libgpuslice.so"),
         ] {
-            // Cargo leaves a dependency's cdylib in deps/, and after a plain build beside the
-            // binaries too: the newer is the one just built.
-            let newest = [built.join(file), built.join("deps").join(file)]
-                .into_iter()
-                .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-                .max()
-                .map(|(_, p)| p)
+            let newest = gpuslice_node::emulate::newest_built(built, file)
                 .unwrap_or_else(|| panic!("{file} is not built: cargo build --workspace"));
             std::fs::copy(&newest, lib.join(name))
                 .unwrap_or_else(|e| panic!("{}: {e}", newest.display()));

@@ -93,6 +93,23 @@ fn profile_of_id(
     Ok((i, profile))
 }
 
+/// A versioned profile-info struct from the v1 answer: its version, the fields every version
+/// has, the named ones `v1` also has, the name, and any of its own.
+macro_rules! versioned {
+    ($ty:ident, $version:expr, $v1:expr, $name:expr, [$($field:ident),*] $(, $own:ident: $value:expr)*) => {
+        $ty {
+            version: $version,
+            id: $v1.id,
+            sliceCount: $v1.sliceCount,
+            instanceCount: $v1.instanceCount,
+            multiprocessorCount: $v1.multiprocessorCount,
+            $($field: $v1.$field,)*
+            name: c_name(&$name),
+            $($own: $value,)*
+        }
+    };
+}
+
 /// `name` as a C string in a fixed buffer, cut to fit with its NUL.
 fn c_name<const N: usize>(name: &str) -> [c_char; N] {
     let mut out = [0 as c_char; N];
@@ -297,40 +314,16 @@ pub extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoV(
         if version == struct_version::<nvmlGpuInstanceProfileInfo_v2_t>(2) {
             put(
                 info,
-                nvmlGpuInstanceProfileInfo_v2_t {
-                    version,
-                    id: v1.id,
-                    isP2pSupported: v1.isP2pSupported,
-                    sliceCount: v1.sliceCount,
-                    instanceCount: v1.instanceCount,
-                    multiprocessorCount: v1.multiprocessorCount,
-                    copyEngineCount: v1.copyEngineCount,
-                    decoderCount: v1.decoderCount,
-                    encoderCount: v1.encoderCount,
-                    jpegCount: v1.jpegCount,
-                    ofaCount: v1.ofaCount,
-                    memorySizeMB: v1.memorySizeMB,
-                    name: c_name(&name),
-                },
+                versioned!(nvmlGpuInstanceProfileInfo_v2_t, version, v1, name,
+                    [copyEngineCount, decoderCount, encoderCount, jpegCount, ofaCount, memorySizeMB],
+                    isP2pSupported: v1.isP2pSupported),
             )
         } else if version == struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3) {
             put(
                 info.cast::<nvmlGpuInstanceProfileInfo_v3_t>(),
-                nvmlGpuInstanceProfileInfo_v3_t {
-                    version,
-                    id: v1.id,
-                    sliceCount: v1.sliceCount,
-                    instanceCount: v1.instanceCount,
-                    multiprocessorCount: v1.multiprocessorCount,
-                    copyEngineCount: v1.copyEngineCount,
-                    decoderCount: v1.decoderCount,
-                    encoderCount: v1.encoderCount,
-                    jpegCount: v1.jpegCount,
-                    ofaCount: v1.ofaCount,
-                    memorySizeMB: v1.memorySizeMB,
-                    name: c_name(&name),
-                    capabilities: 0,
-                },
+                versioned!(nvmlGpuInstanceProfileInfo_v3_t, version, v1, name,
+                    [copyEngineCount, decoderCount, encoderCount, jpegCount, ofaCount, memorySizeMB],
+                    capabilities: 0),
             )
         } else {
             Err(VERSION_MISMATCH)
@@ -592,37 +585,27 @@ pub extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
         if version == struct_version::<nvmlComputeInstanceProfileInfo_v2_t>(2) {
             put(
                 info,
-                nvmlComputeInstanceProfileInfo_v2_t {
+                versioned!(
+                    nvmlComputeInstanceProfileInfo_v2_t,
                     version,
-                    id: v1.id,
-                    sliceCount: v1.sliceCount,
-                    instanceCount: v1.instanceCount,
-                    multiprocessorCount: v1.multiprocessorCount,
-                    sharedCopyEngineCount: v1.sharedCopyEngineCount,
-                    sharedDecoderCount: v1.sharedDecoderCount,
-                    sharedEncoderCount: v1.sharedEncoderCount,
-                    sharedJpegCount: v1.sharedJpegCount,
-                    sharedOfaCount: v1.sharedOfaCount,
-                    name: c_name(&name),
-                },
+                    v1,
+                    name,
+                    [
+                        sharedCopyEngineCount,
+                        sharedDecoderCount,
+                        sharedEncoderCount,
+                        sharedJpegCount,
+                        sharedOfaCount
+                    ]
+                ),
             )
         } else if version == struct_version::<nvmlComputeInstanceProfileInfo_v3_t>(3) {
             put(
                 info.cast::<nvmlComputeInstanceProfileInfo_v3_t>(),
-                nvmlComputeInstanceProfileInfo_v3_t {
-                    version,
-                    id: v1.id,
-                    sliceCount: v1.sliceCount,
-                    instanceCount: v1.instanceCount,
-                    multiprocessorCount: v1.multiprocessorCount,
-                    sharedCopyEngineCount: v1.sharedCopyEngineCount,
-                    sharedDecoderCount: v1.sharedDecoderCount,
-                    sharedEncoderCount: v1.sharedEncoderCount,
-                    sharedJpegCount: v1.sharedJpegCount,
-                    sharedOfaCount: v1.sharedOfaCount,
-                    name: c_name(&name),
-                    capabilities: 0,
-                },
+                versioned!(nvmlComputeInstanceProfileInfo_v3_t, version, v1, name,
+                    [sharedCopyEngineCount, sharedDecoderCount, sharedEncoderCount,
+                     sharedJpegCount, sharedOfaCount],
+                    capabilities: 0),
             )
         } else {
             Err(VERSION_MISMATCH)

@@ -1140,13 +1140,7 @@ pub fn build_probe(binary: &Path, dir: &Path) -> (PathBuf, PathBuf) {
         ("libnvidia-ml.so", "libnvidia_ml.so"),
         ("libnvidia-ml.so.1", "libnvidia_ml.so"),
     ] {
-        // Cargo leaves the cdylib in `deps/` and, after a plain build, beside the binaries too:
-        // the newer is the one just built.
-        let newest = [built.join(from), built.join("deps").join(from)]
-            .into_iter()
-            .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-            .max()
-            .map(|(_, p)| p)
+        let newest = gpuslice_node::emulate::newest_built(&built, from)
             .unwrap_or_else(|| panic!("{from} is not built: cargo build --workspace"));
         std::fs::copy(newest, lib.join(name)).unwrap();
     }
