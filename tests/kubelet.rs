@@ -1,8 +1,9 @@
 //! The kubelet side of workloads on slices, with a real kubelet: the control plane (API server,
-//! scheduler, controller-manager, etcd), the operator, one agent on an emulated A100, and the
-//! kubelet of its node on our test runtime (the kubelet's fake CRI server, which also resolves
-//! CDI devices with the CDI library, validates their specs against the CDI schema, and runs each
-//! container's command as a local process with the CDI edits applied).
+//! scheduler, controller-manager, etcd), the operator and the agent as the chart's identities, one
+//! agent on an emulated A100, and the kubelet of its node on containerd with runc: every pod runs
+//! in a real container of a local image (busybox, the probe, the emulated driver's libraries,
+//! `gpuslice`), in its own pid and mount namespaces, as user 1000 on a read-only root filesystem,
+//! with the CDI spec the agent wrote applied by containerd.
 //!
 //! What a user of the cluster sees: a pod asking for a policy's slice runs with the slice given
 //! through CDI, its CUDA capped at the policy's memory though nothing in the pod names the shim;
@@ -28,9 +29,10 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The control plane, the kubelet of node `gpu-a` on an emulated A100 in pool shared-a100, its
-/// agent and the operator, all on a clock started at `clock`; the examples' pool and notebook
-/// policy; and the shim's probe program built against the emulated CUDA driver.
+/// The control plane, the kubelet of node `gpu-a` (on containerd) on an emulated A100 in pool
+/// shared-a100, its agent and the operator, all on a clock started at `clock`; the examples' pool
+/// and notebook policy; and the probe image (the shim's probe program built against the emulated
+/// CUDA driver).
 struct Setup {
     agent: KillOnDrop,
     /// The agent's extra arguments, its node file and state directory (to start it again).
@@ -46,15 +48,13 @@ struct Setup {
     cluster: ControlPlane,
     client: Client,
     agent_log: std::path::PathBuf,
-    probe: std::path::PathBuf,
-    lib: std::path::PathBuf,
     machine: std::path::PathBuf,
     dir: tempfile::TempDir,
     /// Where the agent serves /metrics.
     metrics_port: u16,
-    /// On containerd: the folder holding the emulated driver's state, shared with containers by
-    /// a host path (world-writable, as the driver's device nodes are).
-    driver: Option<std::path::PathBuf>,
+    /// The folder holding the emulated driver's state, shared with containers by a host path
+    /// (world-writable, as the driver's device nodes are).
+    driver: std::path::PathBuf,
     /// What the test writes for its pods to read (stop files), at one path for both.
     control: std::path::PathBuf,
 }
@@ -67,51 +67,34 @@ const IMAGE_GPUSLICE: &str = "/usr/local/bin/gpuslice";
 const PROBE_IMAGE: &str = "gpuslice.test/probe:1";
 
 impl Setup {
+    /// One emulated A100 on the node.
     async fn start(clock: &str, agent_args: &[&str]) -> Option<Setup> {
         Setup::start_with_gpus(clock, agent_args, 1).await
     }
 
-    /// As [`Setup::start`], with `gpus` emulated A100s on the node.
+    /// The kubelet on containerd, `gpus` emulated A100s: pods run in real containers of the
+    /// probe image, as user 1000.
     async fn start_with_gpus(clock: &str, agent_args: &[&str], gpus: u32) -> Option<Setup> {
-        Setup::start_on(clock, agent_args, gpus, false).await
-    }
-
-    /// As [`Setup::start`], the kubelet on containerd: pods run in real containers of the probe
-    /// image, as user 1000 where they say so.
-    async fn start_on_containerd(clock: &str, agent_args: &[&str]) -> Option<Setup> {
-        Setup::start_on(clock, agent_args, 1, true).await
-    }
-
-    async fn start_on(
-        clock: &str,
-        agent_args: &[&str],
-        gpus: u32,
-        containerd: bool,
-    ) -> Option<Setup> {
         let dir = tempfile::tempdir().unwrap();
         let (probe, lib) = gpuslice_testcluster::build_probe(
             Path::new(env!("CARGO_BIN_EXE_gpuslice")),
             dir.path(),
         );
-        let runtime = if containerd {
-            let image = dir.path().join("probe.tar");
-            // ldd finds the probe's libraries (the emulated driver's among them) for the image.
-            gpuslice_testcluster::containerd::build_image(
-                &image,
-                PROBE_IMAGE,
-                None,
-                &[
-                    format!("{}:{IMAGE_PROBE}", probe.display()),
-                    format!("{}:{IMAGE_DRIVER_LIBS}", lib.display()),
-                    format!("{}:{IMAGE_GPUSLICE}", env!("CARGO_BIN_EXE_gpuslice")),
-                ],
-                &[("LD_LIBRARY_PATH", lib.as_path())],
-            );
-            Runtime::Containerd {
-                images: vec![image],
-            }
-        } else {
-            Runtime::Test
+        let image = dir.path().join("probe.tar");
+        // ldd finds the probe's libraries (the emulated driver's among them) for the image.
+        gpuslice_testcluster::containerd::build_image(
+            &image,
+            PROBE_IMAGE,
+            None,
+            &[
+                format!("{}:{IMAGE_PROBE}", probe.display()),
+                format!("{}:{IMAGE_DRIVER_LIBS}", lib.display()),
+                format!("{}:{IMAGE_GPUSLICE}", env!("CARGO_BIN_EXE_gpuslice")),
+            ],
+            &[("LD_LIBRARY_PATH", lib.as_path())],
+        );
+        let runtime = Runtime::Containerd {
+            images: vec![image],
         };
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
         let kubelet = cluster
@@ -136,15 +119,15 @@ impl Setup {
         let agent_log = dir.path().join("agent.log");
         let metrics_port = gpuslice_testcluster::free_port().unwrap();
         let mut agent_args: Vec<String> = agent_args.iter().map(|a| a.to_string()).collect();
-        let driver = containerd.then(|| {
+        let driver = dir.path().join("driver");
+        std::fs::create_dir_all(&driver).unwrap();
+        {
             use std::os::unix::fs::PermissionsExt as _;
-            let driver = dir.path().join("driver");
-            std::fs::create_dir_all(&driver).unwrap();
             std::fs::set_permissions(&driver, std::fs::Permissions::from_mode(0o777)).unwrap();
-            agent_args.push("--emulator-state".into());
-            agent_args.push(driver.join("machine.json").display().to_string());
-            driver
-        });
+        }
+        let machine = driver.join("machine.json");
+        agent_args.push("--emulator-state".into());
+        agent_args.push(machine.display().to_string());
         let agent = spawn_agent(
             &agent_kubeconfig,
             &kubelet,
@@ -167,10 +150,6 @@ impl Setup {
         .await;
         let control = dir.path().join("control");
         std::fs::create_dir_all(&control).unwrap();
-        let machine = match &driver {
-            Some(driver) => driver.join("machine.json"),
-            None => gpuslice_contract::StateDir::new(&state).emulated_machine(NODE),
-        };
         Some(Setup {
             agent,
             agent_args,
@@ -184,8 +163,6 @@ impl Setup {
             cluster,
             client,
             agent_log,
-            probe,
-            lib,
             machine,
             metrics_port,
             driver,
@@ -342,28 +319,11 @@ impl Setup {
         .unwrap()
     }
 
-    /// On the test runtime, the command runs as a host process. On containerd, in a real
-    /// container of the probe image: host network (no CNI here), user 1000, a read-only root
-    /// filesystem; the emulated driver's folder and the control folder (read-only) by host path,
-    /// at the paths the host has.
+    /// In a real container of the probe image: host network (no CNI here), user 1000, a
+    /// read-only root filesystem; the emulated driver's folder and the control folder
+    /// (read-only) by host path, at the paths the host has.
     fn pod_spec(&self, command: &[&str]) -> serde_json::Value {
-        let Some(driver) = &self.driver else {
-            return serde_json::json!({
-                "automountServiceAccountToken": false,
-                "enableServiceLinks": false,
-                "terminationGracePeriodSeconds": 5,
-                "containers": [{
-                    "name": "main",
-                    "image": "example.com/notebook:1",
-                    "command": command,
-                    "env": [
-                        {"name": "LD_LIBRARY_PATH", "value": self.lib},
-                        {"name": "GPUSLICE_EMULATOR_STATE", "value": self.machine},
-                    ],
-                    "resources": {"limits": {"gpuslice.io/notebook": "1"}}
-                }]
-            });
-        };
+        let driver = &self.driver;
         serde_json::json!({
             "hostNetwork": true,
             "automountServiceAccountToken": false,
@@ -394,19 +354,13 @@ impl Setup {
     }
 
     /// The probe program, as a pod's command names it.
-    fn probe(&self) -> String {
-        match self.driver {
-            Some(_) => IMAGE_PROBE.to_string(),
-            None => self.probe.display().to_string(),
-        }
+    fn probe(&self) -> &'static str {
+        IMAGE_PROBE
     }
 
     /// `gpuslice`, as a pod's command names it.
-    fn gpuslice(&self) -> String {
-        match self.driver {
-            Some(_) => IMAGE_GPUSLICE.to_string(),
-            None => env!("CARGO_BIN_EXE_gpuslice").to_string(),
-        }
+    fn gpuslice(&self) -> &'static str {
+        IMAGE_GPUSLICE
     }
 }
 
@@ -525,7 +479,7 @@ fn value(output: &str, key: &str) -> u64 {
 async fn a_real_kubelet_runs_pods_on_their_capped_slices() {
     // In real containers (containerd) of the probe image: their own pid and mount namespaces,
     // user 1000, a read-only root filesystem.
-    let Some(mut setup) = Setup::start_on_containerd(CLOCK, &[]).await else {
+    let Some(mut setup) = Setup::start(CLOCK, &[]).await else {
         return;
     };
     let client = setup.client.clone();
@@ -804,8 +758,7 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
     // requires a checkpoint before the pod may go.
     // In a real container (containerd), as user 1000: the agent signals the pod's process by its
     // cgroup, and the workload, not root, writes the checkpoint marker into its slice's folder.
-    let Some(setup) =
-        Setup::start_on_containerd("2026-12-02T11:59:10Z", &["--recut-lookahead", "20s"]).await
+    let Some(setup) = Setup::start("2026-12-02T11:59:10Z", &["--recut-lookahead", "20s"]).await
     else {
         return;
     };
@@ -1110,6 +1063,14 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
     .await
     .unwrap();
     let trainer_claim = claims["trainer"].clone();
+    // Its container goes with it once it is evicted (a real runtime removes it).
+    let trainer_uid = pods
+        .get("trainer")
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap_or_default();
     let told = eventually("urgent-0 waits for the trainer's slice", || {
         let pods = pods.clone();
         async move {
@@ -1154,15 +1115,7 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
         }
     })
     .await;
-    let trainer = setup
-        .kubelet
-        .containers()
-        .into_iter()
-        .find(|c| c.pod == "trainer")
-        .unwrap();
-    assert!(setup.kubelet.output(&trainer).contains("checkpointing"));
     let log = setup.agent_log();
-    let trainer_uid = trainer.pod_uid.clone();
     assert_eq!(
         log.lines()
             .filter(|l| l.contains("SignalPods") && l.contains(&trainer_uid))
@@ -1590,7 +1543,8 @@ spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: quick}
 #[tokio::test]
 async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
     // One notebook (compute limit 25 %) alone on the GPU, launching 2 ms kernels back to back
-    // for 4 s: the shim the CDI spec preloads asks the agent's arbiter for each turn, so the
+    // for 4 s, in a real container (containerd) as user 1000: the shim the CDI spec preloads
+    // asks the agent's arbiter for each turn (the agent knows the pod by its cgroup), so the
     // pod gets a quarter of the GPU's time, not all of it.
     let Some(setup) = Setup::start(CLOCK, &[]).await else {
         return;
@@ -1598,7 +1552,7 @@ async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
     let worker = format!(
         "{} bench compute-worker --kernel-us 2000 --seconds 4",
-        env!("CARGO_BIN_EXE_gpuslice")
+        setup.gpuslice()
     );
     let container = run_pod(&setup, &pods, "kernels", &worker, "Succeeded").await;
     let output = setup.kubelet.output(&container);
@@ -1626,9 +1580,7 @@ async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
 async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
     // In a real container (containerd), as user 1000: the agent finds the process by the pid
     // the driver reports and its pod by its cgroup.
-    let Some(setup) =
-        Setup::start_on_containerd(CLOCK, &["--memory-watchdog-interval", "200ms"]).await
-    else {
+    let Some(setup) = Setup::start(CLOCK, &["--memory-watchdog-interval", "200ms"]).await else {
         return;
     };
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
@@ -1706,11 +1658,13 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
 /// started again.
 #[tokio::test]
 async fn a_pods_first_launches_wait_for_an_agent_that_is_restarting() {
+    // In a real container (containerd), as user 1000: the socket's folder is mounted, so the
+    // agent's new socket reaches it.
     let Some(mut setup) = Setup::start(CLOCK, &[]).await else {
         return;
     };
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
-    let go = setup.dir.path().join("go");
+    let go = setup.control.join("go");
     let script = format!(
         "until [ -e {go} ]; do sleep 0.1; done; exec {probe} link spin",
         go = go.display(),
