@@ -269,6 +269,18 @@ impl ControlPlane {
             "syncFrequency": "5s",
             "fileCheckFrequency": "5s",
             "nodeStatusUpdateFrequency": "2s",
+            // The host's disk is shared with builds and other tests: kubelet's default thresholds
+            // (imagefs 15 % free) would evict or refuse pods whenever a build fills it, and image
+            // garbage collection would delete images that were imported, not pulled.
+            "evictionHard": {
+                "memory.available": "100Mi",
+                "nodefs.available": "1%",
+                "imagefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+                "imagefs.inodesFree": "1%",
+            },
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
         });
         let config_path = dir.join("kubelet.yaml");
         write(
