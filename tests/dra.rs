@@ -25,24 +25,6 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Applies every document of the example files, in order.
-async fn apply_examples(client: &Client, files: &[&str]) {
-    let discovery = kube::discovery::Discovery::new(client.clone())
-        .run()
-        .await
-        .unwrap();
-    for file in files {
-        let text = std::fs::read_to_string(root().join(file)).unwrap();
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let value: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
-            gpuslice_testcluster::apply_document(client, &discovery, &value, false)
-                .await
-                .unwrap_or_else(|| panic!("{file}: no such kind"))
-                .unwrap_or_else(|e| panic!("{file}: {e}"));
-        }
-    }
-}
-
 /// A pod asking for one slice of `policy` through the extended resource.
 fn pod(name: &str, policy: &str) -> Pod {
     serde_json::from_value(serde_json::json!({
@@ -231,7 +213,7 @@ async fn start_with_driver(
             .spawn()
             .unwrap(),
     ));
-    apply_examples(
+    gpuslice_testcluster::apply_repo_files(
         &client,
         &[
             "examples/gitops/policies/checkpoint-standard.yaml",

@@ -95,6 +95,7 @@ impl Setup {
         );
         let runtime = Runtime::Containerd {
             images: vec![image],
+            driver: Default::default(),
         };
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
         let kubelet = cluster
@@ -139,7 +140,7 @@ impl Setup {
             &agent_log,
         );
         let operator = spawn_operator(&operator_kubeconfig, clock);
-        apply_examples(
+        gpuslice_testcluster::apply_repo_files(
             &client,
             &[
                 "examples/gitops/policies/checkpoint-standard.yaml",
@@ -277,29 +278,12 @@ impl Drop for Setup {
     }
 }
 
-async fn apply_examples(client: &Client, files: &[&str]) {
-    let discovery = kube::discovery::Discovery::new(client.clone())
-        .run()
-        .await
-        .unwrap();
-    for file in files {
-        let text = std::fs::read_to_string(root().join(file)).unwrap();
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let value: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
-            gpuslice_testcluster::apply_document(client, &discovery, &value, false)
-                .await
-                .unwrap_or_else(|| panic!("{file}: no such kind"))
-                .unwrap_or_else(|e| panic!("{file}: {e}"));
-        }
-    }
-}
-
 /// Applies the objects of `yaml`, then waits until the operator has written `classes`
 /// DeviceClasses (one per policy).
 async fn apply_policies(setup: &Setup, yaml: &str, classes: usize) {
     let file = setup.dir.path().join("policies.yaml");
     std::fs::write(&file, yaml).unwrap();
-    apply_examples(&setup.client, &[file.to_str().unwrap()]).await;
+    gpuslice_testcluster::apply_repo_files(&setup.client, &[file.to_str().unwrap()]).await;
     gpuslice_testcluster::wait_for_device_classes(&setup.client, classes).await;
 }
 

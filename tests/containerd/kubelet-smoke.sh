@@ -85,6 +85,8 @@ fi
 "$here/image.sh" --name gpuslice.test/pause:1 --entrypoint 'sleep inf' "$D/pause.tar" 2>/dev/null
 sed -e "s|@DIR@|$D|g; s|@BIN@|$B|g; s|@SNAPSHOTTER@|overlayfs|g; s|@SANDBOX_IMAGE@|gpuslice.test/pause:1|g" \
   "$here/config.toml.in" >"$D/config.toml"
+# The `nvidia` handler's base spec: the default one here (the tests add the emulated driver).
+"$B/ctr" oci spec >"$D/nvidia-base-spec.json"
 printf '{"cniVersion": "1.0.0", "name": "gpuslice-none", "plugins": [{"type": "loopback"}]}\n' \
   >"$D/cni/net.d/10-none.conflist"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }

@@ -59,6 +59,8 @@ trap cleanup EXIT
 "$here/image.sh" --name gpuslice.test/pause:1 --entrypoint 'sleep inf' "$D/pause.tar" 2>/dev/null
 sed -e "s|@DIR@|$D|g; s|@BIN@|$B|g; s|@SNAPSHOTTER@|$snapshotter|g; s|@SANDBOX_IMAGE@|gpuslice.test/pause:1|g" \
   "$here/config.toml.in" >"$D/config.toml"
+# The `nvidia` handler's base spec: the default one here (the tests add the emulated driver).
+"$B/ctr" oci spec >"$D/nvidia-base-spec.json"
 
 # containerd in a mount namespace of its own, as the kubelet tests run the kubelet: the kubelet
 # must share it (or mounts it makes, like projected volumes, are not seen by runc). And in a pid

@@ -17,6 +17,16 @@ use crate::{Error, Process, built_tool, io, write};
 /// The pod sandbox image every pod gets, imported before the kubelet starts.
 pub const SANDBOX_IMAGE: &str = "gpuslice.test/pause:1";
 
+/// What RuntimeClass `nvidia` adds to each of its containers (containerd's handler `nvidia`, from
+/// a base spec), as the NVIDIA container runtime gives a GPU node's containers the driver: its
+/// files bound in, and environment.
+#[derive(Clone, Debug, Default)]
+pub struct Driver {
+    /// (host path, path in the container, writable).
+    pub mounts: Vec<(PathBuf, PathBuf, bool)>,
+    pub env: Vec<(String, String)>,
+}
+
 pub(crate) struct Containerd {
     process: Process,
     dir: PathBuf,
@@ -53,10 +63,31 @@ pub fn build_image(
     );
 }
 
+/// containerd's default spec (`ctr oci spec`) with the driver's mounts and environment.
+fn driver_base_spec(bin: &Path, driver: &Driver) -> Result<serde_json::Value, Error> {
+    let out = Command::new(bin.join("ctr"))
+        .args(["oci", "spec"])
+        .output()
+        .map_err(io("running ctr oci spec"))?;
+    let mut spec: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| Error::Missing(format!("ctr oci spec: {e}")))?;
+    let mounts = spec["mounts"].as_array_mut().expect("a spec has mounts");
+    for (host, container, writable) in &driver.mounts {
+        mounts.push(serde_json::json!({
+            "destination": container,
+            "type": "bind",
+            "source": host,
+            "options": ["rbind", if *writable { "rw" } else { "ro" }],
+        }));
+    }
+    spec["process"]["env"] = driver.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    Ok(spec)
+}
+
 impl Containerd {
     /// Starts containerd under `dir` with the sandbox image imported; `None` (the test skips)
     /// when tests/containerd/build.sh has not built it, which under CI fails.
-    pub(crate) fn start(dir: &Path) -> Result<Option<Containerd>, Error> {
+    pub(crate) fn start(dir: &Path, driver: &Driver) -> Result<Option<Containerd>, Error> {
         let Some(root) = built_tool("GPUSLICE_CONTAINERD_DIR", "containerd", "") else {
             return Ok(None);
         };
@@ -72,6 +103,10 @@ impl Containerd {
             .replace("@SNAPSHOTTER@", "overlayfs")
             .replace("@SANDBOX_IMAGE@", SANDBOX_IMAGE);
         write(&dir.join("config.toml"), &config)?;
+        write(
+            &dir.join("nvidia-base-spec.json"),
+            &driver_base_spec(&bin, driver)?.to_string(),
+        )?;
         write(
             &dir.join("cni/net.d/10-none.conflist"),
             r#"{"cniVersion": "1.0.0", "name": "gpuslice-none", "plugins": [{"type": "loopback"}]}"#,

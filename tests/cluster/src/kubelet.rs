@@ -65,8 +65,11 @@ pub enum Runtime {
     Test,
     /// containerd with runc: real containers in their own namespaces; these images (OCI
     /// tarballs, see [`crate::containerd::build_image`]) imported for `imagePullPolicy: Never`.
-    /// Only hostNetwork pods run.
-    Containerd { images: Vec<PathBuf> },
+    /// Only hostNetwork pods run. Pods of RuntimeClass `nvidia` get `driver`.
+    Containerd {
+        images: Vec<PathBuf>,
+        driver: crate::containerd::Driver,
+    },
 }
 
 enum RuntimeProcess {
@@ -204,9 +207,9 @@ impl ControlPlane {
                 let private = ["--mount", "--propagation", "private"].map(String::from);
                 (RuntimeProcess::Test(process), socket, private.to_vec())
             }
-            Runtime::Containerd { images } => {
+            Runtime::Containerd { images, driver } => {
                 let Some(containerd) =
-                    crate::containerd::Containerd::start(&dir.join("containerd"))?
+                    crate::containerd::Containerd::start(&dir.join("containerd"), &driver)?
                 else {
                     return Ok(None);
                 };

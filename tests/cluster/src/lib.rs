@@ -968,6 +968,17 @@ pub fn documents(text: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Applies every document of each file (a path from the repository's root, or absolute) with
+/// [`apply_all`].
+pub async fn apply_repo_files(client: &Client, files: &[&str]) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for file in files {
+        let text =
+            std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        apply_all(client, &documents(&text)).await;
+    }
+}
+
 /// Applies every document for real ([`apply_document`]); panics naming the one the server
 /// refuses or does not know.
 pub async fn apply_all(client: &Client, docs: &[serde_json::Value]) {
