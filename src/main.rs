@@ -124,6 +124,10 @@ enum Command {
         /// Change the GPUs; without it the agent only reports what it would do.
         #[arg(long)]
         apply: bool,
+        /// Where the pools' dataset caches (`io.localCache.path`, a folder under
+        /// /var/lib/gpuslice/cache) are kept: this folder stands for /var/lib/gpuslice/cache.
+        #[arg(long, default_value = gpuslice_api::CACHE_ROOT)]
+        cache_root: PathBuf,
         /// Run one pass and exit.
         #[arg(long)]
         once: bool,
@@ -575,6 +579,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             nvml,
             state,
             apply,
+            cache_root,
             once,
             interval,
             recut_lookahead,
@@ -632,6 +637,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         gpuslice_node::kubelet::Paths::new(&dir, &cdi_dir, shim)
                     }),
                     faults: gpuslice_node::faults::Inbox::default(),
+                    cache_root,
                 };
                 match gpuslice_node::faults::follow_kernel_log(&kernel_log, settings.faults.clone())
                 {
@@ -667,6 +673,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 clock,
                 kernel_log,
                 watchdog,
+                cache_root,
             };
             let mut shown = String::new();
             let last = gpuslice_node::standalone::run(&options, |pass| {
@@ -1006,6 +1013,7 @@ fn agent_in_cluster(
     let gpus = gpuslice_node::NvmlGpus::open(library.as_deref())?;
     let agent = gpuslice_node::pass::Agent::new(gpus, &node, state, true)
         .with_faults(settings.faults.clone())
+        .with_cache_root(settings.cache_root.clone())
         .with_watchdog(gpuslice_node::NvmlGpus::open(library.as_deref())?, watchdog);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

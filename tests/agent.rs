@@ -22,7 +22,10 @@ fn agent(state: &Path, node: &str, at: &str, apply: bool, source: &Path) -> (Out
     .arg("--emulate")
     .arg(root().join("examples/nodes").join(node))
     .arg("--state")
-    .arg(state);
+    .arg(state)
+    // Pools' dataset caches, for /var/lib/gpuslice/cache.
+    .arg("--cache-root")
+    .arg(state.join("caches"));
     if apply {
         cmd.arg("--apply");
     }
@@ -195,6 +198,9 @@ fn run_agent(state: &Path, node: &Path, at: &str) -> Output {
         .arg(node)
         .arg("--state")
         .arg(state)
+        // Pools' dataset caches, for /var/lib/gpuslice/cache.
+        .arg("--cache-root")
+        .arg(std::path::Path::new(&state).join("caches"))
         .output()
         .unwrap()
 }

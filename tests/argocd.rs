@@ -417,6 +417,9 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
             .arg(&node_file)
             .arg("--state")
             .arg(dir.path().join(format!("state-{node}")))
+            // Pools' dataset caches, for /var/lib/gpuslice/cache.
+            .arg("--cache-root")
+            .arg(std::path::Path::new(&dir.path().join(format!("state-{node}"))).join("caches"))
             // The kubelet plugin publishes the node's slices as DRA devices.
             .arg("--kubelet-dir")
             .arg(dir.path().join(format!("kubelet-{node}")))

@@ -142,6 +142,9 @@ async fn the_chart_installs_and_its_roles_are_enough() {
             .arg(&node_file)
             .arg("--state")
             .arg(dir.path())
+            // Pools' dataset caches, for /var/lib/gpuslice/cache.
+            .arg("--cache-root")
+            .arg(std::path::Path::new(&dir.path()).join("caches"))
             .env("KUBECONFIG", kubeconfig("gs-agent-on-gpu-0"))
             .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
             .stdout(Stdio::null())

@@ -250,6 +250,10 @@ async fn the_charts_own_pods_run_and_a_workload_gets_its_slice() {
             ("agent.interval", "2s".to_string()),
             ("agent.stateDir", state.display().to_string()),
             (
+                "agent.cacheRoot",
+                dir.path().join("caches").display().to_string(),
+            ),
+            (
                 "agent.kubeletPlugin.kubeletDir",
                 kubelet.root_dir().display().to_string(),
             ),

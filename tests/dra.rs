@@ -146,6 +146,9 @@ async fn spawn_agent(
             .arg(dir.join(format!("{name}.yaml")))
             .arg("--state")
             .arg(dir.join(name).join("state"))
+            // Pools' dataset caches, for /var/lib/gpuslice/cache.
+            .arg("--cache-root")
+            .arg(std::path::Path::new(&dir.join(name).join("state")).join("caches"))
             .arg("--kubelet-dir")
             .arg(dir.join(name).join("kubelet"))
             .arg("--cdi-dir")

@@ -226,6 +226,9 @@ fn spawn_agent(
             .arg(node_file)
             .arg("--state")
             .arg(state)
+            // Pools' dataset caches, for /var/lib/gpuslice/cache.
+            .arg("--cache-root")
+            .arg(std::path::Path::new(&state).join("caches"))
             .arg("--kubelet-dir")
             .arg(kubelet.root_dir())
             .arg("--cdi-dir")

@@ -349,6 +349,9 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
             agent
                 .arg("--state")
                 .arg(dir.path().join(name))
+                // Pools' dataset caches, for /var/lib/gpuslice/cache.
+                .arg("--cache-root")
+                .arg(std::path::Path::new(&dir.path().join(name)).join("caches"))
                 .env("KUBECONFIG", cluster.agent_kubeconfig(name).await.unwrap())
                 // The operator's clock: the agents switch at the boundary on their own.
                 .env("GPUSLICE_CLOCK_START", "2026-12-02T20:59:00Z")
@@ -746,6 +749,9 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
             node_file.to_str().unwrap(),
             "--state",
             state.to_str().unwrap(),
+            // Pools' dataset caches, for /var/lib/gpuslice/cache.
+            "--cache-root",
+            state.join("caches").to_str().unwrap(),
             "--metrics-addr",
             &format!("127.0.0.1:{metrics_port}"),
         ],

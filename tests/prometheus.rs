@@ -174,6 +174,9 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
             .arg(&node_file)
             .arg("--state")
             .arg(dir.path().join("state"))
+            // Pools' dataset caches, for /var/lib/gpuslice/cache.
+            .arg("--cache-root")
+            .arg(std::path::Path::new(&dir.path().join("state")).join("caches"))
             .arg("--kubelet-dir")
             .arg(dir.path().join("kubelet"))
             .arg("--cdi-dir")

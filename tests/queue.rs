@@ -183,6 +183,9 @@ impl Harness {
                 .arg(&node_file)
                 .arg("--state")
                 .arg(dir.path().join("state"))
+                // Pools' dataset caches, for /var/lib/gpuslice/cache.
+                .arg("--cache-root")
+                .arg(std::path::Path::new(&dir.path().join("state")).join("caches"))
                 .arg("--kubelet-dir")
                 .arg(dir.path().join("kubelet"))
                 .arg("--cdi-dir")

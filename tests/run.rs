@@ -71,6 +71,9 @@ fn agent_with(dir: &Path, source: &Path, passes: Stdio, extra: &[&str]) -> Child
         .arg(&node)
         .arg("--state")
         .arg(dir.join("state"))
+        // Stands for /var/lib/gpuslice/cache, where pools' dataset caches are.
+        .arg("--cache-root")
+        .arg(dir.join("cache-root"))
         .args(extra)
         .stdout(passes)
         .stderr(Stdio::null())
@@ -457,20 +460,20 @@ fn a_policys_host_cpu_and_memory_hold_its_command() {
 }
 
 /// A pool's `io.localCache`: `gpuslice cache SOURCE` on the node gives a read-only local copy,
-/// fetched once; asked again, the cached one; the cache outlives the agent.
+/// fetched once; asked again, the cached one; the cache outlives the agent. A pool that points
+/// its cache outside the cache root gets none, and the root agent removes nothing there.
 #[test]
 fn the_pools_dataset_cache_fetches_once_and_survives_a_restart() {
     let (dir, state, children) = lab(|pool, dir| {
         pool.replace(
             "  memoryHeadroom: 1Gi\n",
             &format!(
-                "  memoryHeadroom: 1Gi\n  io: {{localCache: {{path: {}, size: 1Mi, sources: [{}]}}}}\n",
-                dir.join("cache").display(),
+                "  memoryHeadroom: 1Gi\n  io: {{localCache: {{path: /var/lib/gpuslice/cache/datasets, size: 1Mi, sources: [{}]}}}}\n",
                 dir.join("datasets").display()
             ),
         )
     });
-    let cache = dir.path().join("cache");
+    let cache = dir.path().join("cache-root/datasets");
     let source = dir.path().join("gitops");
     std::fs::create_dir_all(dir.path().join("datasets")).unwrap();
     let dataset = dir.path().join("datasets/shard-0");
@@ -525,6 +528,43 @@ fn the_pools_dataset_cache_fetches_once_and_survives_a_restart() {
         let out = ask(dataset.to_str().unwrap());
         out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cached")
     });
+
+    // The pool now points its cache at a folder of other things: the source is refused (the
+    // CRD's rule), the last good pool stays in force, and the agent (root) removes nothing there.
+    let victim = dir.path().join("victim");
+    for sub in ["objects", "tmp"] {
+        std::fs::create_dir_all(victim.join(sub)).unwrap();
+        std::fs::write(victim.join(sub).join("precious"), b"keep").unwrap();
+    }
+    let pool = std::fs::read_to_string(source.join("pool.yaml")).unwrap();
+    std::fs::write(
+        source.join("pool.yaml"),
+        pool.replace("/var/lib/gpuslice/cache/datasets", victim.to_str().unwrap()),
+    )
+    .unwrap();
+    let validate = Command::new(BIN)
+        .arg("validate")
+        .arg(&source)
+        .output()
+        .unwrap();
+    assert!(!validate.status.success());
+    assert!(
+        String::from_utf8_lossy(&validate.stdout)
+            .contains("path must be a folder directly under /var/lib/gpuslice/cache"),
+        "{}",
+        String::from_utf8_lossy(&validate.stdout)
+    );
+    // A few of the agent's passes (one a second).
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let out = ask(dataset.to_str().unwrap());
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(cache.to_str().unwrap()));
+    for sub in ["objects", "tmp"] {
+        assert!(
+            victim.join(sub).join("precious").exists(),
+            "{sub}/precious removed"
+        );
+    }
 }
 
 /// A `gpuslice run` of policy `small` holding its slice until `end` exists; returns it with

@@ -47,6 +47,9 @@ impl Agent {
             .arg(node)
             .arg("--state")
             .arg(state)
+            // Pools' dataset caches, for /var/lib/gpuslice/cache.
+            .arg("--cache-root")
+            .arg(std::path::Path::new(&state).join("caches"))
             .args(args)
             .args(interval)
             .envs(env.iter().copied())

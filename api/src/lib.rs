@@ -34,9 +34,9 @@ pub use policy::{
     WorkloadClass,
 };
 pub use pool::{
-    Compaction, CompactionMove, CompactionStatus, DriverMinimum, FairShareStatus, FaultIsolation,
-    GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits, LocalCache, NamespaceUsage,
-    Scheduling, SchedulingPolicy, SliceCounts, TimeWindow,
+    CACHE_ROOT, Compaction, CompactionMove, CompactionStatus, DriverMinimum, FairShareStatus,
+    FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits, LocalCache,
+    NamespaceUsage, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow, cache_folder,
 };
 pub use quantity::{QuantityError, Size, bytes_of, format_bytes, millicores_of};
 pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};

@@ -237,6 +237,35 @@ pub struct IoLimits {
     pub local_cache: Option<LocalCache>,
 }
 
+/// The folder on every node that holds the pools' dataset caches, each in a folder of its own
+/// (`io.localCache.path`); the chart mounts it into the agent's pod.
+pub const CACHE_ROOT: &str = "/var/lib/gpuslice/cache";
+
+/// The folder a cache path names under [`CACHE_ROOT`] (`/var/lib/gpuslice/cache/NAME` → `NAME`),
+/// or why the path is refused: the agent is root on the node and removes files it did not write
+/// in the cache's folder, so a pool may not point it anywhere else.
+pub fn cache_folder(path: &str) -> Result<&str, String> {
+    let name = path
+        .strip_prefix(CACHE_ROOT)
+        .and_then(|rest| rest.strip_prefix('/'))
+        .unwrap_or_default();
+    let valid = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if valid {
+        Ok(name)
+    } else {
+        Err(format!(
+            "io.localCache.path {path:?} must be a folder directly under {CACHE_ROOT} (for example \
+             {CACHE_ROOT}/datasets): the node agent removes files in it"
+        ))
+    }
+}
+
 /// A node-local dataset cache: a read-through cache of dataset files on the node's local disk,
 /// shared by the slices of the node. A workload asks the node agent for a source (a file path,
 /// such as a network file system's mount, or an `http://` URL; `gpuslice cache fetch SOURCE`, or
@@ -249,9 +278,12 @@ pub struct IoLimits {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LocalCache {
-    /// Absolute path of the cache directory on the node.
-    #[schemars(length(max = 4096))]
-    #[x_kube(validation = Rule::new("self.startsWith('/')").message("path must be absolute"))]
+    /// The cache's folder on the node: a folder of its own directly under
+    /// `/var/lib/gpuslice/cache` (for example `/var/lib/gpuslice/cache/datasets`), which the chart
+    /// mounts into the agent; put a fast local disk there. Nowhere else: the agent is root on the
+    /// node and removes files it did not write in the cache's folder.
+    #[schemars(length(max = 128))]
+    #[x_kube(validation = Rule::new("self.matches('^/var/lib/gpuslice/cache/[A-Za-z0-9][A-Za-z0-9._-]*$')").message("path must be a folder directly under /var/lib/gpuslice/cache, such as /var/lib/gpuslice/cache/datasets"))]
     pub path: String,
     /// The most the cached files may take (for example `500Gi`); half of the file system the
     /// path is on when omitted.
@@ -414,4 +446,40 @@ pub struct SliceCounts {
     /// Slices no workload holds (`total - allocated`).
     #[serde(default)]
     pub free: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_is_a_folder_directly_under_the_cache_root_and_nowhere_else() {
+        assert_eq!(
+            cache_folder("/var/lib/gpuslice/cache/datasets"),
+            Ok("datasets")
+        );
+        assert_eq!(
+            cache_folder("/var/lib/gpuslice/cache/nvme-0.a_b"),
+            Ok("nvme-0.a_b")
+        );
+        for path in [
+            "/",
+            "/tmp",
+            "/etc",
+            "/var/lib/gpuslice/cache",
+            "/var/lib/gpuslice/cache/",
+            "/var/lib/gpuslice/cache/..",
+            "/var/lib/gpuslice/cache/../../../etc",
+            "/var/lib/gpuslice/cache/a/b",
+            "/var/lib/gpuslice/cachex",
+            "/var/lib/gpuslice/cache/.hidden",
+            "var/lib/gpuslice/cache/datasets",
+        ] {
+            let refused = cache_folder(path).unwrap_err();
+            assert!(
+                refused.contains("/var/lib/gpuslice/cache"),
+                "{path}: {refused}"
+            );
+        }
+    }
 }

@@ -381,8 +381,11 @@ pub struct Caller {
 }
 
 /// The caches of the node's pools (`io.localCache`), opened as the pass finds them.
-#[derive(Default)]
 pub struct Caches {
+    /// Where `/var/lib/gpuslice/cache` ([`gpuslice_api::CACHE_ROOT`]) is on this machine.
+    root: PathBuf,
+    /// Pool → the path it was refused for, said once.
+    refused: Mutex<BTreeMap<String, String>>,
     open: Mutex<BTreeMap<String, std::sync::Arc<Cache>>>,
     /// Pool → the sources its cache may read.
     allowed: Mutex<BTreeMap<String, Vec<String>>>,
@@ -390,11 +393,61 @@ pub struct Caches {
     gpus: Mutex<BTreeMap<u32, String>>,
 }
 
+impl Default for Caches {
+    fn default() -> Self {
+        Caches::under(PathBuf::from(gpuslice_api::CACHE_ROOT))
+    }
+}
+
 impl Caches {
+    /// Caches whose folders are under `root`, which stands for `/var/lib/gpuslice/cache` (the
+    /// chart mounts the host's there; tests and demos put it elsewhere).
+    pub fn under(root: PathBuf) -> Caches {
+        Caches {
+            root,
+            refused: Mutex::default(),
+            open: Mutex::default(),
+            allowed: Mutex::default(),
+            gpus: Mutex::default(),
+        }
+    }
+
     /// Opens the caches `wanted` names (pool → path and size; `None`: half the file system),
-    /// keeping those already open at the same place and size. A cache that cannot be opened is
-    /// logged and left out.
+    /// keeping those already open at the same place and size. A cache that cannot be opened, or
+    /// whose path is not a folder directly under the cache root, is logged and left out.
     pub fn set(&self, wanted: &BTreeMap<String, CacheSpec>, gpus: BTreeMap<u32, String>) {
+        let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+        let wanted: BTreeMap<String, CacheSpec> = wanted
+            .iter()
+            .filter_map(|(pool, spec)| {
+                let declared = spec.path.display().to_string();
+                match gpuslice_api::cache_folder(&declared) {
+                    Ok(folder) => {
+                        refused.remove(pool);
+                        Some((
+                            pool.clone(),
+                            CacheSpec {
+                                path: self.root.join(folder),
+                                ..spec.clone()
+                            },
+                        ))
+                    }
+                    Err(why) => {
+                        if refused.insert(pool.clone(), declared.clone()).as_ref()
+                            != Some(&declared)
+                        {
+                            tracing::warn!("pool {pool}: no dataset cache: {why}");
+                        }
+                        None
+                    }
+                }
+            })
+            .collect();
+        drop(refused);
+        let gpus = gpus
+            .into_iter()
+            .filter(|(_, pool)| wanted.contains_key(pool))
+            .collect();
         *self.gpus.lock().unwrap_or_else(|p| p.into_inner()) = gpus;
         *self.allowed.lock().unwrap_or_else(|p| p.into_inner()) = wanted
             .iter()
@@ -406,7 +459,7 @@ impl Caches {
                 cache.root() == spec.path && spec.size.is_none_or(|s| s == cache.capacity())
             })
         });
-        for (pool, CacheSpec { path, size, .. }) in wanted {
+        for (pool, CacheSpec { path, size, .. }) in &wanted {
             if open.contains_key(pool) {
                 continue;
             }
@@ -734,6 +787,47 @@ mod tests {
         assert_eq!(cache.stats.hits.load(Ordering::Relaxed), 7);
     }
 
+    /// A pool that points its cache at a folder of other things (`/`, `/tmp`, a data folder):
+    /// the root agent opens no cache there, so it removes nothing; under the cache root it does.
+    #[test]
+    fn a_cache_path_outside_the_cache_root_is_refused_and_nothing_there_is_removed() {
+        let root = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        for sub in ["objects", "tmp"] {
+            std::fs::create_dir_all(elsewhere.path().join(sub)).unwrap();
+            std::fs::write(elsewhere.path().join(sub).join("precious"), b"keep").unwrap();
+        }
+        let caches = Caches::under(root.path().to_path_buf());
+        let spec = |path: &Path| CacheSpec {
+            path: path.to_path_buf(),
+            size: Some(1 << 20),
+            sources: Vec::new(),
+        };
+        for path in [
+            elsewhere.path(),
+            Path::new("/"),
+            Path::new("/var/lib/gpuslice/cache/../../../../tmp"),
+        ] {
+            caches.set(
+                &BTreeMap::from([("lab".to_string(), spec(path))]),
+                BTreeMap::from([(0, "lab".to_string())]),
+            );
+            assert!(caches.all().is_empty(), "{}", path.display());
+            assert_eq!(caches.root_for_gpu(0), None);
+        }
+        for sub in ["objects", "tmp"] {
+            assert!(elsewhere.path().join(sub).join("precious").exists());
+        }
+        caches.set(
+            &BTreeMap::from([(
+                "lab".to_string(),
+                spec(Path::new("/var/lib/gpuslice/cache/datasets")),
+            )]),
+            BTreeMap::from([(0, "lab".to_string())]),
+        );
+        assert_eq!(caches.root_for_gpu(0), Some(root.path().join("datasets")));
+    }
+
     /// What a hostile caller asks the root agent for: a link to a secret, `/proc`'s magic links,
     /// a device that never ends, a FIFO, a file outside the allowed directories, a file it
     /// cannot read itself, a host not allowed. Each is refused with the reason, nothing read.
@@ -742,14 +836,14 @@ mod tests {
         use std::os::unix::fs::PermissionsExt as _;
         let data = tempfile::tempdir().unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let caches = Caches::default();
+        let caches = Caches::under(dir.path().to_path_buf());
         let allowed = data.path().join("datasets");
         std::fs::create_dir_all(&allowed).unwrap();
         caches.set(
             &BTreeMap::from([(
                 "lab".to_string(),
                 CacheSpec {
-                    path: dir.path().join("cache"),
+                    path: PathBuf::from("/var/lib/gpuslice/cache/cache"),
                     size: Some(1 << 20),
                     sources: vec![
                         allowed.display().to_string(),

@@ -1105,6 +1105,8 @@ pub struct Settings {
     pub kubelet: Option<crate::kubelet::Paths>,
     /// XID errors (and the kernel's records of them) as the watcher threads receive them.
     pub faults: faults::Inbox,
+    /// Where `/var/lib/gpuslice/cache`, the pools' dataset caches' root, is.
+    pub cache_root: std::path::PathBuf,
 }
 
 /// Writes the node's devices as ResourceSlices, remembering what it last wrote so that an

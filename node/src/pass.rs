@@ -231,6 +231,13 @@ impl Agent {
         self
     }
 
+    /// Keeps the pools' dataset caches under `root`, which stands for `/var/lib/gpuslice/cache`
+    /// (pools name folders there). Before the socket is served.
+    pub fn with_cache_root(mut self, root: std::path::PathBuf) -> Self {
+        self.socket.caches = std::sync::Arc::new(crate::cache::Caches::under(root));
+        self
+    }
+
     /// Closes these slices to new `gpuslice run` claims (the others are open).
     pub fn close_slices(&self, closed: std::collections::BTreeSet<String>) {
         self.socket.claims.set_closed(closed);

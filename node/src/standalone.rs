@@ -55,6 +55,8 @@ pub struct Options {
     pub kernel_log: PathBuf,
     /// The memory watchdog's pace (a service only).
     pub watchdog: crate::watchdog::Settings,
+    /// Where `/var/lib/gpuslice/cache`, the pools' dataset caches' root, is.
+    pub cache_root: PathBuf,
 }
 
 /// Runs the agent: one pass with `once`, else passes forever. Each pass goes to `emit`; the
@@ -63,7 +65,8 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
     let gpus = NvmlGpus::open(options.library.as_deref())?;
     let inbox = Inbox::default();
     let mut agent = Agent::new(gpus, &options.node, options.state.clone(), options.apply)
-        .with_faults(inbox.clone());
+        .with_faults(inbox.clone())
+        .with_cache_root(options.cache_root.clone());
     if !options.once {
         agent = agent.with_watchdog(
             NvmlGpus::open(options.library.as_deref())?,
