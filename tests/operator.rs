@@ -875,3 +875,117 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
     .await;
     assert_eq!(table().matches("\"id\"").count(), 2);
 }
+
+/// Evictions: an agent evicts no pod itself (the chart's role has no `pods/eviction`); it asks
+/// in its GpuNode's status and the operator evicts the pod, but only one that runs on the asking
+/// agent's node. A compromised agent on node A that asks for node B's pod gets nothing.
+#[tokio::test]
+async fn an_agent_has_only_its_own_nodes_pods_evicted() {
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::{Api, EvictParams, Patch, PatchParams, PostParams};
+    let Some((cluster, client)) = cluster_with_crds().await else {
+        return;
+    };
+    for node in ["gpu-a", "gpu-b"] {
+        cluster.create_node(node, &[], &[]).await.unwrap();
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let mut uids = std::collections::BTreeMap::new();
+    for (name, node) in [("trainer-a", "gpu-a"), ("trainer-b", "gpu-b")] {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {"nodeName": node, "containers": [{"name": "main", "image": "example.com/train:1"}]},
+        }))
+        .unwrap();
+        let created = pods.create(&PostParams::default(), &pod).await.unwrap();
+        uids.insert(name, created.metadata.uid.unwrap());
+    }
+    let agent_a = cluster
+        .pod_service_account_client(
+            gpuslice_testcluster::CHART_NAMESPACE,
+            &format!("{}-agent", gpuslice_testcluster::CHART_RELEASE),
+            "gpu-a",
+        )
+        .await
+        .unwrap();
+
+    // The agent's own identity may evict nothing, not even its own node's pod.
+    let as_agent: Api<Pod> = Api::namespaced(agent_a.clone(), "default");
+    for name in ["trainer-a", "trainer-b"] {
+        match as_agent.evict(name, &EvictParams::default()).await {
+            Err(kube::Error::Api(e)) => assert_eq!(e.code, 403, "{name}: {e:?}"),
+            other => panic!("the agent evicted {name}: {other:?}"),
+        }
+    }
+
+    let _operator = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .args(["operator", LEASE[0], LEASE[1]])
+            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    eventually("the agent's GpuNode exists", || {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            if gpu_nodes
+                .get_opt("gpu-a")
+                .await
+                .map_err(|e| e.to_string())?
+                .is_none()
+            {
+                let node: GpuNode = serde_json::from_value(serde_json::json!({
+                    "apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
+                    "metadata": {"name": "gpu-a"}, "spec": {},
+                }))
+                .unwrap();
+                gpu_nodes
+                    .create(&PostParams::default(), &node)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        }
+    })
+    .await;
+    // The agent of gpu-a asks for both pods, as a compromised one would.
+    let ask = |pod: &str| {
+        serde_json::json!({"pod": format!("default/{pod}"), "uid": uids[pod], "cause": "preemption",
+            "checkpoint": "taken", "message": "preempted for a pod of higher priority"})
+    };
+    Api::<GpuNode>::all(agent_a.clone())
+        .patch_status(
+            "gpu-a",
+            &PatchParams::apply("gpuslice-agent"),
+            &Patch::Apply(serde_json::json!({
+                "apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode",
+                "metadata": {"name": "gpu-a"},
+                "status": {"evictions": [ask("trainer-a"), ask("trainer-b")]},
+            })),
+        )
+        .await
+        .unwrap();
+    let going = |pod: Option<Pod>| pod.is_none_or(|p| p.metadata.deletion_timestamp.is_some());
+    eventually("the operator evicts gpu-a's pod", || {
+        let pods = pods.clone();
+        async move {
+            let pod = pods.get_opt("trainer-a").await.map_err(|e| e.to_string())?;
+            going(pod)
+                .then_some(())
+                .ok_or("trainer-a still runs".to_string())
+        }
+    })
+    .await;
+    // Several of the operator's rounds (every 0.5 s, again after 5 s) later, gpu-b's pod runs on.
+    tokio::time::sleep(std::time::Duration::from_secs(7)).await;
+    let other = pods.get_opt("trainer-b").await.unwrap();
+    assert!(
+        !going(other),
+        "trainer-b on gpu-b was evicted for gpu-a's agent"
+    );
+}

@@ -25,9 +25,9 @@ pub use checkpoint::{
 };
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{
-    DriverVersions, GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess,
-    MigInstance, MigState, NextAssignment, NodeInventory, Placement, Preemption, SliceClaim,
-    SoftwareSliceState,
+    DriverVersions, EvictionRequest, GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec,
+    GpuNodeStatus, GpuProcess, MigInstance, MigState, NextAssignment, NodeInventory, Placement,
+    Preemption, SliceClaim, SoftwareSliceState,
 };
 pub use policy::{
     ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus, HostResources,

@@ -218,6 +218,32 @@ pub struct GpuNodeStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 1024))]
     pub claims: Vec<SliceClaim>,
+    /// Pods the agent needs gone to take their slices back (a preemption, a window change, a
+    /// compaction or a GPU fault), each once its checkpoint is taken or its grace is over. The
+    /// operator evicts them through the Eviction API (their disruption budgets and grace periods
+    /// apply) after checking that each runs on this node: agents may not evict pods themselves,
+    /// so a compromised one reaches no pod beyond its node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1024))]
+    pub evictions: Vec<EvictionRequest>,
+}
+
+/// A pod the agent asks the operator to evict.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EvictionRequest {
+    /// The pod (`namespace/name`).
+    pub pod: String,
+    /// The pod's UID: a pod of the same name made again is not evicted for the old one.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub uid: String,
+    /// Why: `window`, `preemption`, `compaction` or `fault`.
+    pub cause: String,
+    /// Whether it checkpointed: `taken`, `grace_over` or `none`.
+    pub checkpoint: String,
+    /// What the pod's Event says.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
 }
 
 /// Who holds a slice.

@@ -11,7 +11,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use gpuslice_api::k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
+use gpuslice_api::k8s_openapi::api::core::v1::{Node, ObjectReference};
 use gpuslice_api::k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use gpuslice_api::{
@@ -26,7 +26,7 @@ use gpuslice_runtime::conditions::{condition, keep_transition_times};
 use gpuslice_runtime::telemetry::Telemetry;
 use gpuslice_source::last_good::Config;
 use kube::Client;
-use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -435,6 +435,17 @@ fn status(
     claims.dedup();
     GpuNodeStatus {
         claims,
+        evictions: pass
+            .evictions
+            .iter()
+            .map(|e| gpuslice_api::EvictionRequest {
+                pod: e.pod.clone(),
+                uid: e.uid.clone(),
+                cause: e.cause.to_string(),
+                checkpoint: e.checkpoint.to_string(),
+                message: e.note.clone(),
+            })
+            .collect(),
         inventory: Some(pass.inventory.clone()),
         applied_generation: if converged {
             generation
@@ -1280,8 +1291,8 @@ pub async fn run(
     futures::pin_mut!(changes);
     let mut blocked_since: Option<std::time::Instant> = None;
     let mut publisher = Publisher::new(client.clone(), &node);
-    // Pods evicted and not gone yet, so that each eviction is logged (and told) once.
-    let mut evicted = std::collections::BTreeSet::new();
+    // Pods asked to be evicted and not gone yet, so that each is logged and counted once.
+    let mut asked = std::collections::BTreeSet::new();
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -1354,7 +1365,7 @@ pub async fn run(
         let spec = current.spec.in_force(now);
         let (switched, next_switch) =
             (current.spec.last_switch(now), current.spec.next_switch(now));
-        let mut pass = agent.pass(now, |inventory| {
+        let pass = agent.pass(now, |inventory| {
             let (gpus, problems) = plan_spec(inventory, &spec);
             Intent {
                 plan: ClusterPlan {
@@ -1374,8 +1385,7 @@ pub async fn run(
                 gpus_out: quarantines.gpus_out(),
             }
         })?;
-        let refused = evict(&client, &recorder, &metrics, &pass.evictions, &mut evicted).await;
-        pass.drain_errors.extend(refused);
+        ask_evictions(&metrics, &pass.evictions, &mut asked);
         let notices = isolate_faults(
             &api,
             &current,
@@ -1588,63 +1598,30 @@ async fn isolate_faults(
     notices
 }
 
-/// Evicts pods through the Eviction API, so that their disruption budgets and termination grace
-/// apply. A refusal (a budget) is returned and retried on the next pass; a pod already gone is no
-/// error. Each evicted pod gets an Event saying why and whether it checkpointed.
-async fn evict(
-    client: &Client,
-    recorder: &Recorder,
+/// Counts and logs the pods this pass asks the operator to evict (in the GpuNode's status), each
+/// once while it is asked for.
+fn ask_evictions(
     metrics: &Metrics,
     evictions: &[Eviction],
-    evicted: &mut std::collections::BTreeSet<String>,
-) -> Vec<String> {
-    evicted.retain(|p| evictions.iter().any(|e| e.pod == *p));
-    let mut refused = Vec::new();
+    asked: &mut std::collections::BTreeSet<String>,
+) {
+    asked.retain(|p| evictions.iter().any(|e| e.pod == *p));
     for eviction in evictions {
-        let pod = &eviction.pod;
-        let Some((namespace, name)) = pod.split_once('/') else {
-            continue;
-        };
-        let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
-        match api.evict(name, &EvictParams::default()).await {
-            Ok(_) => {
-                if evicted.insert(pod.clone()) {
-                    tracing::info!("evicted pod {pod}: {}", eviction.note);
-                    metrics
-                        .evictions
-                        .get_or_create(&EvictionLabel {
-                            cause: eviction.cause.into(),
-                            checkpoint: eviction.checkpoint.into(),
-                        })
-                        .inc();
-                    let event = Event {
-                        type_: EventType::Warning,
-                        reason: match eviction.cause {
-                            "preemption" => "Preempted",
-                            "compaction" => "Compacted",
-                            "fault" => "GpuFault",
-                            _ => "Resliced",
-                        }
-                        .into(),
-                        note: Some(format!("evicted by gpuslice: {}", eviction.note)),
-                        action: "Evict".into(),
-                        secondary: None,
-                    };
-                    let regarding = pod_reference(
-                        namespace,
-                        name,
-                        (!eviction.uid.is_empty()).then(|| eviction.uid.clone()),
-                    );
-                    if let Err(e) = recorder.publish(&event, &regarding).await {
-                        tracing::warn!("pod {pod}: recording the eviction: {e}");
-                    }
-                }
-            }
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => refused.push(format!("evicting pod {pod}: {e}")),
+        if asked.insert(eviction.pod.clone()) {
+            tracing::info!(
+                "asking the operator to evict pod {}: {}",
+                eviction.pod,
+                eviction.note
+            );
+            metrics
+                .evictions
+                .get_or_create(&EvictionLabel {
+                    cause: eviction.cause.into(),
+                    checkpoint: eviction.checkpoint.into(),
+                })
+                .inc();
         }
     }
-    refused
 }
 
 /// Until the next re-cut taint is due (never, when none is ahead).

@@ -440,6 +440,11 @@ pub async fn run(
             kind: "PriorityClass",
             message: e.to_string(),
         })?;
+    tokio::spawn(crate::evictions::run(
+        client.clone(),
+        leadership.clone(),
+        gpu_nodes.clone(),
+    ));
     tokio::spawn(crate::queue::run(
         client.clone(),
         clock,

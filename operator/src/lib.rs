@@ -8,6 +8,7 @@ pub mod compaction;
 pub mod controller;
 pub mod desired;
 pub mod election;
+pub mod evictions;
 pub mod published;
 pub mod queue;
 
