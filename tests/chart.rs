@@ -203,18 +203,18 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     admission_takes_policies_by_name(&admin).await;
+    admission_keeps_root_off_a_non_root_pool(&admin).await;
 
-    // The kubelet plugin inside the agent reads the claims it prepares; the agent evicts pods
-    // through the Eviction API (a window change re-cutting their slices), and nothing lets it
-    // delete pods.
-    let may = |verb: &str, resource: &str| {
+    // The kubelet plugin inside the agent reads the claims it prepares; the agent may neither
+    // evict pods (it asks the operator, which evicts only the asking node's) nor delete them.
+    let may = |account: &str, verb: &str, resource: &str| {
         let (resource, subresource) = resource.split_once('/').unwrap_or((resource, ""));
         let admin = admin.clone();
         let review: SubjectAccessReview = serde_json::from_value(serde_json::json!({
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SubjectAccessReview",
             "spec": {
-                "user": format!("system:serviceaccount:{NAMESPACE}:gs-agent"),
+                "user": format!("system:serviceaccount:{NAMESPACE}:{account}"),
                 "groups": ["system:serviceaccounts"],
                 "resourceAttributes": {"verb": verb, "group": if resource == "pods" { "" } else { "resource.k8s.io" },
                     "resource": resource, "subresource": subresource, "namespace": "default"}
@@ -230,9 +230,10 @@ async fn the_chart_installs_and_its_roles_are_enough() {
                 .is_some_and(|s| s.allowed)
         }
     };
-    assert!(may("get", "resourceclaims").await);
-    assert!(may("create", "pods/eviction").await);
-    assert!(!may("delete", "pods").await);
+    assert!(may("gs-agent", "get", "resourceclaims").await);
+    assert!(!may("gs-agent", "create", "pods/eviction").await);
+    assert!(!may("gs-agent", "delete", "pods").await);
+    assert!(may("gs-operator", "create", "pods/eviction").await);
 
     // Its own node's ResourceSlices only: not another node's, and none with a token not bound
     // to a pod on a node.
@@ -283,7 +284,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     );
 
     admission_covers_every_route(&admin, &agent, &unbound, &docs).await;
-    assert!(may("update", "resourceslices").await);
+    assert!(may("gs-agent", "update", "resourceslices").await);
 
     // Nothing else: the agent could not, say, change a pool.
     let as_agent: Api<GpuPool> = Api::all(agent);
@@ -578,6 +579,103 @@ async fn admission_takes_policies_by_name(admin: &kube::Client) {
     assert_eq!(got.limits, sent.limits);
     assert_eq!(got.requests, sent.limits);
     assert_eq!(stored.metadata.labels, plain.metadata.labels);
+}
+
+/// A pool with `requireNonRoot`: a pod naming one of its policies runs no container as root,
+/// ephemeral ones added later included; a pod of another pool's policy is not asked.
+async fn admission_keeps_root_off_a_non_root_pool(admin: &kube::Client) {
+    gpuslice_testcluster::apply_all(
+        admin,
+        &gpuslice_testcluster::documents(
+            "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: tenants}\nspec:\n  nodeSelector: {matchLabels: {pool: tenants}}\n  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}\n  requireNonRoot: true\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: sandbox}\nspec: {pool: tenants, memory: 8Gi}\n",
+        ),
+    )
+    .await;
+    let sandbox = |name: &str, pod_security: serde_json::Value, init: Option<serde_json::Value>| {
+        let mut p = pod(
+            name,
+            "web",
+            serde_json::json!({"gpuslice.io/policy": "sandbox"}),
+            serde_json::json!({}),
+        );
+        let spec = p.spec.as_mut().unwrap();
+        spec.security_context = serde_json::from_value(pod_security).unwrap();
+        if let Some(init) = init {
+            spec.init_containers = Some(vec![serde_json::from_value(init).unwrap()]);
+        }
+        p
+    };
+    let pods = Api::<Pod>::namespaced(admin.clone(), "web");
+    // The operator writes which policies are the pool's into the admission parameters.
+    let (code, message) = eventually("the non-root rule is in force for policy sandbox", || {
+        let pods = pods.clone();
+        let root = sandbox("root-0", serde_json::json!(null), None);
+        async move { policy_refusal(pods.create(&dry_post(), &root).await) }
+    })
+    .await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("requires non-root workloads (GpuPool spec.requireNonRoot)")
+            && message.contains(
+                "set securityContext.runAsNonRoot: true in the pod, or in spec.containers[main]"
+            ),
+        "{message}"
+    );
+    // An init container that says it may run as root, whatever the pod says.
+    let setup = serde_json::json!({"name": "setup", "image": "example.com/app:1",
+        "securityContext": {"runAsNonRoot": false}});
+    let (code, message) = policy_refusal(
+        pods.create(
+            &dry_post(),
+            &sandbox(
+                "root-1",
+                serde_json::json!({"runAsNonRoot": true}),
+                Some(setup),
+            ),
+        )
+        .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403);
+    assert!(
+        message.contains("spec.initContainers[setup]")
+            && !message.contains("spec.containers[main]"),
+        "{message}"
+    );
+    // Non-root from the pod's securityContext: stored.
+    pods.create(
+        &PostParams::default(),
+        &sandbox(
+            "user-0",
+            serde_json::json!({"runAsNonRoot": true, "runAsUser": 1000}),
+            None,
+        ),
+    )
+    .await
+    .unwrap();
+    // A debugging container added as root later is refused; one that inherits non-root is not.
+    let debug = |security: serde_json::Value| {
+        Patch::Strategic(serde_json::json!({"spec": {"ephemeralContainers": [
+            {"name": "debug", "image": "example.com/debug:1", "securityContext": security}]}}))
+    };
+    let dry = PatchParams::default().dry_run();
+    let (code, message) = policy_refusal(
+        pods.patch_ephemeral_containers(
+            "user-0",
+            &dry,
+            &debug(serde_json::json!({"runAsNonRoot": false})),
+        )
+        .await,
+    )
+    .unwrap();
+    assert_eq!(code, 403);
+    assert!(
+        message.contains("spec.ephemeralContainers[debug]"),
+        "{message}"
+    );
+    pods.patch_ephemeral_containers("user-0", &dry, &debug(serde_json::json!({})))
+        .await
+        .unwrap();
 }
 
 /// The message of a refusal by one of the chart's admission policies, with its HTTP code; an

@@ -77,6 +77,13 @@ pub struct GpuPoolSpec {
     /// condition names the versions found and needed, and `status.driverOutdated` counts it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub driver: Option<DriverMinimum>,
+    /// Workloads on the pool's slices may not run as root: a pod that names one of the pool's
+    /// policies is refused at admission unless every container (init, sidecar and ephemeral
+    /// ones too) has `runAsNonRoot: true`, its own or the pod's. Root in a container can rewrite
+    /// what the agent keeps in the slice's folder (the memory ledger the shim reads); the agent's
+    /// memory watchdog still stops a workload past its cap, but later.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub require_non_root: bool,
 }
 
 impl GpuPoolSpec {

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use gpuslice_api::GpuSlicePolicy;
+use gpuslice_api::{GpuPool, GpuSlicePolicy};
 use gpuslice_planning::cluster::selects;
 
 /// The key of a policy's host CPU (`cpu_<policy>`) and memory (`memory_<policy>`) requests:
@@ -31,6 +31,33 @@ pub fn host_requests(policies: &[GpuSlicePolicy]) -> BTreeMap<String, String> {
         }
     }
     out
+}
+
+/// The key saying a policy's pool requires non-root workloads (`nonroot_<policy>`: "true").
+pub fn non_root_key(policy: &str) -> String {
+    format!("nonroot_{policy}")
+}
+
+/// The policies whose pool has `requireNonRoot`, as admission parameters.
+pub fn non_root_policies(
+    policies: &[GpuSlicePolicy],
+    pools: &[GpuPool],
+) -> BTreeMap<String, String> {
+    policies
+        .iter()
+        .filter(|p| {
+            pools.iter().any(|pool| {
+                pool.metadata.name.as_deref() == Some(p.spec.pool.as_str())
+                    && pool.spec.require_non_root
+            })
+        })
+        .filter_map(|p| {
+            Some((
+                non_root_key(p.metadata.name.as_deref()?),
+                "true".to_string(),
+            ))
+        })
+        .collect()
 }
 
 /// Every namespace: the value for a policy without a `namespaceSelector`.
@@ -96,6 +123,29 @@ mod tests {
         assert_eq!(got["open"], "*");
         assert_eq!(got["nlp"], "a-nlp,b-nlp");
         assert_eq!(got["nobody"], "", "no namespace may use it");
+    }
+
+    #[test]
+    fn policies_of_a_non_root_pool_are_marked() {
+        let policies = [
+            policy(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: notebook}\nspec: {pool: shared, memory: 1Gi}",
+            ),
+            policy(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: llm}\nspec: {pool: mig, memory: 1Gi}",
+            ),
+        ];
+        let pool = |name: &str, non_root: bool| -> GpuPool {
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {{name: {name}}}\nspec: {{nodeSelector: {{}}, layout: {{exclusive: {{}}}}, requireNonRoot: {non_root}}}"
+            ))
+            .unwrap()
+        };
+        let marked = non_root_policies(&policies, &[pool("shared", true), pool("mig", false)]);
+        assert_eq!(
+            marked,
+            BTreeMap::from([("nonroot_notebook".to_string(), "true".to_string())])
+        );
     }
 
     #[test]

@@ -497,6 +497,10 @@ pub async fn run(
                         .collect();
                     let mut allowed = allowed_namespaces(&observed.policies, &labelled);
                     allowed.extend(crate::admission::host_requests(&observed.policies));
+                    allowed.extend(crate::admission::non_root_policies(
+                        &observed.policies,
+                        &observed.pools,
+                    ));
                     if params_written.as_ref() != Some(&allowed) {
                         match writer.apply_admission_params(params, &allowed).await {
                             Ok(()) => params_written = Some(allowed),

@@ -48,6 +48,7 @@ fn pool(name: &str, layout: Layout, night: Layout) -> GpuPool {
             compaction: None,
             io: None,
             fault_isolation: None,
+            require_non_root: false,
             driver: None,
         },
         status: None,

@@ -52,6 +52,8 @@ pub struct WorkloadRef {
     pub path: String,
     /// True when the policy is named by an annotation instead of the label.
     pub via_annotation: bool,
+    /// Its containers that may run as root (`runAsNonRoot` not true), as field paths.
+    pub root_containers: Vec<String>,
 }
 
 /// Everything a repository declares, typed.
@@ -98,6 +100,24 @@ pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
                 w.display,
                 gpuslice_api::POLICY_LABEL
             ));
+        }
+        let pool = policies
+            .get(w.policy.as_str())
+            .and_then(|p| pools.get(p.object.spec.pool.as_str()));
+        if let Some(pool) = pool.filter(|p| p.object.spec.require_non_root)
+            && !w.root_containers.is_empty()
+        {
+            out.error(
+                w.doc,
+                &w.path,
+                format!(
+                    "{} uses GpuSlicePolicy {:?} of pool {}, which requires non-root workloads (spec.requireNonRoot): admission would refuse its pods; set securityContext.runAsNonRoot: true in the pod template, or in {}",
+                    w.display,
+                    w.policy,
+                    name_of(&pool.object.metadata),
+                    w.root_containers.join(", ")
+                ),
+            );
         }
         if !policies.contains_key(w.policy.as_str()) {
             out.error(

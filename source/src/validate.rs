@@ -314,11 +314,48 @@ fn read_workload(index: usize, d: &DocRef, kind: &str, repo: &mut Repo) {
         (None, Some(p)) => (p, "annotations", true),
         (None, None) => return,
     };
+    let spec_path = if template.is_empty() {
+        "spec".to_string()
+    } else {
+        format!("{template}.spec")
+    };
+    let root_containers = d
+        .doc
+        .value
+        .pointer(&format!("{pointer}/spec"))
+        .map(|spec| root_containers(spec, &spec_path))
+        .unwrap_or_default();
     repo.workloads.push(WorkloadRef {
         doc: index,
         display,
         policy,
         path: format!("{meta_path}.{field}.{POLICY_LABEL}"),
         via_annotation,
+        root_containers,
     });
+}
+
+/// The containers of a pod spec that may run as root (`runAsNonRoot` not true, their own or
+/// else the pod's), as `PATH.containers[NAME]`, in the order admission names them.
+fn root_containers(spec: &Value, spec_path: &str) -> Vec<String> {
+    let non_root = |security: Option<&Value>| {
+        security
+            .and_then(|s| s.get("runAsNonRoot"))
+            .and_then(Value::as_bool)
+    };
+    let pod = non_root(spec.get("securityContext")).unwrap_or(false);
+    ["containers", "initContainers", "ephemeralContainers"]
+        .iter()
+        .flat_map(|list| {
+            spec.get(list)
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter(move |c| !non_root(c.get("securityContext")).unwrap_or(pod))
+                .map(move |c| {
+                    let name = c.get("name").and_then(Value::as_str).unwrap_or("?");
+                    format!("{spec_path}.{list}[{name}]")
+                })
+        })
+        .collect()
 }
