@@ -610,7 +610,13 @@ async fn admission_keeps_root_off_a_non_root_pool(admin: &kube::Client) {
     let (code, message) = eventually("the non-root rule is in force for policy sandbox", || {
         let pods = pods.clone();
         let root = sandbox("root-0", serde_json::json!(null), None);
-        async move { policy_refusal(pods.create(&dry_post(), &root).await) }
+        async move {
+            policy_refusal(pods.create(&dry_post(), &root).await).and_then(|(code, m)| {
+                m.contains("requires non-root")
+                    .then_some((code, m.clone()))
+                    .ok_or(m)
+            })
+        }
     })
     .await;
     assert_eq!(code, 403, "{message}");

@@ -889,6 +889,15 @@ async fn an_agent_has_only_its_own_nodes_pods_evicted() {
     for node in ["gpu-a", "gpu-b"] {
         cluster.create_node(node, &[], &[]).await.unwrap();
     }
+    // No controller-manager here: the namespace's default ServiceAccount by hand.
+    let account: k8s_openapi::api::core::v1::ServiceAccount = serde_json::from_value(
+        serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}),
+    )
+    .unwrap();
+    Api::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &account)
+        .await
+        .unwrap();
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let mut uids = std::collections::BTreeMap::new();
     for (name, node) in [("trainer-a", "gpu-a"), ("trainer-b", "gpu-b")] {
