@@ -840,12 +840,12 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
     })
     .await;
     // The evicted pod's container is gone with it (a real runtime removes it): the agent's
-    // eviction says the workload, user 1000, wrote its checkpoint marker before it went.
+    // request to evict it says the workload, user 1000, wrote its checkpoint marker first.
     let log = setup.agent_log();
     let signalled = log.find("SignalPods").expect("the agent signalled the pod");
     let evicted = log
-        .find(&format!("evicted pod default/{first}"))
-        .expect("the agent evicted the pod");
+        .find(&format!("asking the operator to evict pod default/{first}"))
+        .expect("the agent asked for the pod's eviction");
     assert!(signalled < evicted, "signal, then eviction");
     let eviction = log[evicted..].lines().next().unwrap_or_default();
     assert!(eviction.contains("checkpoint taken"), "{eviction}");
@@ -1111,9 +1111,10 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
         "signalled once: {log}"
     );
     assert_eq!(
-        log.matches("evicted pod default/trainer:").count(),
+        log.matches("asking the operator to evict pod default/trainer:")
+            .count(),
         1,
-        "evicted once: {log}"
+        "asked to evict once: {log}"
     );
     let events: Api<k8s_openapi::api::events::v1::Event> =
         Api::namespaced(client.clone(), "default");
@@ -1208,8 +1209,8 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
     );
     let log = setup.agent_log();
     assert!(
-        !log.contains("evicted pod default/stubborn")
-            && !log.contains("evicted pod default/pinned"),
+        !log.contains("to evict pod default/stubborn")
+            && !log.contains("to evict pod default/pinned"),
         "{log}"
     );
 }
