@@ -314,15 +314,7 @@ async fn the_charts_own_pods_run_and_a_workload_gets_its_slice() {
     }
 
     // The agent in its pod read the emulated GPU through NVML and published the node's slices.
-    gpuslice_testcluster::apply_repo_files(
-        &client,
-        &[
-            "examples/gitops/policies/checkpoint-standard.yaml",
-            "examples/gitops/pools/shared-a100.yaml",
-            "examples/gitops/policies/notebook.yaml",
-        ],
-    )
-    .await;
+    gpuslice_testcluster::apply_repo_files(&client, &gpuslice_testcluster::NOTEBOOK_EXAMPLES).await;
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     eventually("the agent pod publishes its node's ResourceSlices", || {
         let slices = slices.clone();
@@ -350,26 +342,17 @@ async fn the_charts_own_pods_run_and_a_workload_gets_its_slice() {
     // scheduled, prepared by the agent pod's kubelet plugin, run with the NVIDIA runtime class,
     // and capped by the shim at the policy's 8 GiB plus the pool's 1 GiB headroom.
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let mut spec = gpuslice_testcluster::containerd::tenant_pod_spec(
+        PROBE_IMAGE,
+        &["/bin/sh", "-c", "/usr/local/bin/probe link cap"],
+    );
+    spec["runtimeClassName"] = "nvidia".into();
+    spec["restartPolicy"] = "Never".into();
     let workload: Pod = serde_json::from_value(serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "notebook", "labels": {"gpuslice.io/policy": "notebook"}},
-        "spec": {
-            "runtimeClassName": "nvidia",
-            "hostNetwork": true,
-            "automountServiceAccountToken": false,
-            "enableServiceLinks": false,
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 5,
-            "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": true},
-            "containers": [{
-                "name": "main",
-                "image": PROBE_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", "/usr/local/bin/probe link cap"],
-                "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false},
-            }],
-        },
+        "spec": spec,
     }))
     .unwrap();
     pods.create(&PostParams::default(), &workload)

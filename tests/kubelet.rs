@@ -140,15 +140,8 @@ impl Setup {
             &agent_log,
         );
         let operator = spawn_operator(&operator_kubeconfig, clock);
-        gpuslice_testcluster::apply_repo_files(
-            &client,
-            &[
-                "examples/gitops/policies/checkpoint-standard.yaml",
-                "examples/gitops/pools/shared-a100.yaml",
-                "examples/gitops/policies/notebook.yaml",
-            ],
-        )
-        .await;
+        gpuslice_testcluster::apply_repo_files(&client, &gpuslice_testcluster::NOTEBOOK_EXAMPLES)
+            .await;
         let control = dir.path().join("control");
         std::fs::create_dir_all(&control).unwrap();
         Some(Setup {
@@ -311,33 +304,22 @@ impl Setup {
     /// (read-only) by host path, at the paths the host has.
     fn pod_spec(&self, command: &[&str]) -> serde_json::Value {
         let driver = &self.driver;
-        serde_json::json!({
-            "hostNetwork": true,
-            "automountServiceAccountToken": false,
-            "enableServiceLinks": false,
-            "terminationGracePeriodSeconds": 5,
-            "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": true},
-            "containers": [{
-                "name": "main",
-                "image": PROBE_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": command,
-                "env": [
-                    {"name": "LD_LIBRARY_PATH", "value": IMAGE_DRIVER_LIBS},
-                    {"name": "GPUSLICE_EMULATOR_STATE", "value": self.machine},
-                ],
-                "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false},
-                "volumeMounts": [
-                    {"name": "driver", "mountPath": driver},
-                    {"name": "control", "mountPath": self.control, "readOnly": true},
-                ],
-                "resources": {"limits": {"gpuslice.io/notebook": "1"}}
-            }],
-            "volumes": [
-                {"name": "driver", "hostPath": {"path": driver, "type": "Directory"}},
-                {"name": "control", "hostPath": {"path": self.control, "type": "Directory"}},
-            ]
-        })
+        let mut spec = gpuslice_testcluster::containerd::tenant_pod_spec(PROBE_IMAGE, command);
+        let main = &mut spec["containers"][0];
+        main["env"] = serde_json::json!([
+            {"name": "LD_LIBRARY_PATH", "value": IMAGE_DRIVER_LIBS},
+            {"name": "GPUSLICE_EMULATOR_STATE", "value": self.machine},
+        ]);
+        main["volumeMounts"] = serde_json::json!([
+            {"name": "driver", "mountPath": driver},
+            {"name": "control", "mountPath": self.control, "readOnly": true},
+        ]);
+        main["resources"] = serde_json::json!({"limits": {"gpuslice.io/notebook": "1"}});
+        spec["volumes"] = serde_json::json!([
+            {"name": "driver", "hostPath": {"path": driver, "type": "Directory"}},
+            {"name": "control", "hostPath": {"path": self.control, "type": "Directory"}},
+        ]);
+        spec
     }
 
     /// The probe program, as a pod's command names it.

@@ -63,6 +63,26 @@ pub fn build_image(
     );
 }
 
+/// A pod spec as a tenant's on these nodes: host network (no CNI here), no API token, user 1000
+/// (non-root), one container `main` of a local `image` running `command` on a read-only root
+/// filesystem.
+pub fn tenant_pod_spec(image: &str, command: &[&str]) -> serde_json::Value {
+    serde_json::json!({
+        "hostNetwork": true,
+        "automountServiceAccountToken": false,
+        "enableServiceLinks": false,
+        "terminationGracePeriodSeconds": 5,
+        "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": true},
+        "containers": [{
+            "name": "main",
+            "image": image,
+            "imagePullPolicy": "Never",
+            "command": command,
+            "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false},
+        }],
+    })
+}
+
 /// containerd's default spec (`ctr oci spec`) with the driver's mounts and environment.
 fn driver_base_spec(bin: &Path, driver: &Driver) -> Result<serde_json::Value, Error> {
     let out = Command::new(bin.join("ctr"))

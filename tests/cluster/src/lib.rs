@@ -968,6 +968,13 @@ pub fn documents(text: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The examples a notebook on pool shared-a100 needs: the CheckpointPolicy, the pool, the policy.
+pub const NOTEBOOK_EXAMPLES: [&str; 3] = [
+    "examples/gitops/policies/checkpoint-standard.yaml",
+    "examples/gitops/pools/shared-a100.yaml",
+    "examples/gitops/policies/notebook.yaml",
+];
+
 /// Applies every document of each file (a path from the repository's root, or absolute) with
 /// [`apply_all`].
 pub async fn apply_repo_files(client: &Client, files: &[&str]) {
