@@ -355,9 +355,17 @@ async fn the_charts_own_pods_run_and_a_workload_gets_its_slice() {
         "spec": spec,
     }))
     .unwrap();
-    pods.create(&PostParams::default(), &workload)
-        .await
-        .unwrap();
+    // Admitted once the operator has written the policy into the admission parameters.
+    eventually("the notebook is admitted", || {
+        let (pods, workload) = (pods.clone(), workload.clone());
+        async move {
+            pods.create(&PostParams::default(), &workload)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+    })
+    .await;
     let done = tokio::time::timeout(
         std::time::Duration::from_secs(150),
         eventually("the notebook ends", || {
