@@ -192,12 +192,12 @@ async fn the_charts_own_pods_run_and_a_workload_gets_its_slice() {
     let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
         return;
     };
-    let runtime = Runtime::Containerd {
+    let runtime = Runtime {
         images,
         driver: driver(&libs, &machine_dir, &machine),
     };
     let Some(kubelet) = cluster
-        .start_kubelet_on(
+        .start_kubelet(
             NODE,
             &[
                 ("gpuslice.io/pool", "shared-a100"),

@@ -93,13 +93,13 @@ impl Setup {
             ],
             &[("LD_LIBRARY_PATH", lib.as_path())],
         );
-        let runtime = Runtime::Containerd {
+        let runtime = Runtime {
             images: vec![image],
             driver: Default::default(),
         };
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
         let kubelet = cluster
-            .start_kubelet_on(NODE, &[("gpuslice.io/pool", "shared-a100")], runtime)
+            .start_kubelet(NODE, &[("gpuslice.io/pool", "shared-a100")], runtime)
             .await
             .unwrap()?;
         let client = cluster.client().await.unwrap();

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the real Kubernetes control plane used by the operator tests, from the Go module proxy,
 # once per machine: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the kubelet,
-# kwok and kwok's stage definitions, and our test container runtime (testruntime/: the kubelet's
-# fake CRI server, CDI, local processes). The result is cached outside the repository in a folder keyed by the
-# versions and go.sum files; a second run finds it and prints its path in a second.
+# kwok and kwok's stage definitions. The result is cached outside the repository in a folder keyed
+# by the versions and go.sum files; a second run finds it and prints its path in a second. (The
+# kubelet's container runtime, containerd with runc, is tests/containerd's.)
 #
 #   tests/controlplane/build.sh          # builds if needed; prints the folder holding bin/ and stages/
 #   tests/controlplane/build.sh --find   # prints it only if already built (exit 1 otherwise)
@@ -16,12 +16,12 @@ K8S_VERSION=v1.36.3
 ETCD_VERSION=v3.6.16
 KWOK_VERSION=v0.8.0
 
-key_input="$(cat "$here"/*/go.mod "$here"/*/go.sum "$here"/*/*.go "$here"/testruntime/cdi-schema/*.json)"
+key_input="$(cat "$here"/*/go.mod "$here"/*/go.sum "$here"/*/*.go)"
 key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_$(printf '%s' "$key_input" | sha256sum | cut -c1-12)"
 root="${GPUSLICE_CONTROLPLANE_CACHE:-$HOME/.cache/gpuslice/controlplane}"
 dest="$root/$key"
 
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kwok testruntime)
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kwok)
 complete() {
   for b in "${binaries[@]}"; do [[ -x "$dest/bin/$b" ]] || return 1; done
   [[ -f "$dest/stages/stages.yaml" ]]
@@ -55,8 +55,6 @@ log "building etcd ${ETCD_VERSION}"
 (cd "$here/etcd" && go build -trimpath -ldflags "-s -w" -o "$work/bin/etcd" .)
 log "building kwok ${KWOK_VERSION}"
 (cd "$here/kwok" && go build -trimpath -ldflags "-s -w" -o "$work/bin/kwok" sigs.k8s.io/kwok/cmd/kwok)
-log "building the test container runtime"
-(cd "$here/testruntime" && go build -trimpath -ldflags "-s -w" -o "$work/bin/testruntime" .)
 for cmd in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
   log "building $cmd ${K8S_VERSION}"
   (cd "$here/kubernetes" && go build -trimpath -ldflags "$ldflags" -o "$work/bin/$cmd" "k8s.io/kubernetes/cmd/$cmd")

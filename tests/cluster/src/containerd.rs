@@ -267,7 +267,6 @@ impl Containerd {
                     .flatten()
                     .filter_map(|d| d["name"].as_str().map(str::to_string))
                     .collect(),
-                cdi_specs: Vec::new(),
                 command: [strings(&config["command"]), strings(&config["args"])].concat(),
                 env: config["envs"]
                     .as_array()

@@ -1,7 +1,5 @@
-//! A real kubelet for one node of a test control plane, on our test container runtime
-//! (`testruntime`: the kubelet's fake CRI server, plus CDI resolution and validation, and each
-//! container's command run as a local process with the CDI edits applied), or on containerd with
-//! runc ([`Runtime::Containerd`]: real containers from local images).
+//! A real kubelet for one node of a test control plane, on containerd with runc ([`Runtime`]:
+//! real containers from local images, CDI applied by containerd).
 //!
 //! The kubelet needs root. It changes a few host settings and paths, which [`Kubelet`] puts back
 //! when it is dropped: three sysctls, `/var/lib/kubelet/device-plugins/kubelet.sock` and
@@ -30,51 +28,32 @@ const HOST_PATHS: [&str; 3] = [
     "/var/log/containers",
 ];
 
-/// What a container created by the test runtime was given and did.
-#[derive(Debug, Clone, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
+/// What a container was given and did, as containerd reports it.
+#[derive(Debug, Clone)]
 pub struct Container {
     pub id: String,
     pub namespace: String,
     pub pod: String,
-    #[serde(rename = "podUID")]
     pub pod_uid: String,
     pub container: String,
     /// The CDI device ids the kubelet passed to `CreateContainer`.
-    #[serde(default)]
     pub cdi_devices: Vec<String>,
-    /// The CDI spec files they resolved to (each valid against the CDI schema).
-    #[serde(default)]
-    pub cdi_specs: Vec<String>,
-    #[serde(default)]
     pub command: Vec<String>,
     /// The process environment: the pod's, then the CDI edits'.
-    #[serde(default)]
     pub env: Vec<String>,
-    #[serde(default)]
     pub started: bool,
     pub exit_code: Option<i32>,
-    /// containerd: the container's CRI log file.
-    #[serde(skip)]
+    /// The container's CRI log file.
     pub log_path: Option<PathBuf>,
 }
 
-/// The container runtime under the kubelet.
-pub enum Runtime {
-    /// `testruntime`: commands as local processes, CDI applied by our Go code.
-    Test,
-    /// containerd with runc: real containers in their own namespaces; these images (OCI
-    /// tarballs, see [`crate::containerd::build_image`]) imported for `imagePullPolicy: Never`.
-    /// Only hostNetwork pods run. Pods of RuntimeClass `nvidia` get `driver`.
-    Containerd {
-        images: Vec<PathBuf>,
-        driver: crate::containerd::Driver,
-    },
-}
-
-enum RuntimeProcess {
-    Test(Process),
-    Containerd(crate::containerd::Containerd),
+/// The container runtime under the kubelet: containerd with runc, real containers in their own
+/// namespaces, with these images (OCI tarballs, see [`crate::containerd::build_image`]) imported
+/// for `imagePullPolicy: Never`. Only hostNetwork pods run. Pods of RuntimeClass `nvidia` get
+/// `driver`.
+pub struct Runtime {
+    pub images: Vec<PathBuf>,
+    pub driver: crate::containerd::Driver,
 }
 
 /// One kubelet at a time per test process: kubelets share host paths and sysctls, and each puts
@@ -88,14 +67,14 @@ pub struct Kubelet {
     dir: PathBuf,
     bin: PathBuf,
     args: Vec<String>,
-    runtime: RuntimeProcess,
+    runtime: crate::containerd::Containerd,
     kubelet: Option<Process>,
     sysctls: Vec<(&'static str, String)>,
     created: Vec<&'static str>,
     /// `/var/lib/kubelet`, when the kubelet made it.
     var_lib_kubelet: bool,
-    /// The kubelet's own cgroup root in every hierarchy (containerd), removed at the end.
-    cgroup_root: Option<String>,
+    /// The kubelet's own cgroup root in every hierarchy, removed at the end.
+    cgroup_root: String,
 }
 
 /// The cgroup hierarchies of this machine (`/sys/fs/cgroup/<name>`).
@@ -144,19 +123,10 @@ fn remove_cgroup_root(name: &str) {
 }
 
 impl ControlPlane {
-    /// Starts a kubelet registering node `node` with `labels`, on the test runtime. `Ok(None)`
-    /// (said loudly on stderr) when not root and `CI` is not set: the kubelet needs root.
+    /// Starts a kubelet registering node `node` with `labels`, on containerd. `Ok(None)` (said
+    /// loudly on stderr) when not root and `CI` is not set (the kubelet needs root), or when
+    /// containerd is not built (which under `CI` fails).
     pub async fn start_kubelet(
-        &self,
-        node: &str,
-        labels: &[(&str, &str)],
-    ) -> Result<Option<Kubelet>, Error> {
-        self.start_kubelet_on(node, labels, Runtime::Test).await
-    }
-
-    /// [`start_kubelet`](Self::start_kubelet) on the given runtime; `Ok(None)` also when
-    /// containerd is asked for and not built (which under `CI` fails).
-    pub async fn start_kubelet_on(
         &self,
         node: &str,
         labels: &[(&str, &str)],
@@ -180,71 +150,37 @@ impl ControlPlane {
         for sub in [
             "root/plugins_registry",
             "root/plugins",
-            "cdi",
-            "records",
-            "scratch",
             "pod-logs",
             "volume-plugins",
         ] {
             std::fs::create_dir_all(dir.join(sub)).map_err(io(format!("creating {sub}")))?;
         }
-        // The kubelet runs in a private mount namespace (its mounts end with it), or in
-        // containerd's, whose runc must see the kubelet's mounts for pods.
-        let (runtime, socket, namespace) = match runtime {
-            Runtime::Test => {
-                let socket = dir.join("cri.sock");
-                let process = Process::spawn(
-                    "testruntime",
-                    &self.bin.join("testruntime"),
-                    &[
-                        format!("--endpoint=unix://{}", socket.display()),
-                        format!("--records={}", dir.join("records").display()),
-                        format!("--cdi-dir={}", dir.join("cdi").display()),
-                        format!("--scratch={}", dir.join("scratch").display()),
-                    ],
-                    &dir,
-                )?;
-                let private = ["--mount", "--propagation", "private"].map(String::from);
-                (RuntimeProcess::Test(process), socket, private.to_vec())
-            }
-            Runtime::Containerd { images, driver } => {
-                let Some(containerd) =
-                    crate::containerd::Containerd::start(&dir.join("containerd"), &driver)?
-                else {
-                    return Ok(None);
-                };
-                for image in &images {
-                    containerd.import(image)?;
-                }
-                let socket = containerd.socket();
-                // Its pid namespace too: that mount namespace's /proc is the pid namespace's.
-                let join = vec![
-                    format!("--mount={}", containerd.namespace("mnt").display()),
-                    format!("--pid={}", containerd.namespace("pid").display()),
-                ];
-                (RuntimeProcess::Containerd(containerd), socket, join)
-            }
+        // The kubelet runs in containerd's mount namespace, whose runc must see the kubelet's
+        // mounts for pods.
+        let Some(containerd) =
+            crate::containerd::Containerd::start(&dir.join("containerd"), &runtime.driver)?
+        else {
+            return Ok(None);
         };
-        let launcher = if matches!(runtime, RuntimeProcess::Test(_)) {
-            "unshare"
-        } else {
-            "nsenter"
-        };
-        // On containerd the kubelet lays out pod cgroups as on a real node
+        for image in &runtime.images {
+            containerd.import(image)?;
+        }
+        let socket = containerd.socket();
+        // Its pid namespace too: that mount namespace's /proc is the pid namespace's.
+        let namespace = vec![
+            format!("--mount={}", containerd.namespace("mnt").display()),
+            format!("--pid={}", containerd.namespace("pid").display()),
+        ];
+        // The kubelet lays out pod cgroups as on a real node
         // (`<root>/kubepods/<qos>/pod<uid>/<container>`), under a root of its own: the agent finds
-        // a process's pod from that path.
-        let cgroup_root = match runtime {
-            RuntimeProcess::Test(_) => None,
-            RuntimeProcess::Containerd(_) => {
-                // One per kubelet ever started: a root left busy by the last is never reused.
-                static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-                let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                Some(make_cgroup_root(&format!(
-                    "gpuslice-kubelet-{node}-{}-{n}",
-                    std::process::id()
-                ))?)
-            }
-        };
+        // a process's pod from that path. One per kubelet ever started: a root left busy by the
+        // last is never reused.
+        static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let cgroup_root = make_cgroup_root(&format!(
+            "gpuslice-kubelet-{node}-{}-{n}",
+            std::process::id()
+        ))?;
         let (port, healthz) = (free_port()?, free_port()?);
         let config = serde_json::json!({
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -252,8 +188,8 @@ impl ControlPlane {
             // These machines are cgroup v1 without systemd managing the tree.
             "failCgroupV1": false,
             "cgroupDriver": "cgroupfs",
-            "cgroupsPerQOS": cgroup_root.is_some(),
-            "cgroupRoot": cgroup_root.as_ref().map_or("/".to_string(), |r| format!("/{r}")),
+            "cgroupsPerQOS": true,
+            "cgroupRoot": format!("/{cgroup_root}"),
             "enforceNodeAllocatable": [],
             "failSwapOn": false,
             "containerRuntimeEndpoint": format!("unix://{}", socket.display()),
@@ -314,9 +250,9 @@ impl ControlPlane {
         let mut kubelet = Kubelet {
             _turn: turn,
             node: node.to_string(),
-            bin: PathBuf::from(launcher),
+            bin: PathBuf::from("nsenter"),
             args,
-            runtime,
+            runtime: containerd,
             kubelet: None,
             sysctls,
             created,
@@ -338,40 +274,21 @@ impl Kubelet {
 
     /// Where the runtime looks for CDI specs (the agent's `--cdi-dir`).
     pub fn cdi_dir(&self) -> PathBuf {
-        match &self.runtime {
-            RuntimeProcess::Test(_) => self.dir.join("cdi"),
-            RuntimeProcess::Containerd(c) => c.cdi_dir(),
-        }
+        self.runtime.cdi_dir()
     }
 
     /// Every container the runtime was asked to create.
     pub fn containers(&self) -> Vec<Container> {
-        if let RuntimeProcess::Containerd(c) = &self.runtime {
-            return c.containers();
-        }
-        let mut all: Vec<Container> = std::fs::read_dir(self.dir.join("records"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
-            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
-            .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
-            .collect();
-        all.sort_by(|a: &Container, b| (&a.pod, &a.id).cmp(&(&b.pod, &b.id)));
-        all
+        self.runtime.containers()
     }
 
     /// What a container's process printed.
     pub fn output(&self, container: &Container) -> String {
-        if let Some(log) = &container.log_path {
-            return crate::containerd::output(log);
-        }
-        std::fs::read_to_string(
-            self.dir
-                .join("records")
-                .join(format!("{}.log", container.id)),
-        )
-        .unwrap_or_default()
+        container
+            .log_path
+            .as_deref()
+            .map(crate::containerd::output)
+            .unwrap_or_default()
     }
 
     /// Stops the kubelet (not the runtime: the containers go on) and starts it again; returns
@@ -422,13 +339,10 @@ impl Kubelet {
             .as_ref()
             .map(|k| k.log_text())
             .unwrap_or_default();
-        let (name, runtime) = match &self.runtime {
-            RuntimeProcess::Test(p) => ("testruntime", p.log_text()),
-            RuntimeProcess::Containerd(c) => ("containerd", c.log_text()),
-        };
         format!(
-            "----- kubelet of {} -----\n{kubelet}\n----- {name} -----\n{runtime}\n",
-            self.node
+            "----- kubelet of {} -----\n{kubelet}\n----- containerd -----\n{}\n",
+            self.node,
+            self.runtime.log_text()
         )
     }
 }
@@ -438,14 +352,9 @@ impl Drop for Kubelet {
         if let Some(mut k) = self.kubelet.take() {
             k.stop_with_children();
         }
-        match &mut self.runtime {
-            RuntimeProcess::Test(p) => p.stop(),
-            // Its containers end with it; then their cgroups can go.
-            RuntimeProcess::Containerd(c) => c.stop(),
-        }
-        if let Some(root) = &self.cgroup_root {
-            remove_cgroup_root(root);
-        }
+        // Its containers end with it; then their cgroups can go.
+        self.runtime.stop();
+        remove_cgroup_root(&self.cgroup_root);
         for (path, value) in &self.sysctls {
             let _ = std::fs::write(path, value);
         }
