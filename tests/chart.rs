@@ -777,7 +777,7 @@ async fn admission_covers_every_route(
         ))
     })
     .await;
-    assert_eq!(code, 422, "{message}");
+    assert_eq!(code, 403, "{message}");
     assert!(
         message.contains(
             "spec.initContainers[proxy].resources.limits gpuslice.io/nope: no such GpuSlicePolicy"
@@ -846,7 +846,7 @@ async fn admission_covers_every_route(
         try_template("serving", "nope.gpuslice.io", true)
     })
     .await;
-    assert_eq!(code, 422, "{message}");
+    assert_eq!(code, 403, "{message}");
     assert!(
         message.contains(r#"spec.spec.devices.requests[gpu].firstAvailable[slice].deviceClassName nope.gpuslice.io (GpuSlicePolicy "nope"): no such GpuSlicePolicy"#),
         "{message}"
@@ -864,7 +864,7 @@ async fn admission_covers_every_route(
         try_claim("serving", "nope.gpuslice.io", false)
     })
     .await;
-    assert_eq!(code, 422, "{message}");
+    assert_eq!(code, 403, "{message}");
     assert!(
         message.contains(r#"spec.devices.requests[gpu].exactly.deviceClassName nope.gpuslice.io (GpuSlicePolicy "nope"): no such GpuSlicePolicy"#),
         "{message}"

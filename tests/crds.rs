@@ -81,3 +81,30 @@ fn chart_crds_are_the_generated_ones() {
         );
     }
 }
+
+/// The chart ships a copy of each Argo CD health script (helm warns about symbolic links in a
+/// chart): it must be the one `argocd/health/` tests.
+#[test]
+fn the_charts_health_scripts_are_the_tested_ones() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tested = root.join("argocd/health/gpuslice.io");
+    let shipped = root.join("charts/gpuslice/files/argocd-health");
+    let kinds = |dir: &Path| -> Vec<String> {
+        let mut all: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        all.sort();
+        all
+    };
+    assert_eq!(kinds(&tested), kinds(&shipped));
+    for kind in kinds(&tested) {
+        let read =
+            |dir: &Path| std::fs::read_to_string(dir.join(&kind).join("health.lua")).unwrap();
+        assert!(
+            read(&tested) == read(&shipped),
+            "charts/gpuslice/files/argocd-health/{kind}/health.lua differs from \
+             argocd/health/gpuslice.io/{kind}/health.lua: copy it over"
+        );
+    }
+}

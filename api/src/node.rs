@@ -26,7 +26,7 @@ use crate::layout::Layout;
     shortname = "gnode",
     category = "gpuslice",
     status = "GpuNodeStatus",
-    printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.inventory.gpus[*].index"}"#,
+    printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.gpuCount"}"#,
     printcolumn = r#"{"name":"Desired","type":"integer","jsonPath":".metadata.generation","description":"Generation of the layout the operator wants"}"#,
     printcolumn = r#"{"name":"Applied","type":"integer","jsonPath":".status.appliedGeneration","description":"Generation of the layout the agent has applied"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
@@ -201,6 +201,9 @@ pub struct GpuNodeStatus {
     /// The node's GPUs as NVML reports them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inventory: Option<NodeInventory>,
+    /// How many GPUs NVML reports (for `kubectl get gpunodes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_count: Option<u32>,
     /// The `metadata.generation` of the spec the GPUs now match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub applied_generation: Option<i64>,

@@ -145,6 +145,10 @@ pub struct Machine {
     pub mutations: u64,
     /// Counter for UUIDs handed out, so every instance ever created has a new one.
     uuid_counter: u64,
+    /// The machine's part of every UUID it hands out (from its node's name), so that two
+    /// emulated nodes never share one.
+    #[serde(default)]
+    uuid_node: u32,
 }
 
 /// Why a seed cannot build a machine.
@@ -154,8 +158,16 @@ pub enum SeedError {
     Gpu { index: u32, message: String },
 }
 
-fn uuid(prefix: &str, n: u64) -> String {
-    format!("{prefix}-{:08x}-0000-4000-8000-{n:012x}", n as u32)
+/// A UUID of the shape NVIDIA's have (`GPU-…`, `MIG-…`): the machine's part, then a counter.
+fn uuid(prefix: &str, node: u32, n: u64) -> String {
+    format!("{prefix}-{node:08x}-0000-4000-8000-{n:012x}")
+}
+
+/// The machine's part of its UUIDs: FNV-1a of the node's name.
+fn node_part(name: &str) -> u32 {
+    name.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
 }
 
 impl Machine {
@@ -164,6 +176,7 @@ impl Machine {
     pub fn from_inventory(node: &NodeInventory) -> Result<Machine, SeedError> {
         let mut m = Machine {
             driver: node.driver.clone(),
+            uuid_node: node_part(&node.name),
             ..Machine::default()
         };
         for g in &node.gpus {
@@ -184,7 +197,7 @@ impl Machine {
                 uuid: g
                     .uuid
                     .clone()
-                    .unwrap_or_else(|| uuid("GPU", m.uuid_counter)),
+                    .unwrap_or_else(|| uuid("GPU", m.uuid_node, m.uuid_counter)),
                 model: g.model.clone(),
                 memory_total,
                 mig_enabled: false,
@@ -205,7 +218,12 @@ impl Machine {
                     })?;
                     m.uuid_counter += 1;
                     let id = gpu
-                        .place(model, profile, inst.placement.start, m.uuid_counter)
+                        .place(
+                            model,
+                            profile,
+                            inst.placement.start,
+                            uuid("MIG", m.uuid_node, m.uuid_counter),
+                        )
                         .map_err(|e| {
                             err(format!("{} at {}: {e}", inst.profile, inst.placement.start))
                         })?;
@@ -342,7 +360,7 @@ impl Machine {
         start: Option<u32>,
     ) -> Result<u32, NvmlError> {
         self.uuid_counter += 1;
-        let n = self.uuid_counter;
+        let uuid = uuid("MIG", self.uuid_node, self.uuid_counter);
         let gpu = self.gpu_mut(index)?;
         let model = mig_model(&gpu.model)?;
         if !gpu.mig_enabled {
@@ -357,7 +375,7 @@ impl Machine {
                 .find(|&&start| gpu.fits(model, profile, start).is_ok())
                 .ok_or(NvmlError::InsufficientResources)?,
         };
-        gpu.place(model, profile, start, n)
+        gpu.place(model, profile, start, uuid)
     }
 
     /// `nvmlDeviceGetGpuInstanceRemainingCapacity`: how many more instances of the profile could
@@ -376,7 +394,7 @@ impl Machine {
             .iter()
             .find(|&&start| scratch.fits(model, profile, start).is_ok())
         {
-            scratch.place(model, profile, start, 0)?;
+            scratch.place(model, profile, start, String::new())?;
             n += 1;
         }
         Ok(n)
@@ -616,7 +634,7 @@ impl Gpu {
         model: &GpuModel,
         profile: &MigProfile,
         start: u32,
-        n: u64,
+        uuid: String,
     ) -> Result<u32, NvmlError> {
         self.fits(model, profile, start)?;
         let id = self.next_instance_id;
@@ -628,7 +646,7 @@ impl Gpu {
                 start,
                 size: profile.memory_slices,
             },
-            uuid: uuid("MIG", n),
+            uuid,
             compute_instances: Vec::new(),
         });
         Ok(id)
@@ -676,6 +694,35 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_emulated_nodes_never_share_a_uuid() {
+        let machine = |name: &str| {
+            let node: NodeInventory = serde_yaml::from_str(&format!(
+                "name: {name}\ngpus:\n- {{index: 0, model: NVIDIA A100-SXM4-40GB}}\n- {{index: 1, model: NVIDIA A100-SXM4-40GB}}\n"
+            ))
+            .unwrap();
+            let mut m = Machine::from_inventory(&node).unwrap();
+            m.set_mig_mode(0, true).unwrap();
+            let profile = catalog::model("NVIDIA A100-SXM4-40GB")
+                .unwrap()
+                .mig
+                .as_ref()
+                .unwrap()
+                .profiles[0]
+                .id;
+            m.create_gpu_instance(0, profile, None).unwrap();
+            let mut uuids: Vec<String> = m.gpus.iter().map(|g| g.uuid.clone()).collect();
+            uuids.extend(m.gpus[0].instances.iter().map(|i| i.uuid.clone()));
+            uuids
+        };
+        let (a, b) = (machine("gpu-a"), machine("gpu-b"));
+        assert_eq!(a.len(), 3);
+        assert!(a.iter().all(|u| !b.contains(u)), "{a:?} {b:?}");
+        assert_eq!(a, machine("gpu-a"), "the same node gets the same UUIDs");
+        let distinct: std::collections::BTreeSet<&String> = a.iter().collect();
+        assert_eq!(distinct.len(), 3);
+    }
 
     fn h200() -> Machine {
         let node: NodeInventory = serde_yaml::from_str(

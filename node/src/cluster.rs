@@ -447,6 +447,7 @@ fn status(
             })
             .collect(),
         inventory: Some(pass.inventory.clone()),
+        gpu_count: u32::try_from(pass.inventory.gpus.len()).ok(),
         applied_generation: if converged {
             generation
         } else {
