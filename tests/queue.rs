@@ -371,8 +371,7 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
     })
     .await;
     // It may preempt a notebook (the pool allows it): the queue asks the node's agent for the
-    // slice of the one that loses the least work (none checkpointed: the newest). With no
-    // kubelet here nothing ends it, so the job says it waits for that.
+    // slice of the one that loses the least work (none checkpointed: the newest).
     let claim_of = |name: &'static str| {
         let default = default.clone();
         async move {
@@ -415,27 +414,55 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         (taken.resource_claim.as_str(), taken.for_pod.as_str()),
         (newest.as_str(), "nlp/bert-0")
     );
-    // A slice frees up: it goes to the fine-tuning job, not to the notebooks that came first.
-    default
-        .delete("notebook-0", &DeleteParams::default().grace_period(0))
-        .await
-        .unwrap();
-    eventually("the fine-tuning job runs; the notebooks still wait", || {
-        let client = client.clone();
+    // No kubelet here: the notebook's claim was never prepared, so nothing runs on its slice and
+    // nothing could checkpoint. The agent asks for it to be evicted at once, the operator evicts
+    // it, and the job gets its slice, ahead of the notebooks that came first.
+    eventually(
+        "notebook-3 is evicted; the fine-tuning job runs; two notebooks still wait",
+        || {
+            let (client, default) = (client.clone(), default.clone());
+            async move {
+                let s = states(&client).await;
+                let bert = s
+                    .iter()
+                    .find(|p| p.0 == "bert-0")
+                    .map(|p| (p.1.clone(), p.2));
+                let still: Vec<&String> = s.iter().filter(|p| p.2).map(|p| &p.0).collect();
+                let victim = default
+                    .get_opt("notebook-3")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                (bert == Some((Some("a100-a".to_string()), false))
+                    && still == ["notebook-4", "notebook-5"]
+                    && victim.is_none_or(|v| v.metadata.deletion_timestamp.is_some()))
+                .then_some(())
+                .ok_or_else(|| format!("{s:?}"))
+            }
+        },
+    )
+    .await;
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    let note = eventually("notebook-3's Preempted event", || {
+        let events = events.clone();
         async move {
-            let s = states(&client).await;
-            let bert = s
-                .iter()
-                .find(|p| p.0 == "bert-0")
-                .map(|p| (p.1.clone(), p.2));
-            let still: Vec<&String> = s.iter().filter(|p| p.2).map(|p| &p.0).collect();
-            (bert == Some((Some("a100-a".to_string()), false))
-                && still == ["notebook-4", "notebook-5"])
-            .then_some(())
-            .ok_or_else(|| format!("{s:?}"))
+            events
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some("Preempted")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                            == Some("notebook-3")
+                })
+                .and_then(|e| e.note)
+                .ok_or_else(|| "no event yet".to_string())
         }
     })
     .await;
+    assert!(note.contains("never prepared"), "{note}");
 
     // The job has its slice: the preemption is withdrawn.
     eventually("no preemption is left", || async move {
@@ -531,10 +558,10 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         .collect();
     assert_eq!(
         bound,
-        ["bert-0", "notebook-1", "notebook-2", "notebook-3"],
+        ["bert-0", "notebook-0", "notebook-1", "notebook-2"],
         "{s:?}"
     );
-    for name in ["notebook-1", "notebook-2", "notebook-3"] {
+    for name in ["notebook-0", "notebook-1", "notebook-2"] {
         let p = default.get(name).await.unwrap();
         assert!(
             p.metadata.deletion_timestamp.is_none(),

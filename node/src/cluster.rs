@@ -1366,7 +1366,7 @@ pub async fn run(
         let spec = current.spec.in_force(now);
         let (switched, next_switch) =
             (current.spec.last_switch(now), current.spec.next_switch(now));
-        let pass = agent.pass(now, |inventory| {
+        let mut pass = agent.pass(now, |inventory| {
             let (gpus, problems) = plan_spec(inventory, &spec);
             Intent {
                 plan: ClusterPlan {
@@ -1386,6 +1386,8 @@ pub async fn run(
                 gpus_out: quarantines.gpus_out(),
             }
         })?;
+        pass.evictions
+            .extend(unprepared_victims(&client, &current.spec.preemptions, &pass.claims).await);
         ask_evictions(&metrics, &pass.evictions, &mut asked);
         let notices = isolate_faults(
             &api,
@@ -1597,6 +1599,60 @@ async fn isolate_faults(
         tracing::error!("keeping the quarantines: {e}");
     }
     notices
+}
+
+/// The pods of preemption victims whose claim was never prepared on this node (a pod whose
+/// container has not started, an image still pulling, or no kubelet at all): nothing runs on the
+/// slice and nothing could checkpoint, so they are asked to be evicted at once rather than
+/// waited on.
+async fn unprepared_victims(
+    client: &Client,
+    preemptions: &[gpuslice_api::Preemption],
+    prepared: &[crate::claims::Claim],
+) -> Vec<Eviction> {
+    use gpuslice_api::k8s_openapi::api::resource::v1::ResourceClaim;
+    let mut out = Vec::new();
+    for preemption in preemptions {
+        let claim = preemption.resource_claim.as_str();
+        if prepared
+            .iter()
+            .any(|c| c.resource_claim.as_deref() == Some(claim))
+        {
+            continue;
+        }
+        let Some((namespace, name)) = claim.split_once('/') else {
+            continue;
+        };
+        let found = Api::<ResourceClaim>::namespaced(client.clone(), namespace)
+            .get_opt(name)
+            .await;
+        let reserved = match found {
+            Ok(found) => found
+                .and_then(|c| c.status?.reserved_for)
+                .unwrap_or_default(),
+            Err(e) => {
+                tracing::warn!("ResourceClaim {claim} (a preemption's victim): {e}");
+                continue;
+            }
+        };
+        for holder in reserved.iter().filter(|r| r.resource == "pods") {
+            out.push(Eviction {
+                pod: format!("{namespace}/{}", holder.name),
+                uid: holder.uid.clone(),
+                note: format!(
+                    "{}; its slice was never prepared on this node, so nothing ran there to checkpoint",
+                    preemption.reason
+                ),
+                cause: if preemption.for_pod.is_empty() {
+                    "compaction"
+                } else {
+                    "preemption"
+                },
+                checkpoint: "none",
+            });
+        }
+    }
+    out
 }
 
 /// Counts and logs the pods this pass asks the operator to evict (in the GpuNode's status), each
