@@ -8,9 +8,10 @@ RUN cargo build --release --locked -p gpuslice -p gpuslice-shim \
  && cp target/release/gpuslice target/release/libgpuslice.so /out/
 
 FROM debian:bookworm-slim
-# libssl for the Git source (https); NVML comes from the host through the NVIDIA container runtime.
+# CA certificates for the Git source (https; OpenSSL and libgit2 are built into the binary); NVML
+# comes from the host through the NVIDIA container runtime.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates libssl3 \
+ && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/gpuslice /out/libgpuslice.so /usr/local/bin/
 # The operator runs as this user (the chart sets it too); the agent's pod runs as root, privileged.
