@@ -403,6 +403,40 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
     )
     .await;
 
+    // As kubectl shows them (the control plane's own, v1.36.3): each node with its two GPUs and
+    // Ready; and `kubectl explain` gives the API's own words.
+    eventually("kubectl shows both nodes with two GPUs, Ready", || {
+        let nodes = cluster.kubectl(&["get", "gpunodes"]);
+        async move {
+            let header: Vec<&str> = nodes
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .split_whitespace()
+                .collect();
+            let row = |name: &str| -> Vec<String> {
+                nodes
+                    .lines()
+                    .find(|l| l.starts_with(name))
+                    .map(|l| l.split_whitespace().map(str::to_string).collect())
+                    .unwrap_or_default()
+            };
+            let shown = |name: &str| {
+                let row = row(name);
+                row.get(1).map(String::as_str) == Some("2")
+                    && row.get(4).map(String::as_str) == Some("True")
+            };
+            (header.get(..5) == Some(&["NAME", "GPUS", "DESIRED", "APPLIED", "READY"][..])
+                && shown("gpu-a")
+                && shown("gpu-b"))
+            .then_some(())
+            .ok_or(nodes.clone())
+        }
+    })
+    .await;
+    let explained = cluster.kubectl(&["explain", "gpupools.spec.requireNonRoot"]);
+    assert!(explained.contains("may not run as root"), "{explained}");
+
     // A workload on one of gpu-a's instances: at the boundary that GPU cannot be re-sliced, the
     // pool says why, and the agent drains it as the pool's CheckpointPolicy says (`standard`:
     // SIGUSR1, then it waits for the checkpoint-done marker, `required: true`). The workload

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the real Kubernetes control plane used by the operator tests, from the Go module proxy,
 # once per machine: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, the kubelet,
-# kwok and kwok's stage definitions. The result is cached outside the repository in a folder keyed
+# kubectl (the same version, so no skew against the API server), kwok and kwok's stage
+# definitions. The result is cached outside the repository in a folder keyed
 # by the versions and go.sum files; a second run finds it and prints its path in a second. (The
 # kubelet's container runtime, containerd with runc, is tests/containerd's.)
 #
@@ -21,7 +22,7 @@ key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_$(printf '%s' 
 root="${GPUSLICE_CONTROLPLANE_CACHE:-$HOME/.cache/gpuslice/controlplane}"
 dest="$root/$key"
 
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kwok)
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl kwok)
 complete() {
   for b in "${binaries[@]}"; do [[ -x "$dest/bin/$b" ]] || return 1; done
   [[ -f "$dest/stages/stages.yaml" ]]
@@ -55,7 +56,7 @@ log "building etcd ${ETCD_VERSION}"
 (cd "$here/etcd" && go build -trimpath -ldflags "-s -w" -o "$work/bin/etcd" .)
 log "building kwok ${KWOK_VERSION}"
 (cd "$here/kwok" && go build -trimpath -ldflags "-s -w" -o "$work/bin/kwok" sigs.k8s.io/kwok/cmd/kwok)
-for cmd in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+for cmd in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
   log "building $cmd ${K8S_VERSION}"
   (cd "$here/kubernetes" && go build -trimpath -ldflags "$ldflags" -o "$work/bin/$cmd" "k8s.io/kubernetes/cmd/$cmd")
 done

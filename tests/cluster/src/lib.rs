@@ -582,6 +582,24 @@ impl ControlPlane {
         self.dir.path().join("admin.kubeconfig")
     }
 
+    /// Runs the control plane's own kubectl (the API server's version, so no skew) as admin and
+    /// returns what it printed; panics with its error output when it fails.
+    pub fn kubectl(&self, args: &[&str]) -> String {
+        let out = Command::new(self.bin.join("kubectl"))
+            .arg("--kubeconfig")
+            .arg(self.kubeconfig_path())
+            .args(args)
+            .output()
+            .expect("kubectl runs");
+        assert!(
+            out.status.success(),
+            "kubectl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// The directory with the components' logs.
     pub fn dir(&self) -> &Path {
         self.dir.path()
