@@ -241,6 +241,23 @@ enum Command {
         #[command(subcommand)]
         which: Bench,
     },
+    /// Try the cluster path on this machine: a private Kubernetes control plane with fake nodes
+    /// for the example pools, the chart's CRDs, roles and admission policies, the operator and an
+    /// emulated agent per node as local processes, examples/gitops applied. Prints the
+    /// KUBECONFIG and what to try; Ctrl-C stops everything and deletes its folder. Needs
+    /// `bash tests/controlplane/build.sh` and `bash tests/helm/build.sh` once.
+    Demo {
+        /// The checkout whose crds/, charts/gpuslice and examples/gitops are used.
+        #[arg(long, default_value = env!("CARGO_MANIFEST_DIR"))]
+        repo: PathBuf,
+        /// Start the operator's and agents' clock here (RFC 3339) instead of shortly before the
+        /// example pools' next window change.
+        #[arg(long)]
+        clock: Option<chrono::DateTime<chrono::FixedOffset>>,
+        /// How long after the start the example pools' next window change comes (without --clock).
+        #[arg(long, default_value = "5m")]
+        window_in: gpuslice_api::Duration,
+    },
     /// Write the CustomResourceDefinitions, generated from the API types, into a folder.
     Crds {
         /// Where to write them.
@@ -462,10 +479,13 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    logging::init(match cli.log_format {
-        LogOutput::Text => LogFormat::Text,
-        LogOutput::Json => LogFormat::Json,
-    });
+    // The demo talks to a person; its operator and agents log to its folder.
+    if !matches!(cli.command, Command::Demo { .. }) {
+        logging::init(match cli.log_format {
+            LogOutput::Text => LogFormat::Text,
+            LogOutput::Json => LogFormat::Json,
+        });
+    }
     match cli.command {
         Command::Validate {
             source,
@@ -923,6 +943,39 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 })
                 .map_err(anyhow::Error::msg)?;
             println!("{report}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo {
+            repo,
+            clock,
+            window_in,
+        } => {
+            use gpuslice_testcluster::demo::{Demo, DemoOptions};
+            let options = DemoOptions {
+                gpuslice: std::env::current_exe().context("finding the gpuslice binary")?,
+                repo,
+                clock,
+                window_in: window_in.into(),
+            };
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(async {
+                eprintln!("starting the demo (about 20 s)…");
+                let demo = Demo::start(&options).await?;
+                println!("{}", demo.hints());
+                let mut terminate =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                        .context("waiting for SIGTERM")?;
+                tokio::select! {
+                    stop = tokio::signal::ctrl_c() => stop.context("waiting for Ctrl-C")?,
+                    _ = terminate.recv() => {}
+                }
+                eprintln!("stopping the demo and deleting {}", demo.dir().display());
+                drop(demo);
+                anyhow::Ok(())
+            })?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Crds { dir, check } => {

@@ -1294,6 +1294,10 @@ pub async fn run(
     let mut publisher = Publisher::new(client.clone(), &node);
     // Pods asked to be evicted and not gone yet, so that each is logged and counted once.
     let mut asked = std::collections::BTreeSet::new();
+    // The slices as the last pass left them, and the claims allocated on slices a pass re-cut
+    // before they were prepared (by UID), asked to be evicted until they are gone.
+    let mut last_slices: Option<Vec<gpuslice_contract::slice::SliceConfig>> = None;
+    let mut stale_claims = std::collections::BTreeSet::new();
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -1388,6 +1392,12 @@ pub async fn run(
         })?;
         pass.evictions
             .extend(unprepared_victims(&client, &current.spec.preemptions, &pass.claims).await);
+        let slices = crate::slices::configs(&pass.inventory);
+        let recut = recut_devices(last_slices.as_deref().unwrap_or_default(), &slices);
+        last_slices = Some(slices);
+        pass.evictions.extend(
+            stale_allocations(&client, &node, &recut, &pass.claims, &mut stale_claims).await,
+        );
         ask_evictions(&metrics, &pass.evictions, &mut asked);
         let notices = isolate_faults(
             &api,
@@ -1652,6 +1662,95 @@ async fn unprepared_victims(
             });
         }
     }
+    out
+}
+
+/// The DRA device names of the slices in `before` that `after` no longer has as they were (gone,
+/// or cut to another size): a claim allocated on one of them refers to a slice that is not there.
+fn recut_devices(
+    before: &[gpuslice_contract::slice::SliceConfig],
+    after: &[gpuslice_contract::slice::SliceConfig],
+) -> std::collections::BTreeSet<String> {
+    before
+        .iter()
+        .filter(|old| !after.contains(old))
+        .map(|old| gpuslice_api::dra::device_name(&old.id))
+        .collect()
+}
+
+/// The pods whose claims were allocated on slices of this node that a pass re-cut before the
+/// claim was prepared (no kubelet had started them, or none runs there): nothing ran on the old
+/// slice and nothing could checkpoint, and preparing the claim would fail or give the pod a slice
+/// of another size, so they are asked to be evicted at once and their controllers make new pods.
+/// Such claims are remembered by UID in `stale` (the new slices may reuse the device names) and
+/// asked for on every pass until they are gone.
+async fn stale_allocations(
+    client: &Client,
+    node: &str,
+    recut: &std::collections::BTreeSet<String>,
+    prepared: &[crate::claims::Claim],
+    stale: &mut std::collections::BTreeSet<String>,
+) -> Vec<Eviction> {
+    use gpuslice_api::k8s_openapi::api::resource::v1::ResourceClaim;
+    if recut.is_empty() && stale.is_empty() {
+        return Vec::new();
+    }
+    let claims = match Api::<ResourceClaim>::all(client.clone())
+        .list(&Default::default())
+        .await
+    {
+        Ok(list) => list.items,
+        Err(e) => {
+            tracing::warn!("listing ResourceClaims (allocated on re-cut slices): {e}");
+            return Vec::new();
+        }
+    };
+    let mut still = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for claim in claims {
+        let uid = claim.metadata.uid.clone().unwrap_or_default();
+        let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+        let key = format!(
+            "{namespace}/{}",
+            claim.metadata.name.clone().unwrap_or_default()
+        );
+        let Some(status) = claim.status else { continue };
+        let on_recut = status
+            .allocation
+            .and_then(|a| a.devices)
+            .map(|d| d.results)
+            .unwrap_or_default()
+            .into_iter()
+            .flatten()
+            .filter(|r| r.driver == gpuslice_api::dra::DRIVER && r.pool == node)
+            .find(|r| recut.contains(&r.device))
+            .map(|r| r.device);
+        let is_prepared = prepared
+            .iter()
+            .any(|c| c.resource_claim.as_deref() == Some(key.as_str()));
+        if is_prepared || !(stale.contains(&uid) || on_recut.is_some()) {
+            continue;
+        }
+        still.insert(uid);
+        let device = on_recut.map_or_else(String::new, |d| format!(" {d}"));
+        for holder in status
+            .reserved_for
+            .unwrap_or_default()
+            .iter()
+            .filter(|r| r.resource == "pods")
+        {
+            out.push(Eviction {
+                pod: format!("{namespace}/{}", holder.name),
+                uid: holder.uid.clone(),
+                note: format!(
+                    "its slice{device} on {node} was re-cut for a new layout before it was prepared; nothing ran there to checkpoint"
+                ),
+                cause: "window",
+                checkpoint: "none",
+            });
+        }
+    }
+    *stale = still;
     out
 }
 

@@ -12,6 +12,7 @@
 //! that owns its control plane can restart it, break it and read its logs without disturbing others.
 
 pub mod containerd;
+pub mod demo;
 mod kubelet;
 pub mod scale;
 
@@ -126,6 +127,17 @@ pub const CHART_RELEASE: &str = "gs";
 /// when `name` is empty) that `env` names or the build script prints. `None` (the test skips) when it is not built; under CI that is a
 /// failure, so that a missing tool never passes silently.
 pub fn built_tool(env: &str, dir: &str, name: &str) -> Option<PathBuf> {
+    let found = find_built_tool(env, dir, name);
+    if found.is_none() {
+        let hint = format!("run `bash tests/{dir}/build.sh` once or set {env}");
+        assert!(std::env::var_os("CI").is_none(), "{env} unset: {hint}");
+        eprintln!("SKIPPED: {env} unset ({hint})");
+    }
+    found
+}
+
+/// Like [`built_tool`], silently: `None` when it is not built.
+pub fn find_built_tool(env: &str, dir: &str, name: &str) -> Option<PathBuf> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../{dir}/build.sh"));
     let found = std::env::var_os(env).map(PathBuf::from).or_else(|| {
         Command::new("bash")
@@ -135,17 +147,12 @@ pub fn built_tool(env: &str, dir: &str, name: &str) -> Option<PathBuf> {
             .ok()
             .filter(|out| out.status.success())
             .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-    });
-    let hint = format!("run `bash tests/{dir}/build.sh` once or set {env}");
-    match found {
-        Some(dir) if name.is_empty() => Some(dir),
-        Some(dir) => Some(dir.join(name)),
-        None => {
-            assert!(std::env::var_os("CI").is_none(), "{env} unset: {hint}");
-            eprintln!("SKIPPED: {env} unset ({hint})");
-            None
-        }
-    }
+    })?;
+    Some(if name.is_empty() {
+        found
+    } else {
+        found.join(name)
+    })
 }
 
 /// Commits everything in the work tree of `repo` on top of HEAD (if any) and moves HEAD there
