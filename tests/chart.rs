@@ -784,23 +784,79 @@ async fn admission_covers_every_route(
         ),
         "{message}"
     );
-    // Where the namespace may use it, the pod is admitted, marked as naming a policy.
-    let admitted = try_pod(with_init(
-        "init-1",
-        "serving",
-        serde_json::json!({"name": "setup", "image": image,
-            "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}),
-    ))
-    .await
-    .unwrap();
+    // Where the namespace may use it, the pod is admitted, labelled with the policy it asks for
+    // (and marked as asking by resource), and waits in the queue like a labelled pod: gated, at
+    // the queued pods' priority.
+    let admitted = eventually("a pod asking by resource is gated", || {
+        let attempt = try_pod(with_init(
+            "init-1",
+            "serving",
+            serde_json::json!({"name": "setup", "image": image,
+                "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}),
+        ));
+        async move {
+            let pod = attempt.await.map_err(|e| e.to_string())?;
+            let spec = pod.spec.clone().unwrap_or_default();
+            spec.scheduling_gates
+                .iter()
+                .flatten()
+                .any(|g| g.name == "gpuslice.io/queue")
+                .then_some(pod)
+                .ok_or_else(|| format!("{spec:?}"))
+        }
+    })
+    .await;
+    let labels = admitted.metadata.labels.clone().unwrap_or_default();
     assert_eq!(
-        admitted
-            .metadata
-            .labels
-            .unwrap_or_default()
-            .get("gpuslice.io/uses-policy")
-            .map(String::as_str),
-        Some("true")
+        (
+            labels.get("gpuslice.io/uses-policy").map(String::as_str),
+            labels.get("gpuslice.io/policy").map(String::as_str)
+        ),
+        (Some("true"), Some("llm-inference")),
+        "{labels:?}"
+    );
+    assert_eq!(
+        admitted.spec.unwrap().priority_class_name.as_deref(),
+        Some("gs-queued")
+    );
+    // Resources that name two policies (or a label and another policy's resource) are refused:
+    // one pod, one policy, one place in the queue.
+    let (code, message) = refused("a pod naming two policies", || {
+        let mut two = with_init(
+            "two-0",
+            "serving",
+            serde_json::json!({"name": "setup", "image": image,
+                "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}),
+        );
+        two.spec.as_mut().unwrap().containers[0].resources =
+            serde_json::from_value(serde_json::json!({"limits": {"gpuslice.io/notebook": "1"}}))
+                .unwrap();
+        try_pod(two)
+    })
+    .await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("names several (spec.containers[main].resources.limits gpuslice.io/notebook, spec.initContainers[setup].resources.limits gpuslice.io/llm-inference)"),
+        "{message}"
+    );
+    let (code, message) = refused("a label and another policy's resource", || {
+        let mut mixed = with_init(
+            "two-1",
+            "serving",
+            serde_json::json!({"name": "setup", "image": image,
+                "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}),
+        );
+        mixed.metadata.labels =
+            Some([("gpuslice.io/policy".to_string(), "notebook".to_string())].into());
+        try_pod(mixed)
+    })
+    .await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("names several (label gpuslice.io/policy: notebook, ")
+            && message
+                .contains("spec.initContainers[setup].resources.limits gpuslice.io/llm-inference)"),
+        "{message}"
     );
 
     // 2. ResourceClaims and ResourceClaimTemplates naming a policy's DeviceClass.
