@@ -820,7 +820,10 @@ async fn a_claimed_software_slice_holds_back_a_window_change_in_the_cluster() {
             }
         }
     };
-    eventually("the day layout (4 slices) is applied", || ready(None)).await;
+    eventually("the day layout (4 slices) is applied", || {
+        ready(Some("default"))
+    })
+    .await;
     let table = || std::fs::read_to_string(state.join("gpu-0.slices.json")).unwrap_or_default();
     eventually("the agent wrote the 4-slice table", || {
         let slices = table().matches("\"id\"").count();

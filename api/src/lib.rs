@@ -50,6 +50,9 @@ pub const API_VERSION: &str = "gpuslice.io/v1alpha1";
 /// The label a workload's pod template carries to name its `GpuSlicePolicy`.
 pub const POLICY_LABEL: &str = "gpuslice.io/policy";
 
+/// `GpuPool.status.activeWindow` while no window is open (a name no window may take).
+pub const DEFAULT_WINDOW: &str = "default";
+
 /// The kinds this crate defines, as written in `kind:`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 pub enum Kind {

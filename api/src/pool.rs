@@ -136,8 +136,10 @@ pub struct GpuSelector {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.start != self.end").message("start and end must differ (a window of zero length never opens)"))]
+#[x_kube(validation = Rule::new("self.name != 'default'").message("the window name default is reserved: status.activeWindow says default while no window is open; name the window after when it opens (night, weekend)"))]
 pub struct TimeWindow {
-    /// Name of the window, unique in the pool; shown in status and events.
+    /// Name of the window, unique in the pool; shown in status and events. `default` is
+    /// reserved: it names the pool's layout outside every window.
     #[schemars(length(min = 1, max = 63))]
     pub name: String,
     /// IANA time zone in which `start`, `end` and `days` are read, for example `Asia/Shanghai`. Default UTC.
@@ -335,7 +337,7 @@ pub struct GpuPoolStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Name of the window in force, or empty when the default layout is.
+    /// Name of the window in force, or `default` when no window is open.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub active_window: Option<String>,
     /// When the layout next changes.

@@ -280,7 +280,7 @@ impl Metrics {
                     window: status
                         .active_window
                         .clone()
-                        .unwrap_or_else(|| "default".into()),
+                        .unwrap_or_else(|| gpuslice_api::DEFAULT_WINDOW.into()),
                 })
                 .set(1);
         }

@@ -373,7 +373,12 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             GpuPoolStatus {
                 conditions,
                 observed_generation: generation,
-                active_window: timing.window.clone(),
+                active_window: Some(
+                    timing
+                        .window
+                        .clone()
+                        .unwrap_or_else(|| gpuslice_api::DEFAULT_WINDOW.into()),
+                ),
                 next_transition: timing.next_change.and_then(gpuslice_api::time_of),
                 nodes: nodes.len() as u32,
                 gpus,
@@ -773,23 +778,32 @@ fn find<'a>(status: &'a GpuPoolStatus, kind: &str) -> Option<&'a Condition> {
     status.conditions.iter().find(|c| c.type_ == kind)
 }
 
+/// The window a status says is in force; a status written before `default` was spelt out says
+/// nothing for the default layout.
+fn window_in_force(status: &GpuPoolStatus) -> &str {
+    status
+        .active_window
+        .as_deref()
+        .unwrap_or(gpuslice_api::DEFAULT_WINDOW)
+}
+
 /// The events a status change deserves: a window opening or closing, a pool turning invalid,
 /// a transition getting blocked. Nothing on the first status of a pool but its problems.
 pub fn events(old: Option<&GpuPoolStatus>, new: &GpuPoolStatus) -> Vec<PoolEvent> {
     let mut out = Vec::new();
     if let Some(old) = old
         && old.observed_generation.is_some()
-        && old.active_window != new.active_window
+        && window_in_force(old) != window_in_force(new)
     {
         out.push(PoolEvent {
             warning: false,
             reason: "WindowChanged",
             note: format!(
                 "{} is in force now; re-slicing {} GPUs on {} nodes",
-                new.active_window.as_deref().map_or_else(
-                    || "the default layout".to_string(),
-                    |w| format!("window {w}")
-                ),
+                match new.active_window.as_deref() {
+                    None | Some(gpuslice_api::DEFAULT_WINDOW) => "the default layout".to_string(),
+                    Some(w) => format!("window {w}"),
+                },
                 new.gpus,
                 new.nodes
             ),
