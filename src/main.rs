@@ -235,6 +235,11 @@ enum Command {
         /// GpuSlicePolicy and the namespaces its namespaceSelector lets use it. The chart sets it.
         #[arg(long, value_parser = parse_object_ref)]
         admission_params: Option<gpuslice_operator::controller::AdmissionParams>,
+        /// How long a node's agent may leave a preemption in its GpuNode unread before the
+        /// waiting pod and the pool (a Warning Event) say so; after five times as long the
+        /// preemption is given up and the claim left alone for 10 minutes.
+        #[arg(long, default_value = "60s")]
+        agent_timeout: gpuslice_api::Duration,
     },
     /// Benchmarks that print a table with a PASS/FAIL column and exit non-zero on FAIL.
     Bench {
@@ -765,6 +770,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             lease_namespace,
             lease_duration,
             admission_params,
+            agent_timeout,
         } => {
             let clock = gpuslice_planning::clock::Clock::from_env()?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -809,6 +815,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     Some(telemetry),
                     leadership,
                     admission_params,
+                    agent_timeout.into(),
                 )
                 .await?;
                 anyhow::Ok(())

@@ -96,8 +96,9 @@ async fn states(client: &Client) -> Vec<(String, Option<String>, bool, Option<(S
 /// PriorityClass), one kwok node with `cpu` CPUs and emulated A100s (`gpus`) labelled for
 /// `pool`, its agent, and the operator, on a clock started at `clock`.
 struct Harness {
-    _agent: KillOnDrop,
+    agent: KillOnDrop,
     operator: KillOnDrop,
+    operator_args: Vec<String>,
     clock: String,
     client: Client,
     cluster: ControlPlane,
@@ -105,7 +106,7 @@ struct Harness {
 }
 
 /// The operator, as the chart's operator identity.
-async fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
+async fn spawn_operator(cluster: &ControlPlane, clock: &str, args: &[String]) -> KillOnDrop {
     KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_gpuslice"))
             .args([
@@ -113,6 +114,7 @@ async fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
                 "--lease-namespace",
                 gpuslice_testcluster::CHART_NAMESPACE,
             ])
+            .args(args)
             .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
             .env("GPUSLICE_CLOCK_START", clock)
             .stdout(Stdio::null())
@@ -124,6 +126,19 @@ async fn spawn_operator(cluster: &ControlPlane, clock: &str) -> KillOnDrop {
 
 impl Harness {
     async fn start(clock: &str, node: &str, pool: &str, cpu: &str, gpus: u32) -> Option<Harness> {
+        Self::start_with(clock, node, pool, cpu, gpus, &[]).await
+    }
+
+    /// [`start`](Self::start), with more arguments for the operator.
+    async fn start_with(
+        clock: &str,
+        node: &str,
+        pool: &str,
+        cpu: &str,
+        gpus: u32,
+        operator_args: &[&str],
+    ) -> Option<Harness> {
+        let operator_args: Vec<String> = operator_args.iter().map(|a| a.to_string()).collect();
         let helm = gpuslice_testcluster::built_tool("GPUSLICE_HELM", "helm", "")?;
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
         let client = cluster.client().await.unwrap();
@@ -197,10 +212,11 @@ impl Harness {
                 .spawn()
                 .unwrap(),
         );
-        let operator = spawn_operator(&cluster, clock).await;
+        let operator = spawn_operator(&cluster, clock, &operator_args).await;
         Some(Harness {
-            _agent: agent,
+            agent,
             operator,
+            operator_args,
             clock: clock.to_string(),
             client,
             cluster,
@@ -210,7 +226,7 @@ impl Harness {
 
     /// Stops the operator and starts a new one.
     async fn restart_operator(&mut self) {
-        self.operator = spawn_operator(&self.cluster, &self.clock).await;
+        self.operator = spawn_operator(&self.cluster, &self.clock, &self.operator_args).await;
     }
 
     /// Applies `docs`, then waits until the operator has written `classes` DeviceClasses.
@@ -890,4 +906,151 @@ spec: {pool: recut, memory: 8Gi}
         }
     })
     .await;
+}
+
+/// The Warning Events on pool `pool` with `reason`: their messages.
+async fn pool_events(client: &Client, pool: &str, reason: &str) -> Vec<String> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(client.clone());
+    events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pool)
+                && e.reason.as_deref() == Some(reason)
+        })
+        .filter_map(|e| e.note)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_preemption_its_agent_never_reads_is_reported_then_given_up() {
+    let Some(mut h) = Harness::start_with(
+        CLOCK,
+        "a100-d",
+        "shared-a100",
+        "64",
+        1,
+        &["--agent-timeout", "3s"],
+    )
+    .await
+    else {
+        return;
+    };
+    let client = h.client.clone();
+    let nlp = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "nlp", "labels": {"team": "nlp"}}});
+    let mut docs = vec![nlp];
+    for file in [
+        "examples/gitops/policies/checkpoint-standard.yaml",
+        "examples/gitops/pools/shared-a100.yaml",
+        "examples/gitops/policies/notebook.yaml",
+        "examples/gitops/policies/bert-finetune.yaml",
+    ] {
+        docs.extend(gpuslice_testcluster::documents(
+            &std::fs::read_to_string(root().join(file)).unwrap(),
+        ));
+    }
+    h.apply_and_wait(&docs, 2).await;
+    for i in 0..4 {
+        h.create_gated(&pod(&format!("notebook-{i}"), "default", "notebook"))
+            .await;
+    }
+    eventually("four notebooks run", || {
+        let client = client.clone();
+        async move {
+            let s = states(&client).await;
+            (s.iter().filter(|p| p.1.is_some()).count() == 4)
+                .then_some(())
+                .ok_or_else(|| format!("{s:?}"))
+        }
+    })
+    .await;
+
+    // The node's agent dies; a fine-tune of higher priority arrives and a notebook's slice is
+    // asked back from an agent that never reads it.
+    h.agent.0.kill().unwrap();
+    h.create_gated(&pod("bert-0", "nlp", "bert-finetune")).await;
+    let told = |reason: &'static str, part: &'static str| {
+        let client = client.clone();
+        async move {
+            let s = states(&client).await;
+            let bert = s.iter().find(|p| p.0 == "bert-0").and_then(|p| p.3.clone());
+            bert.as_ref()
+                .is_some_and(|(r, m)| r == reason && m.contains(part))
+                .then_some(())
+                .ok_or_else(|| format!("{bert:?}"))
+        }
+    };
+    // Past the timeout the waiting pod and the pool say so; the preemption is still asked.
+    eventually("the waiting pod says the agent has not read it", || {
+        told(
+            "Preempting",
+            "asked the agent of node a100-d, which has not read it for over 3s (is it running?); given up after 15s",
+        )
+    })
+    .await;
+    let overdue = eventually("a PreemptionOverdue Event on the pool", || {
+        let client = client.clone();
+        async move {
+            let notes = pool_events(&client, "shared-a100", "PreemptionOverdue").await;
+            notes.first().cloned().ok_or_else(|| "none".to_string())
+        }
+    })
+    .await;
+    assert!(
+        overdue.starts_with("the agent of node a100-d has not read, for 3s, the preemption of ResourceClaim default/")
+            && overdue.ends_with("for pod nlp/bert-0: is gpuslice's agent running there? Still asked; given up after 15s"),
+        "{overdue}"
+    );
+    let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
+    assert_eq!(
+        gpu_nodes
+            .get("a100-d")
+            .await
+            .unwrap()
+            .spec
+            .preemptions
+            .len(),
+        1
+    );
+    // Five timeouts later it is given up: the preemption leaves the GpuNode, the pool says why,
+    // and the pod waits for a slice to free up (no other victim on that node is chosen).
+    eventually("the preemption given up", || {
+        let client = client.clone();
+        async move {
+            let notes = pool_events(&client, "shared-a100", "PreemptionGivenUp").await;
+            notes
+                .iter()
+                .any(|n| n.contains("its agent did not read the request within 15s; the pod waits for another slice, and no slice of node a100-d is taken back for 10 minutes"))
+                .then_some(())
+                .ok_or_else(|| format!("{notes:?}"))
+        }
+    })
+    .await;
+    eventually("the pod waits for a free slice", || {
+        told(
+            "NoSliceFits",
+            "no free slice of pool shared-a100 fits policy bert-finetune",
+        )
+    })
+    .await;
+    assert!(
+        gpu_nodes
+            .get("a100-d")
+            .await
+            .unwrap()
+            .spec
+            .preemptions
+            .is_empty()
+    );
+    assert_eq!(
+        pool_events(&client, "shared-a100", "PreemptionOverdue")
+            .await
+            .len(),
+        1,
+        "reported once"
+    );
 }

@@ -325,6 +325,7 @@ pub async fn run(
     telemetry: Option<Telemetry>,
     leadership: Leadership,
     admission: Option<AdmissionParams>,
+    agent_timeout: std::time::Duration,
 ) -> Result<(), OperatorError> {
     let changed = Arc::new(Notify::new());
     let all = watcher::Config::default;
@@ -460,6 +461,7 @@ pub async fn run(
         },
         queue_changed,
         metrics.queue.clone(),
+        agent_timeout,
     ));
     let writer = Writer {
         recorder: Recorder::new(

@@ -374,6 +374,8 @@ impl QueueMetrics {
 #[derive(Default)]
 pub struct Queue {
     placer: EnginePlacer,
+    /// The preemptions asked for, and whether their nodes' agents act on them.
+    follow_up: FollowUp,
     /// Decayed slice-seconds per (pool, namespace).
     usage: BTreeMap<(String, String), f64>,
     last: Option<chrono::DateTime<chrono::Utc>>,
@@ -404,6 +406,9 @@ pub struct Plan {
     pub fair_share: BTreeMap<String, FairShareStatus>,
     /// Pool → its fragmentation (percent of its free slice memory).
     pub fragmentation: BTreeMap<String, f64>,
+    /// (pool, reason, message) of a Warning Event on the pool: a preemption its node's agent has
+    /// not acted on (`PreemptionOverdue`) or that was given up (`PreemptionGivenUp`).
+    pub stalled: Vec<(String, &'static str, String)>,
 }
 
 /// How often each pool's `status.fairShare` is written: a new leader carries on from it, so at
@@ -441,6 +446,81 @@ fn recorded_usage(
     out
 }
 
+/// A preemption its node's agent leaves unread this many times the operator's `--agent-timeout`
+/// (after which the waiting pod and the pool are told) is given up.
+const GIVE_UP_AFTER: u32 = 5;
+/// How long the slices of a node whose agent let a preemption be given up are not taken again.
+const REST_AFTER_GIVING_UP: chrono::TimeDelta = chrono::TimeDelta::minutes(10);
+
+/// Where a preemption stands with the agent that must carry it out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Standing {
+    /// The agent has read the GpuNode that asks for it, or has had less than the timeout.
+    OnTime,
+    /// Unread past the timeout; `first` the first pass that finds it so.
+    Overdue { first: bool },
+    /// Unread past [`GIVE_UP_AFTER`] timeouts: dropped, and the node's slices left alone a while.
+    GivenUp,
+}
+
+/// The preemptions the queue asked for: since when, which were reported overdue, and the nodes
+/// whose agent let one be given up (until when their slices are not taken again: another victim
+/// there would wait for the same agent). Kept in memory: a new leader starts the clocks again,
+/// which retries them.
+#[derive(Debug, Default)]
+struct FollowUp {
+    asked: BTreeMap<String, chrono::DateTime<chrono::Utc>>,
+    reported: BTreeSet<String>,
+    given_up: BTreeMap<String, chrono::DateTime<chrono::Utc>>,
+}
+
+impl FollowUp {
+    /// Whether a preemption on `node` was given up lately: its claims are no victims for now.
+    fn resting(&self, node: &str, wall: chrono::DateTime<chrono::Utc>) -> bool {
+        self.given_up.get(node).is_some_and(|until| *until > wall)
+    }
+
+    /// Where the preemption of `claim` stands, `read` saying whether its node's agent has
+    /// read the GpuNode's current spec (it acts on a preemption in the pass that reads it).
+    fn judge(
+        &mut self,
+        claim: &str,
+        node: &str,
+        read: bool,
+        wall: chrono::DateTime<chrono::Utc>,
+        timeout: std::time::Duration,
+    ) -> Standing {
+        let since = *self.asked.entry(claim.to_string()).or_insert(wall);
+        let timeout = chrono::TimeDelta::from_std(timeout).unwrap_or(chrono::TimeDelta::MAX);
+        let unread = wall - since;
+        if read || unread < timeout {
+            return Standing::OnTime;
+        }
+        if unread >= timeout * GIVE_UP_AFTER as i32 {
+            self.asked.remove(claim);
+            self.reported.remove(claim);
+            self.given_up
+                .insert(node.to_string(), wall + REST_AFTER_GIVING_UP);
+            return Standing::GivenUp;
+        }
+        Standing::Overdue {
+            first: self.reported.insert(claim.to_string()),
+        }
+    }
+
+    /// Forgets the preemptions no longer asked for, and rests that are over.
+    fn keep_only(&mut self, asked: &BTreeSet<String>, wall: chrono::DateTime<chrono::Utc>) {
+        self.asked.retain(|c, _| asked.contains(c));
+        self.reported.retain(|c| asked.contains(c));
+        self.given_up.retain(|_, until| *until > wall);
+    }
+}
+
+/// A duration as `kubectl` and the CRDs write them (`1m0s`).
+fn humantime(d: Duration) -> String {
+    gpuslice_api::Duration::from(d).to_string()
+}
+
 fn ordinal(n: usize) -> String {
     let suffix = match (n % 10, n % 100) {
         (1, r) if r != 11 => "st",
@@ -460,6 +540,7 @@ impl Queue {
         caches: &Caches,
         now: chrono::DateTime<chrono::Utc>,
         wall: chrono::DateTime<chrono::Utc>,
+        agent_timeout: std::time::Duration,
     ) -> Plan {
         let pools: Vec<Arc<GpuPool>> = caches.pools.state();
         let policies: Vec<Arc<GpuSlicePolicy>> = caches.policies.state();
@@ -478,6 +559,24 @@ impl Queue {
         let mut checkpoints: BTreeMap<String, chrono::DateTime<chrono::Utc>> = BTreeMap::new();
         let mut draining: BTreeMap<String, String> = BTreeMap::new();
         let mut plan = Plan::default();
+        // Whether each node's agent has read its GpuNode's current spec (its Ready condition's
+        // observedGeneration).
+        let read: BTreeMap<String, bool> = gpu_nodes
+            .iter()
+            .map(|node| {
+                let seen = node
+                    .status
+                    .iter()
+                    .flat_map(|s| &s.conditions)
+                    .find(|c| c.type_ == "Ready")
+                    .and_then(|c| c.observed_generation);
+                (
+                    node.name_any(),
+                    seen.is_some() && seen >= node.metadata.generation,
+                )
+            })
+            .collect();
+        let mut asked_now = BTreeSet::new();
         for node in &gpu_nodes {
             if !node.spec.preemptions.is_empty() || !node.spec.compacting.is_empty() {
                 plan.preemptions.insert(node.name_any(), Vec::new());
@@ -728,6 +827,7 @@ impl Queue {
                 let running: Vec<Running> = held
                     .iter()
                     .filter(|h| h.pool == pool_name && !h.tainted)
+                    .filter(|h| !self.follow_up.resting(&h.device.node, wall))
                     .map(|h| {
                         let policy = h
                             .policy
@@ -761,6 +861,50 @@ impl Queue {
             } else {
                 Vec::new()
             };
+            // Preemptions the node's agent leaves unread are reported, then given up.
+            let mut overdue = BTreeSet::new();
+            let mut preempted = preempted;
+            preempted.retain(|p| {
+                let read = read.get(&p.node).copied().unwrap_or(false);
+                match self.follow_up.judge(&p.claim, &p.node, read, wall, agent_timeout) {
+                    Standing::OnTime => true,
+                    Standing::Overdue { first } => {
+                        if first {
+                            plan.stalled.push((
+                                pool_name.clone(),
+                                "PreemptionOverdue",
+                                format!(
+                                    "the agent of node {} has not read, for {}, the preemption of ResourceClaim {} for pod {}: is gpuslice's agent running there? Still asked; given up after {}",
+                                    p.node,
+                                    humantime(agent_timeout),
+                                    p.claim,
+                                    p.for_pod,
+                                    humantime(agent_timeout * GIVE_UP_AFTER)
+                                ),
+                            ));
+                        }
+                        overdue.insert(p.claim.clone());
+                        true
+                    }
+                    Standing::GivenUp => {
+                        plan.stalled.push((
+                            pool_name.clone(),
+                            "PreemptionGivenUp",
+                            format!(
+                                "gave up taking back the slice of ResourceClaim {} on node {} for pod {}: its agent did not read the request within {}; the pod waits for another slice, and no slice of node {} is taken back for {} minutes",
+                                p.claim,
+                                p.node,
+                                p.for_pod,
+                                humantime(agent_timeout * GIVE_UP_AFTER),
+                                p.node,
+                                REST_AFTER_GIVING_UP.num_minutes()
+                            ),
+                        ));
+                        false
+                    }
+                }
+            });
+            asked_now.extend(preempted.iter().map(|p| p.claim.clone()));
             for p in &preempted {
                 plan.preemptions
                     .entry(p.node.clone())
@@ -786,9 +930,16 @@ impl Queue {
                             "taking back the slice of ResourceClaim {} ({}): {}",
                             p.claim,
                             p.reason,
-                            draining
-                                .get(&p.claim)
-                                .map_or("asked its node's agent", String::as_str)
+                            match draining.get(&p.claim) {
+                                Some(d) => d.clone(),
+                                None if overdue.contains(&p.claim) => format!(
+                                    "asked the agent of node {}, which has not read it for over {} (is it running?); given up after {}",
+                                    p.node,
+                                    humantime(agent_timeout),
+                                    humantime(agent_timeout * GIVE_UP_AFTER)
+                                ),
+                                None => "asked its node's agent".to_string(),
+                            }
                         ),
                     ),
                     (Reason::NoSliceFits, None) => (
@@ -834,6 +985,7 @@ impl Queue {
             &mut plan, &pools, &policies, &pool_list, &devices, &allocated, &held, &under_way,
             &pods, now,
         );
+        self.follow_up.keep_only(&asked_now, wall);
         plan.tell.retain(|(pod, reason, message)| {
             self.told.get(pod) != Some(&(reason.clone(), message.clone()))
         });
@@ -1115,12 +1267,20 @@ pub async fn run(
     caches: Caches,
     changed: Arc<Notify>,
     metrics: QueueMetrics,
+    agent_timeout: Duration,
 ) {
     let mut queue = Queue::default();
+    let recorder = kube::runtime::events::Recorder::new(
+        client.clone(),
+        kube::runtime::events::Reporter {
+            controller: MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        },
+    );
     loop {
         if leadership.is_leader() {
             let wall = chrono::Utc::now();
-            let plan = queue.plan(&caches, clock.now(), wall);
+            let plan = queue.plan(&caches, clock.now(), wall, agent_timeout);
             metrics.fragmentation.clear();
             for (pool, percent) in &plan.fragmentation {
                 metrics
@@ -1222,6 +1382,25 @@ pub async fn run(
                     tracing::warn!("GpuPool/{pool}: recording namespaces' use: {e}");
                 }
             }
+            for (pool, reason, note) in &plan.stalled {
+                tracing::warn!("GpuPool/{pool}: {note}");
+                let Some(object) = caches.pools.get(&ObjectRef::new(pool)) else {
+                    continue;
+                };
+                let event = kube::runtime::events::Event {
+                    type_: kube::runtime::events::EventType::Warning,
+                    reason: (*reason).into(),
+                    note: Some(note.clone()),
+                    action: "Preempt".into(),
+                    secondary: None,
+                };
+                if let Err(e) = recorder
+                    .publish(&event, &kube::Resource::object_ref(&*object, &()))
+                    .await
+                {
+                    tracing::warn!("GpuPool/{pool}: recording an Event: {e}");
+                }
+            }
             for (key, reason, message) in plan.tell {
                 let Some((namespace, name)) = key.split_once('/') else {
                     continue;
@@ -1251,6 +1430,35 @@ pub async fn run(
 
 #[cfg(test)]
 mod tests {
+    use super::{FollowUp, Standing};
+
+    #[test]
+    fn an_unread_preemption_is_reported_once_then_given_up_and_its_node_rested() {
+        let t0: chrono::DateTime<chrono::Utc> = "2026-12-06T10:00:00Z".parse().unwrap();
+        let at = |s: i64| t0 + chrono::TimeDelta::seconds(s);
+        let timeout = std::time::Duration::from_secs(60);
+        let mut follow = FollowUp::default();
+        let mut judge = |read: bool, s: i64| follow.judge("ml/c", "n1", read, at(s), timeout);
+        assert_eq!(judge(false, 0), Standing::OnTime);
+        assert_eq!(judge(false, 59), Standing::OnTime);
+        assert_eq!(judge(false, 60), Standing::Overdue { first: true });
+        assert_eq!(judge(false, 120), Standing::Overdue { first: false });
+        // Read by the agent: it acts (drains, or asks the eviction) whatever the age.
+        assert_eq!(judge(true, 200), Standing::OnTime);
+        assert_eq!(judge(false, 300), Standing::GivenUp);
+        assert!(follow.resting("n1", at(300 + 599)));
+        assert!(!follow.resting("n2", at(300)));
+        assert!(!follow.resting("n1", at(300 + 600)));
+        // Asked again later: a new clock.
+        assert_eq!(
+            follow.judge("ml/c", "n1", false, at(301), timeout),
+            Standing::OnTime
+        );
+        // No longer asked: forgotten; rests that are over go too.
+        follow.keep_only(&Default::default(), at(1000));
+        assert!(follow.asked.is_empty() && follow.given_up.is_empty());
+    }
+
     #[test]
     fn places_read_as_ordinals() {
         let got: Vec<String> = [1, 2, 3, 4, 11, 12, 13, 21, 22, 101]
