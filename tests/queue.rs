@@ -235,6 +235,25 @@ impl Harness {
         gpuslice_testcluster::wait_for_device_classes(&self.client, classes).await;
     }
 
+    /// The example pool shared-a100 with its policies notebook and bert-finetune (and the
+    /// namespace nlp that may use the latter).
+    async fn apply_notebook_and_finetune(&self) {
+        let nlp = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "nlp", "labels": {"team": "nlp"}}});
+        let mut docs = vec![nlp];
+        for file in [
+            "examples/gitops/policies/checkpoint-standard.yaml",
+            "examples/gitops/pools/shared-a100.yaml",
+            "examples/gitops/policies/notebook.yaml",
+            "examples/gitops/policies/bert-finetune.yaml",
+        ] {
+            docs.extend(gpuslice_testcluster::documents(
+                &std::fs::read_to_string(root().join(file)).unwrap(),
+            ));
+        }
+        self.apply_and_wait(&docs, 2).await;
+    }
+
     /// Creates a labelled pod, stored gated (see `gpuslice_testcluster::create_gated`).
     async fn create_gated(&self, pod: &Pod) {
         gpuslice_testcluster::create_gated(&self.client, pod).await;
@@ -247,20 +266,7 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         return;
     };
     let client = harness.client.clone();
-    let nlp = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
-        "metadata": {"name": "nlp", "labels": {"team": "nlp"}}});
-    let mut docs = vec![nlp];
-    for file in [
-        "examples/gitops/policies/checkpoint-standard.yaml",
-        "examples/gitops/pools/shared-a100.yaml",
-        "examples/gitops/policies/notebook.yaml",
-        "examples/gitops/policies/bert-finetune.yaml",
-    ] {
-        docs.extend(gpuslice_testcluster::documents(
-            &std::fs::read_to_string(root().join(file)).unwrap(),
-        ));
-    }
-    harness.apply_and_wait(&docs, 2).await;
+    harness.apply_notebook_and_finetune().await;
 
     // A pod that is not ours (priority 0) takes the node's fifth CPU.
     let default: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -940,20 +946,7 @@ async fn a_preemption_its_agent_never_reads_is_reported_then_given_up() {
         return;
     };
     let client = h.client.clone();
-    let nlp = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
-        "metadata": {"name": "nlp", "labels": {"team": "nlp"}}});
-    let mut docs = vec![nlp];
-    for file in [
-        "examples/gitops/policies/checkpoint-standard.yaml",
-        "examples/gitops/pools/shared-a100.yaml",
-        "examples/gitops/policies/notebook.yaml",
-        "examples/gitops/policies/bert-finetune.yaml",
-    ] {
-        docs.extend(gpuslice_testcluster::documents(
-            &std::fs::read_to_string(root().join(file)).unwrap(),
-        ));
-    }
-    h.apply_and_wait(&docs, 2).await;
+    h.apply_notebook_and_finetune().await;
     for i in 0..4 {
         h.create_gated(&pod(&format!("notebook-{i}"), "default", "notebook"))
             .await;
