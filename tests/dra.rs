@@ -1001,17 +1001,16 @@ fn claim(c: &ResourceClaim) -> proto::Claim {
     }
 }
 
-#[tokio::test]
-async fn the_kubelet_plugin_prepares_allocated_slices() {
-    let Some(mut running) = start("2026-12-02T10:00:00Z", &[]).await else {
-        return;
-    };
-    let client = running.client.clone();
-    let base = running.dir.path().to_path_buf();
-    let node_dir = |node: &str| base.join(node);
-
-    // Registration, as the kubelet's plugin watcher does it.
-    let registry = node_dir("a100-a").join("kubelet/plugins_registry/gpuslice.io-reg.sock");
+/// The kubelet plugin of `node`, registered as the kubelet's plugin watcher does it.
+async fn registered_plugin(
+    running: &Cluster,
+    node: &str,
+) -> DraPluginClient<tonic::transport::Channel> {
+    let registry = running
+        .dir
+        .path()
+        .join(node)
+        .join("kubelet/plugins_registry/gpuslice.io-reg.sock");
     eventually("the plugin's registration socket appears", || {
         let registry = registry.clone();
         async move { registry.exists().then_some(()).ok_or_else(String::new) }
@@ -1042,7 +1041,18 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
         })
         .await
         .unwrap();
-    let mut plugin = DraPluginClient::new(unix_channel(info.endpoint.into()).await);
+    DraPluginClient::new(unix_channel(info.endpoint.into()).await)
+}
+
+#[tokio::test]
+async fn the_kubelet_plugin_prepares_allocated_slices() {
+    let Some(mut running) = start("2026-12-02T10:00:00Z", &[]).await else {
+        return;
+    };
+    let client = running.client.clone();
+    let base = running.dir.path().to_path_buf();
+    let node_dir = |node: &str| base.join(node);
+    let mut plugin = registered_plugin(&running, "a100-a").await;
 
     // Two notebooks placed by the scheduler on the A100 node's software slices.
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -1591,4 +1601,109 @@ async fn a_prepared_claim_holds_back_a_window_change_until_it_is_unprepared() {
         }
     })
     .await;
+}
+
+/// The scheduler may allocate a slice that a `gpuslice run` on the node took before the agent's
+/// `held-locally` taint was published: the slice is not prepared for the pod too (one holder per
+/// slice); the kubelet's next try prepares it once the command has given it back.
+#[tokio::test]
+async fn a_slice_gpuslice_run_holds_is_not_prepared_for_a_pod_as_well() {
+    let Some(running) = start("2026-12-02T10:00:00Z", &[]).await else {
+        return;
+    };
+    let client = running.client.clone();
+    let mut plugin = registered_plugin(&running, "a100-a").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.create(&PostParams::default(), &pod("notebook-0", "notebook"))
+        .await
+        .unwrap();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let (allocated, device) = eventually("the notebook's claim is allocated", || {
+        let claims = claims.clone();
+        async move {
+            let all = claims
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            all.items
+                .into_iter()
+                .find_map(|c| {
+                    let device = c
+                        .status
+                        .as_ref()?
+                        .allocation
+                        .as_ref()?
+                        .devices
+                        .as_ref()?
+                        .results
+                        .as_ref()?
+                        .first()?
+                        .device
+                        .clone();
+                    Some((c, device))
+                })
+                .ok_or_else(|| "not allocated".to_string())
+        }
+    })
+    .await;
+    // `gpuslice run`s on the node until one holds the allocated slice (the agent does not know
+    // the allocation: nothing has been prepared yet).
+    let mut holders = Vec::new();
+    let holder = loop {
+        let held: Vec<&String> = holders
+            .iter()
+            .map(|h: &(KillOnDrop, String)| &h.1)
+            .collect();
+        assert!(holders.len() < 16, "no run got {device}: {held:?}");
+        let (run, slice, _) = hold_slice(&running, "a100-a", "notebook");
+        let held = gpuslice_api::dra::device_name(&slice) == device;
+        holders.push((run, slice));
+        if held {
+            break holders.len() - 1;
+        }
+    };
+    let request = proto::NodePrepareResourcesRequest {
+        claims: vec![claim(&allocated)],
+    };
+    let uid = allocated.metadata.uid.clone().unwrap();
+    let answer = plugin
+        .node_prepare_resources(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let refused = &answer.claims[&uid];
+    assert!(
+        refused.devices.is_empty()
+            && refused.error.contains(&format!(
+                "slice {} is held by `gpuslice run`",
+                holders[holder].1
+            ))
+            && refused
+                .error
+                .contains("the pod starts once that command ends"),
+        "{answer:?}"
+    );
+    // The command ends (its connection closes): the kubelet's next try gets the slice.
+    holders.remove(holder);
+    let prepared = eventually("the claim is prepared once the slice is given back", || {
+        let mut plugin = plugin.clone();
+        let request = request.clone();
+        let uid = uid.clone();
+        async move {
+            let answer = plugin
+                .node_prepare_resources(request)
+                .await
+                .map_err(|e| e.to_string())?
+                .into_inner();
+            let c = &answer.claims[&uid];
+            (c.error.is_empty())
+                .then(|| c.devices.clone())
+                .ok_or_else(|| c.error.clone())
+        }
+    })
+    .await;
+    assert_eq!(prepared[0].device_name, device);
+    // And the slice is the pod's now: another `gpuslice run` gets another one.
+    let (_run, slice, _) = hold_slice(&running, "a100-a", "notebook");
+    assert_ne!(gpuslice_api::dra::device_name(&slice), device);
 }

@@ -81,6 +81,9 @@ struct Board {
     claims: HashMap<u64, Claim>,
     /// Slices held by prepared ResourceClaims.
     pinned: Vec<Claim>,
+    /// Slices of ResourceClaims being prepared, until a pass finds them recorded as prepared
+    /// (then they are in `pinned`) or the preparation fails.
+    preparing: Vec<Claim>,
     queue: VecDeque<(u64, Need, Option<String>)>,
     refused: HashMap<u64, String>,
     next: u64,
@@ -113,6 +116,7 @@ impl Board {
                 .claims
                 .values()
                 .chain(&self.pinned)
+                .chain(&self.preparing)
                 .map(|c| c.slice.as_str())
                 .collect();
             let best = self
@@ -187,7 +191,60 @@ impl Claims {
         board.slices = slices;
         board.pools = pools;
         board.policies = policies;
+        board.preparing.retain(|p| {
+            !pinned
+                .iter()
+                .any(|c| c.resource_claim == p.resource_claim && c.slice == p.slice)
+        });
         board.pinned = pinned;
+        board.assign();
+        self.changed.notify_all();
+    }
+
+    /// Pins `slices` for the ResourceClaim `resource_claim` (`namespace/name`) being prepared,
+    /// unless a `gpuslice run` holds one of them: the scheduler may allocate a slice before the
+    /// agent's taint on it is published, and a slice has one holder. Until a pass reads the
+    /// prepared claim from the state directory (or [`unpin`](Self::unpin) after a failure), the
+    /// pin keeps `want`s off these slices. Returns the holder's description when refused.
+    pub fn pin(&self, slices: &[String], resource_claim: &str) -> Result<(), String> {
+        let mut board = self.lock();
+        if let Some(held) = board
+            .claims
+            .values()
+            .find(|c| c.resource_claim.is_none() && slices.contains(&c.slice))
+        {
+            return Err(format!(
+                "slice {} is held by `gpuslice run` (pid {}) on this node",
+                held.slice,
+                held.workload.unwrap_or(held.client)
+            ));
+        }
+        for slice in slices {
+            let pinned =
+                board.pinned.iter().chain(&board.preparing).any(|c| {
+                    c.slice == *slice && c.resource_claim.as_deref() == Some(resource_claim)
+                });
+            if !pinned {
+                board.preparing.push(Claim {
+                    slice: slice.clone(),
+                    client: 0,
+                    workload: None,
+                    policy: None,
+                    resource_claim: Some(resource_claim.to_string()),
+                    pods: Vec::new(),
+                    pod_names: Vec::new(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops the pins of a ResourceClaim whose preparation failed; waiters may now fit.
+    pub fn unpin(&self, resource_claim: &str) {
+        let mut board = self.lock();
+        board
+            .preparing
+            .retain(|c| c.resource_claim.as_deref() != Some(resource_claim));
         board.assign();
         self.changed.notify_all();
     }

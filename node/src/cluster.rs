@@ -1327,6 +1327,7 @@ pub async fn run(
             agent.state().clone(),
             paths,
             agent.caches(),
+            agent.claims(),
         );
         tokio::spawn(async move {
             if let Err(e) = plugin.serve().await {

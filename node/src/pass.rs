@@ -248,6 +248,11 @@ impl Agent {
         self.socket.caches.clone()
     }
 
+    /// The node's slice claims (`gpuslice run`'s, and the prepared ResourceClaims').
+    pub fn claims(&self) -> std::sync::Arc<crate::claims::Claims> {
+        self.socket.claims.clone()
+    }
+
     /// The node's cgroup I/O controller, or why it has none.
     pub fn io(&self) -> Result<&crate::iolimit::Cgroups, &str> {
         self.io.as_ref().map_err(String::as_str)

@@ -283,6 +283,20 @@ fn device_nodes(slice: &SliceConfig) -> Vec<String> {
         .collect()
 }
 
+/// The pins of a claim being prepared, given back when dropped while `key` is still set.
+struct Pins<'a> {
+    claims: &'a crate::claims::Claims,
+    key: Option<String>,
+}
+
+impl Drop for Pins<'_> {
+    fn drop(&mut self) {
+        if let Some(key) = &self.key {
+            self.claims.unpin(key);
+        }
+    }
+}
+
 /// The plugin's state: the API client, this node, the agent's state directory.
 pub struct Plugin {
     client: kube::Client,
@@ -291,6 +305,8 @@ pub struct Plugin {
     paths: Paths,
     /// The dataset caches, mounted read-only into containers of their pools' slices.
     caches: std::sync::Arc<crate::cache::Caches>,
+    /// The slices `gpuslice run` holds: not prepared for a pod as well.
+    claims: std::sync::Arc<crate::claims::Claims>,
     /// One claim change at a time: the kubelet may call concurrently.
     lock: tokio::sync::Mutex<()>,
 }
@@ -302,6 +318,7 @@ impl Plugin {
         state: StateDir,
         paths: Paths,
         caches: std::sync::Arc<crate::cache::Caches>,
+        claims: std::sync::Arc<crate::claims::Claims>,
     ) -> Plugin {
         Plugin {
             client,
@@ -309,6 +326,7 @@ impl Plugin {
             state,
             paths,
             caches,
+            claims,
             lock: tokio::sync::Mutex::new(()),
         }
     }
@@ -400,6 +418,18 @@ impl Plugin {
         if devices.is_empty() {
             return Err(refuse(format!("it is allocated no {} device", dra::DRIVER)));
         }
+        let ids: Vec<String> = devices.iter().map(|(_, _, s)| s.id.clone()).collect();
+        let key = format!("{}/{}", claim.namespace, claim.name);
+        self.claims.pin(&ids, &key).map_err(|held| {
+            refuse(format!(
+                "{held}; the pod starts once that command ends (the kubelet asks again)"
+            ))
+        })?;
+        // Until the claim is recorded as prepared, a failure gives the slices back.
+        let mut pins = Pins {
+            claims: &self.claims,
+            key: Some(key),
+        };
         let preload = records(&self.state).join("ld.so.preload");
         if self.paths.shim.is_some() && !preload.exists() {
             write_atomically(&preload, format!("{CONTAINER_SHIM}\n").as_bytes())?;
@@ -449,6 +479,7 @@ impl Plugin {
             &record,
             &serde_json::to_vec_pretty(&done).unwrap_or_default(),
         )?;
+        pins.key = None;
         tracing::info!(
             "prepared ResourceClaim {}/{}: {:?}",
             done.namespace,
