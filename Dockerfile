@@ -1,9 +1,10 @@
 # The gpuslice image: the `gpuslice` binary (operator, agent, run) and the shim next to it, where
-# `gpuslice run` looks for it. Build: docker build -t <registry>/gpuslice:<tag> .
+# `gpuslice run` looks for it, built without the developer feature (no emulators, benchmarks or
+# demo in the product). Build: docker build -t <registry>/gpuslice:<tag> .
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p gpuslice -p gpuslice-shim \
+RUN cargo build --release --locked --no-default-features -p gpuslice -p gpuslice-shim \
  && mkdir -p /out \
  && cp target/release/gpuslice target/release/libgpuslice.so /out/
 

@@ -43,7 +43,7 @@ pub enum RunError {
 pub fn shim_library() -> Result<PathBuf, RunError> {
     let exe = std::env::current_exe().unwrap_or_default();
     let dir = exe.parent().unwrap_or(Path::new("."));
-    gpuslice_node::emulate::newest_built(dir, "libgpuslice.so")
+    gpuslice_runtime::built::newest_built(dir, "libgpuslice.so")
         .or_else(|| {
             let mounted = PathBuf::from(gpuslice_node::kubelet::CONTAINER_SHIM);
             mounted.exists().then_some(mounted)

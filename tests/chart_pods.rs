@@ -38,7 +38,7 @@ fn root() -> &'static Path {
 fn build_images(dir: &Path, probe: &Path, driver_libs: &Path) -> Vec<PathBuf> {
     let gpuslice = Path::new(env!("CARGO_BIN_EXE_gpuslice"));
     let built = gpuslice.parent().unwrap();
-    let shim = gpuslice_node::emulate::newest_built(built, "libgpuslice.so")
+    let shim = gpuslice_runtime::built::newest_built(built, "libgpuslice.so")
         .expect("the shim is built: cargo build --workspace");
     let chart_image = dir.join("gpuslice.tar");
     build_image(

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use gpuslice_bench::compute::{Bench, Scenario, SliceSpec, Work, slice_id};
-use gpuslice_node::arbiter::Share;
+use gpuslice_node::workloads::arbiter::Share;
 
 fn exe() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_gpuslice"))

@@ -97,7 +97,7 @@ impl Node {
             ("libcuda.so.1", "libcuda.so"),
             ("libgpuslice.so", "libgpuslice.so"),
         ] {
-            let newest = gpuslice_node::emulate::newest_built(built, file)
+            let newest = gpuslice_runtime::built::newest_built(built, file)
                 .unwrap_or_else(|| panic!("{file} is not built: cargo build --workspace"));
             std::fs::copy(&newest, lib.join(name))
                 .unwrap_or_else(|e| panic!("{}: {e}", newest.display()));
@@ -479,7 +479,7 @@ fn under_the_shim_cuda_bindings_see_the_slice_and_every_variant_works() {
         memory_bytes: cap,
         compute_percent: 100,
     };
-    gpuslice_node::slices::sync_dirs(&state, std::slice::from_ref(&slice)).unwrap();
+    gpuslice_node::gpu::slices::sync_dirs(&state, std::slice::from_ref(&slice)).unwrap();
     let config = state.slice_config(&slice.id);
     if std::fs::metadata(&config).unwrap().uid() != 0 {
         println!("SKIPPED: the shim accepts a slice config its own user wrote only as root");

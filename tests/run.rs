@@ -331,11 +331,12 @@ fn dd_rate(stderr: &str) -> f64 {
 #[test]
 fn a_slices_workload_reads_and_writes_at_its_pools_io_limit() {
     let root = Path::new("/sys/fs/cgroup");
-    let cgroups = match gpuslice_node::iolimit::Cgroups::detect(root, Path::new("/sys/block")) {
-        Ok(c) if is_root() => c,
-        Ok(_) => return eprintln!("skipped: cgroup limits need root"),
-        Err(e) => return eprintln!("skipped: {e}"),
-    };
+    let cgroups =
+        match gpuslice_node::protections::iolimit::Cgroups::detect(root, Path::new("/sys/block")) {
+            Ok(c) if is_root() => c,
+            Ok(_) => return eprintln!("skipped: cgroup limits need root"),
+            Err(e) => return eprintln!("skipped: {e}"),
+        };
     const LIMIT: f64 = 20.0 * 1024.0 * 1024.0;
     let (dir, state, children) = lab(|pool, _| {
         pool.replace(
@@ -384,8 +385,8 @@ fn a_slices_workload_reads_and_writes_at_its_pools_io_limit() {
     }
     // The slice's cgroup goes once its workload is gone.
     let group = match &cgroups.controller {
-        gpuslice_node::iolimit::Controller::V1(blkio) => blkio.clone(),
-        gpuslice_node::iolimit::Controller::V2(unified) => unified.clone(),
+        gpuslice_node::protections::iolimit::Controller::V1(blkio) => blkio.clone(),
+        gpuslice_node::protections::iolimit::Controller::V2(unified) => unified.clone(),
     }
     .join("gpuslice/run-node");
     eventually("the agent removes the slice's cgroup", || {
@@ -403,7 +404,7 @@ fn a_slices_workload_reads_and_writes_at_its_pools_io_limit() {
 #[test]
 fn a_policys_host_cpu_and_memory_hold_its_command() {
     let root = Path::new("/sys/fs/cgroup");
-    let cgroups = match gpuslice_node::hostlimit::HostCgroups::detect(root) {
+    let cgroups = match gpuslice_node::protections::hostlimit::HostCgroups::detect(root) {
         Ok(c) if is_root() => c,
         Ok(_) => return eprintln!("skipped: cgroup limits need root"),
         Err(e) => return eprintln!("skipped: {e}"),
@@ -430,7 +431,7 @@ fn a_policys_host_cpu_and_memory_hold_its_command() {
         .map(str::trim)
         .unwrap_or_default();
     assert_eq!(
-        gpuslice_node::hostlimit::parse_cpus(allowed).len(),
+        gpuslice_node::protections::hostlimit::parse_cpus(allowed).len(),
         1,
         "one core of its own: {text}"
     );
@@ -440,12 +441,12 @@ fn a_policys_host_cpu_and_memory_hold_its_command() {
     );
     drop(children);
     let dirs: Vec<std::path::PathBuf> = match &cgroups {
-        gpuslice_node::hostlimit::HostCgroups::V1 {
+        gpuslice_node::protections::hostlimit::HostCgroups::V1 {
             cpu,
             cpuset,
             memory,
         } => vec![cpu.clone(), cpuset.clone(), memory.clone()],
-        gpuslice_node::hostlimit::HostCgroups::V2(unified) => vec![unified.clone()],
+        gpuslice_node::protections::hostlimit::HostCgroups::V2(unified) => vec![unified.clone()],
     };
     // What the agent leaves (the node's groups, empty once the command is gone) goes too.
     for group in dirs.iter().map(|d| d.join("gpuslice/run-node")) {

@@ -9,7 +9,7 @@ use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use gpuslice_node::cache::{Cache, Source};
+use gpuslice_node::protections::cache::{Cache, Source};
 
 /// Why the benchmark could not run.
 #[derive(Debug, thiserror::Error)]
@@ -17,7 +17,7 @@ pub enum CacheBenchError {
     #[error("{0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
-    Cache(#[from] gpuslice_node::cache::CacheError),
+    Cache(#[from] gpuslice_node::protections::cache::CacheError),
     #[error("dd: {0}")]
     Dd(String),
 }

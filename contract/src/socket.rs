@@ -9,6 +9,7 @@
 //!
 //! Callers are told apart by the socket's peer credentials, never by what they say.
 
+use std::io::{BufRead, Read as _};
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -154,6 +155,23 @@ pub fn line(message: &impl Serialize) -> Vec<u8> {
     let mut out = serde_json::to_vec(message).unwrap_or_default();
     out.push(b'\n');
     out
+}
+
+/// The longest request line (the longest real one is a few hundred bytes).
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// Reads one line of at most [`MAX_LINE`] bytes (0 at the end of the stream); a longer one is an
+/// error, so a caller cannot make the agent buffer without bound.
+pub fn read_line(reader: &mut impl BufRead, line: &mut String) -> std::io::Result<usize> {
+    let limit = (MAX_LINE + 1) as u64;
+    let n = reader.by_ref().take(limit).read_line(line)?;
+    if n > MAX_LINE || (n == MAX_LINE && !line.ends_with('\n')) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a request line is longer than {MAX_LINE} bytes"),
+        ));
+    }
+    Ok(n)
 }
 
 #[cfg(test)]

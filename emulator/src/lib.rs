@@ -30,4 +30,17 @@ pub fn device_of_key(key: u32) -> (u32, Option<u32>) {
     let gi = key & 0xFFFF;
     (key >> 16, (gi != 0xFFFF).then_some(gi))
 }
+/// An emulated driver library (`libnvidia_ml.so`, `libcuda.so`) cargo built next to the running
+/// test or benchmark binary (in its `deps/` folder or the one above). Panics when it is not there:
+/// only tests and benchmarks ask, and they cannot run without it.
+pub fn built_library(file: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the running binary's path");
+    let deps = exe.parent().unwrap_or(Path::new("."));
+    [Some(deps.join(file)), deps.parent().map(|up| up.join(file))]
+        .into_iter()
+        .flatten()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("{file} is not built next to {}", deps.display()))
+}
+
 pub use gpuslice_shm as shm;

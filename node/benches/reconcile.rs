@@ -12,7 +12,6 @@
 //! which dominates the transitions; the steady pass is what the agent costs a node.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use gpuslice_contract::StateDir;
@@ -22,21 +21,6 @@ use gpuslice_planning::transition::Desired;
 
 const GPUS: u32 = 8;
 const RUNS: usize = 15;
-
-fn library() -> PathBuf {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    [
-        deps.join("libnvidia_ml.so"),
-        deps.parent().unwrap().join("libnvidia_ml.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .unwrap_or_else(|| panic!("libnvidia_ml.so not built next to {}", deps.display()))
-}
 
 fn mig(pairs: &[(&str, u32)]) -> Vec<(u32, Desired)> {
     let counts: BTreeMap<String, u32> = pairs.iter().map(|(p, n)| (p.to_string(), *n)).collect();
@@ -135,7 +119,7 @@ fn main() {
     let store = Store::create(&state, &fresh()).unwrap();
     // SAFETY: set before NVML is loaded and before any other thread exists.
     unsafe { std::env::set_var(gpuslice_contract::env::EMULATOR_STATE, &state) };
-    let gpus = NvmlGpus::open(Some(&library())).unwrap();
+    let gpus = NvmlGpus::open(Some(&gpuslice_emulator::built_library("libnvidia_ml.so"))).unwrap();
 
     let day = mig(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]);
     let night = mig(&[("7g.141gb", 1)]);

@@ -2,28 +2,20 @@
 //! from one of two sources (a folder or Git repository standalone, its `GpuNode` in a cluster),
 //! converges them in one [`pass`], drains what blocks, publishes the slice directories of the node
 //! contract, and serves claims and compute shares on its socket. Design: `docs/agent.md`.
+//!
+//! One folder per concern: [`gpu`] (what the GPUs are and how they change), [`workloads`] (who
+//! holds a slice and for how long), [`protections`] (what keeps one workload from hurting
+//! another), [`cluster`] (the agent in Kubernetes), [`kubelet`] (the DRA kubelet plugin). The
+//! pass and the standalone source sit at the top.
 
-pub mod arbiter;
-pub mod cache;
-pub mod claims;
 pub mod cluster;
-pub mod compute;
-pub mod converge;
-pub mod dra;
-pub mod drain;
-pub mod emulate;
-pub mod faults;
-pub mod hostlimit;
-pub mod iolimit;
+pub mod gpu;
 pub mod kubelet;
-pub mod nvml;
 pub mod pass;
-pub mod process;
+pub mod protections;
 pub mod render;
-pub mod slices;
-pub mod socket;
 pub mod standalone;
-pub mod watchdog;
+pub mod workloads;
 
-pub use converge::{BlockingProcess, GpuOutcome, Held, converge_to, read_node};
-pub use nvml::{NvmlError, NvmlGpus};
+pub use gpu::converge::{BlockingProcess, GpuOutcome, Held, converge_to, read_node};
+pub use gpu::nvml::{NvmlError, NvmlGpus};

@@ -14,12 +14,12 @@ use gpuslice_planning::cluster::ClusterPlan;
 use gpuslice_source::last_good::{Config, SourceStatus};
 use serde::Serialize;
 
-use crate::claims::{Claim, needs};
-use crate::compute::{DEFAULT_TIME_SLICE, GpuShares, shares};
-use crate::converge::{ConvergeError, GpuOutcome, Held, converge, read_node};
-use crate::drain::{self, Action, Blocked, DrainError, Drains, Holder, Waiting};
-use crate::nvml::NvmlGpus;
-use crate::socket::{self, SocketError};
+use crate::gpu::converge::{ConvergeError, GpuOutcome, Held, converge, read_node};
+use crate::gpu::nvml::NvmlGpus;
+use crate::workloads::claims::{Claim, needs};
+use crate::workloads::compute::{DEFAULT_TIME_SLICE, GpuShares, shares};
+use crate::workloads::drain::{self, Action, Blocked, DrainError, Drains, Holder, Waiting};
+use crate::workloads::socket::{self, SocketError};
 
 /// Why a pass could not run at all (a GPU that fails is an outcome, not an error).
 #[derive(Debug, thiserror::Error)]
@@ -103,8 +103,8 @@ pub struct Pass {
 
 impl Pass {
     /// The held slices of the pass, as fault isolation sees them.
-    pub fn holdings(&self) -> Vec<crate::faults::Holding> {
-        let configs = crate::slices::configs(&self.inventory);
+    pub fn holdings(&self) -> Vec<crate::protections::faults::Holding> {
+        let configs = crate::gpu::slices::configs(&self.inventory);
         self.claims
             .iter()
             .filter_map(|c| {
@@ -116,7 +116,7 @@ impl Pass {
                         std::iter::once(c.client).chain(c.workload).collect(),
                     ),
                 };
-                Some(crate::faults::Holding {
+                Some(crate::protections::faults::Holding {
                     slice: c.slice.clone(),
                     gpu,
                     holder,
@@ -157,13 +157,13 @@ pub struct Agent {
     apply: bool,
     socket: socket::Node,
     /// The node's cgroup I/O controller, or why it has none.
-    io: Result<crate::iolimit::Cgroups, String>,
+    io: Result<crate::protections::iolimit::Cgroups, String>,
     /// Its cpu, cpuset and memory controllers, when it has them.
-    host: Option<crate::hostlimit::HostCgroups>,
+    host: Option<crate::protections::hostlimit::HostCgroups>,
     /// Whether the log said once that I/O limits cannot be applied.
     io_warned: std::sync::atomic::AtomicBool,
     /// The memory watchdog's NVML handle and settings, until it starts.
-    watchdog: std::sync::Mutex<Option<(NvmlGpus, crate::watchdog::Settings)>>,
+    watchdog: std::sync::Mutex<Option<(NvmlGpus, crate::protections::watchdog::Settings)>>,
 }
 
 impl Agent {
@@ -177,14 +177,16 @@ impl Agent {
             state,
             apply,
             socket: socket::Node::default(),
-            io: crate::iolimit::Cgroups::detect(
+            io: crate::protections::iolimit::Cgroups::detect(
                 std::path::Path::new("/sys/fs/cgroup"),
                 std::path::Path::new("/sys/block"),
             )
             .map_err(|e| e.to_string()),
-            host: crate::hostlimit::HostCgroups::detect(std::path::Path::new("/sys/fs/cgroup"))
-                .inspect_err(|e| tracing::info!("{e}"))
-                .ok(),
+            host: crate::protections::hostlimit::HostCgroups::detect(std::path::Path::new(
+                "/sys/fs/cgroup",
+            ))
+            .inspect_err(|e| tracing::info!("{e}"))
+            .ok(),
             io_warned: std::sync::atomic::AtomicBool::new(false),
             watchdog: std::sync::Mutex::new(None),
         }
@@ -192,14 +194,21 @@ impl Agent {
 
     /// Keeps held software slices to their caps with a memory watchdog on `gpus` (a handle of
     /// its own), once [`Agent::start_watchdog`] is called.
-    pub fn with_watchdog(self, gpus: NvmlGpus, settings: crate::watchdog::Settings) -> Self {
+    pub fn with_watchdog(
+        self,
+        gpus: NvmlGpus,
+        settings: crate::protections::watchdog::Settings,
+    ) -> Self {
         *self.watchdog.lock().unwrap_or_else(|p| p.into_inner()) = Some((gpus, settings));
         self
     }
 
     /// Starts the memory watchdog given with [`Agent::with_watchdog`] (once); each thing it does
     /// goes to `report`.
-    pub fn start_watchdog(&self, report: impl Fn(&crate::watchdog::Report) + Send + 'static) {
+    pub fn start_watchdog(
+        &self,
+        report: impl Fn(&crate::protections::watchdog::Report) + Send + 'static,
+    ) {
         let Some((gpus, settings)) = self
             .watchdog
             .lock()
@@ -208,7 +217,7 @@ impl Agent {
         else {
             return;
         };
-        match crate::watchdog::start(
+        match crate::protections::watchdog::start(
             gpus,
             self.state.clone(),
             self.socket.claims.clone(),
@@ -226,7 +235,7 @@ impl Agent {
 
     /// Takes GPU resets said on the socket into `inbox` (where the XID watchers deliver), so
     /// that the loop handling faults sees them. Before the socket is served.
-    pub fn with_faults(mut self, inbox: crate::faults::Inbox) -> Self {
+    pub fn with_faults(mut self, inbox: crate::protections::faults::Inbox) -> Self {
         self.socket.faults = inbox;
         self
     }
@@ -234,7 +243,7 @@ impl Agent {
     /// Keeps the pools' dataset caches under `root`, which stands for `/var/lib/gpuslice/cache`
     /// (pools name folders there). Before the socket is served.
     pub fn with_cache_root(mut self, root: std::path::PathBuf) -> Self {
-        self.socket.caches = std::sync::Arc::new(crate::cache::Caches::under(root));
+        self.socket.caches = std::sync::Arc::new(crate::protections::cache::Caches::under(root));
         self
     }
 
@@ -244,17 +253,17 @@ impl Agent {
     }
 
     /// The dataset caches of the node's pools.
-    pub fn caches(&self) -> std::sync::Arc<crate::cache::Caches> {
+    pub fn caches(&self) -> std::sync::Arc<crate::protections::cache::Caches> {
         self.socket.caches.clone()
     }
 
     /// The node's slice claims (`gpuslice run`'s, and the prepared ResourceClaims').
-    pub fn claims(&self) -> std::sync::Arc<crate::claims::Claims> {
+    pub fn claims(&self) -> std::sync::Arc<crate::workloads::claims::Claims> {
         self.socket.claims.clone()
     }
 
     /// The node's cgroup I/O controller, or why it has none.
-    pub fn io(&self) -> Result<&crate::iolimit::Cgroups, &str> {
+    pub fn io(&self) -> Result<&crate::protections::iolimit::Cgroups, &str> {
         self.io.as_ref().map_err(String::as_str)
     }
 
@@ -268,13 +277,15 @@ impl Agent {
     }
 
     /// What monitoring reads of every GPU now (NVML).
-    pub fn telemetry(&self) -> Vec<crate::nvml::GpuTelemetry> {
+    pub fn telemetry(&self) -> Vec<crate::gpu::nvml::GpuTelemetry> {
         self.gpus.telemetry()
     }
 
     /// What each software slice has had of its GPU's time until now, per GPU, and how often
     /// each GPU changed hands.
-    pub fn compute_usage(&self) -> BTreeMap<u32, (BTreeMap<String, crate::arbiter::Usage>, u64)> {
+    pub fn compute_usage(
+        &self,
+    ) -> BTreeMap<u32, (BTreeMap<String, crate::workloads::arbiter::Usage>, u64)> {
         self.socket.compute.usage()
     }
 
@@ -327,7 +338,7 @@ impl Agent {
             };
             self.drain(&mut pass, &intent.config, &taken, now)?;
         }
-        let slices = crate::slices::published(&self.state);
+        let slices = crate::gpu::slices::published(&self.state);
         let needs = needs(&intent.config);
         let pools = pass
             .plan
@@ -351,12 +362,14 @@ impl Agent {
         {
             tracing::warn!("I/O limits per slice are not applied: {why}");
         }
-        self.socket.claims.set_limits(crate::claims::Limits {
-            node: self.node.clone(),
-            io: self.io.as_ref().ok().cloned(),
-            host: self.host.clone(),
-            bandwidth: bandwidth.clone(),
-        });
+        self.socket
+            .claims
+            .set_limits(crate::workloads::claims::Limits {
+                node: self.node.clone(),
+                io: self.io.as_ref().ok().cloned(),
+                host: self.host.clone(),
+                bandwidth: bandwidth.clone(),
+            });
         self.socket
             .claims
             .update(slices.clone(), pools, needs.clone(), self.pinned());
@@ -465,7 +478,7 @@ impl Agent {
                 .and_then(|p| config.policies.get(p))
                 .and_then(|p| p.checkpoint_policy.clone())
         };
-        let slice_gpus = crate::slices::configs(&pass.inventory);
+        let slice_gpus = crate::gpu::slices::configs(&pass.inventory);
         let pool_policy = |slice: &str| {
             let index = slice_gpus.iter().find(|c| c.id == slice).map(|c| c.gpu);
             gpus.iter()
@@ -635,7 +648,10 @@ fn gpu_pools<'a>(
 }
 
 /// The dataset caches of the pools with GPUs on this node: pool → path and size.
-fn local_caches(plan: &ClusterPlan, config: &Config) -> BTreeMap<String, crate::cache::CacheSpec> {
+fn local_caches(
+    plan: &ClusterPlan,
+    config: &Config,
+) -> BTreeMap<String, crate::protections::cache::CacheSpec> {
     gpu_pools(plan, config)
         .filter_map(|(_, pool, spec)| {
             let cache = spec.io.as_ref()?.local_cache.as_ref()?;
@@ -645,7 +661,7 @@ fn local_caches(plan: &ClusterPlan, config: &Config) -> BTreeMap<String, crate::
                 .and_then(|s| gpuslice_api::bytes_of(&s.0).ok());
             Some((
                 pool.to_string(),
-                crate::cache::CacheSpec {
+                crate::protections::cache::CacheSpec {
                     path: std::path::PathBuf::from(&cache.path),
                     size,
                     sources: cache.sources.clone(),
@@ -658,14 +674,16 @@ fn local_caches(plan: &ClusterPlan, config: &Config) -> BTreeMap<String, crate::
 /// Each GPU's I/O limit per slice (bytes/s): its pool's `io.bandwidthPerSlice`.
 fn bandwidths(plan: &ClusterPlan, config: &Config) -> BTreeMap<u32, u64> {
     gpu_pools(plan, config)
-        .filter_map(|(index, _, spec)| Some((index, crate::iolimit::bandwidth_of(spec)?)))
+        .filter_map(|(index, _, spec)| {
+            Some((index, crate::protections::iolimit::bandwidth_of(spec)?))
+        })
         .collect()
 }
 
 /// Limits the cgroups of the pods holding prepared claims on GPUs with an I/O limit (each
 /// pass: a pod's cgroup appears when its sandbox starts, after the claim was prepared).
 fn limit_pods(
-    io: &crate::iolimit::Cgroups,
+    io: &crate::protections::iolimit::Cgroups,
     slices: &[gpuslice_contract::SliceConfig],
     claims: &[Claim],
     bandwidth: &BTreeMap<u32, u64>,

@@ -3,7 +3,7 @@
 //! caller (printed by `gpuslice agent`). Passes run every interval, at each window boundary,
 //! sooner while a transition waits for busy processes, and at once when an XID error or a GPU
 //! reset comes in: pools with `faultIsolation` get the in-cluster agent's XID handling
-//! (`crate::faults`), told in the log, with resets said by root through the socket
+//! (`crate::protections::faults`), told in the log, with resets said by root through the socket
 //! (`gpuslice gpu-reset`).
 
 use std::path::PathBuf;
@@ -12,14 +12,14 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use gpuslice_api::NodeInventory;
 use gpuslice_contract::StateDir;
-use gpuslice_planning::clock::Clock;
 use gpuslice_planning::cluster::plan_cluster;
+use gpuslice_runtime::clock::Clock;
 use gpuslice_source::SourceSpec;
 use gpuslice_source::last_good::Source;
 
-use crate::faults::{self, Inbox, Quarantines};
-use crate::nvml::NvmlGpus;
+use crate::gpu::nvml::NvmlGpus;
 use crate::pass::{Agent, Intent, Pass, PassError};
+use crate::protections::faults::{self, Inbox, Quarantines};
 
 /// While a transition waits for processes, look again at least this often.
 const BLOCKED_RETRY: Duration = Duration::from_secs(5);
@@ -30,7 +30,7 @@ const MIN_SLEEP: Duration = Duration::from_millis(200);
 #[derive(Debug, thiserror::Error)]
 pub enum StandaloneError {
     #[error(transparent)]
-    Nvml(#[from] crate::nvml::NvmlError),
+    Nvml(#[from] crate::gpu::nvml::NvmlError),
     #[error(transparent)]
     Pass(#[from] PassError),
     #[error(transparent)]
@@ -54,7 +54,7 @@ pub struct Options {
     /// Where the kernel's XID records are read (which process caused an error).
     pub kernel_log: PathBuf,
     /// The memory watchdog's pace (a service only).
-    pub watchdog: crate::watchdog::Settings,
+    pub watchdog: crate::protections::watchdog::Settings,
     /// Where `/var/lib/gpuslice/cache`, the pools' dataset caches' root, is.
     pub cache_root: PathBuf,
 }
@@ -176,7 +176,7 @@ fn isolate_faults(
     {
         tracing::error!("keeping the quarantines: {e}");
     }
-    let closed = crate::slices::configs(&pass.inventory)
+    let closed = crate::gpu::slices::configs(&pass.inventory)
         .into_iter()
         .filter(|c| !quarantines.taints(c.gpu, &c.id).is_empty())
         .map(|c| c.id)

@@ -2,27 +2,11 @@
 //! planning core, one shared device model that a test can also poke (processes come and go).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use gpuslice_contract::StateDir;
 use gpuslice_emulator::{Machine, Store};
 use gpuslice_node::{NvmlGpus, converge_to as converge};
 use gpuslice_planning::transition::{Blocker, Desired, SliceTable};
-
-fn library() -> PathBuf {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    [
-        deps.join("libnvidia_ml.so"),
-        deps.parent().unwrap().join("libnvidia_ml.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .unwrap_or_else(|| panic!("libnvidia_ml.so not built next to {}", deps.display()))
-}
 
 fn mig(pairs: &[(&str, u32)]) -> Desired {
     Desired::Mig(
@@ -55,7 +39,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
     let store = Store::create(&state_file, &Machine::from_inventory(&node).unwrap()).unwrap();
     // SAFETY: this test binary has a single test, so no other thread reads the environment.
     unsafe { std::env::set_var(gpuslice_contract::env::EMULATOR_STATE, &state_file) };
-    let gpus = NvmlGpus::open(Some(&library())).unwrap();
+    let gpus = NvmlGpus::open(Some(&gpuslice_emulator::built_library("libnvidia_ml.so"))).unwrap();
 
     // A fresh node: MIG on GPU 0, software slices on GPU 1. Without apply nothing changes.
     let day = mig(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]);
@@ -146,7 +130,9 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
     .unwrap();
     assert!(to_mig[0].converged, "{to_mig:#?}");
     assert!(
-        gpuslice_node::slices::read(&slices, 1).unwrap().is_empty(),
+        gpuslice_node::gpu::slices::read(&slices, 1)
+            .unwrap()
+            .is_empty(),
         "the slice table is gone"
     );
     let back = converge(
@@ -160,7 +146,10 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
     .unwrap();
     assert!(back[0].converged, "{back:#?}");
     assert!(!store.snapshot().unwrap().gpu(1).unwrap().mig_enabled);
-    assert_eq!(gpuslice_node::slices::read(&slices, 1).unwrap().len(), 4);
+    assert_eq!(
+        gpuslice_node::gpu::slices::read(&slices, 1).unwrap().len(),
+        4
+    );
 
     // One whole pass of the agent (a pool, planned from the read) reads the node twice: once
     // before planning, once to confirm. Counted by the emulated NVML.
@@ -197,7 +186,9 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
 /// The emulated NVML's count of whole-node reads in this process.
 fn node_reads() -> impl Fn() -> u64 {
     // SAFETY: the emulator's library, already loaded by NVML above; the symbol has this type.
-    let library = unsafe { libloading::Library::new(library()) }.unwrap();
+    let library =
+        unsafe { libloading::Library::new(gpuslice_emulator::built_library("libnvidia_ml.so")) }
+            .unwrap();
     move || {
         // SAFETY: `gpusliceEmulatorNodeReads` takes nothing and returns a u64.
         unsafe {

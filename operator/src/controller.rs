@@ -13,7 +13,7 @@ use gpuslice_api::dra;
 use gpuslice_api::{
     CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, GpuSlicePolicy, NodeInventory,
 };
-use gpuslice_planning::clock::Clock;
+use gpuslice_runtime::clock::Clock;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use k8s_openapi::api::scheduling::v1::PriorityClass;

@@ -25,10 +25,10 @@ use gpuslice_api::{
     FairShareStatus, GpuNode, GpuPool, GpuSlicePolicy, NamespaceUsage, Preemption,
     SchedulingPolicy, dra,
 };
-use gpuslice_planning::clock::Clock;
 use gpuslice_planning::queue::{
     self, Decision, EnginePlacer, FreeDevice, Need, Reason, Running, Share, Waiting,
 };
+use gpuslice_runtime::clock::Clock;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::scheduling::v1::PriorityClass;

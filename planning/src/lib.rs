@@ -2,7 +2,6 @@
 //! operator and the `gpuslice` CLI share it.
 
 pub mod catalog;
-pub mod clock;
 pub mod cluster;
 pub mod compaction;
 pub mod diff;

@@ -1,7 +1,10 @@
-//! What the operator and the node agent share to run in a cluster, so that the agent does not
-//! depend on the operator: conditions that keep their transition times, server-side apply bodies
-//! of our kinds, `/metrics` and `/healthz`, and logging.
+//! What the operator and the node agent share to run, so that the agent does not depend on the
+//! operator: the clock (which tests may shift), conditions that keep their transition times,
+//! server-side apply bodies of our kinds, `/metrics` and `/healthz`, logging, and the libraries
+//! built beside the binary.
 
+pub mod built;
+pub mod clock;
 pub mod conditions;
 pub mod logging;
 pub mod telemetry;

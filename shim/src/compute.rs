@@ -10,7 +10,7 @@
 //!   GPU time the slice's work took) and gives the GPU back (`"release"`).
 //!
 //! The agent is the only judge: the process can delay its release, never grant itself time, and
-//! a holder that ignores a yield is overruled (see `gpuslice_node::arbiter`). When the agent
+//! a holder that ignores a yield is overruled (see `gpuslice_node::workloads::arbiter`). When the agent
 //! cannot be reached at the first launch the shim passes launches through (no agent serves this
 //! node), except in a slice's container (the pinned config), where the agent that prepared the
 //! slice is only restarting: there launches wait for it; when the agent refuses the process (its slice belongs to another workload), launches
@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use gpuslice_contract::cuda::{CUDA_ERROR_NOT_PERMITTED as NOT_PERMITTED, Handle};
 use gpuslice_contract::socket::{self, Compute, Reply, Request};
 
-use crate::dl::{Lib, resolve};
 use crate::limits::{Limits, limits};
+use crate::real::{Lib, resolve};
 
 /// The launch gate in one word: launches in flight (bits 0–19), the grant (bit 20), and a
 /// launch counter (bits 21–63, wrapping) by which the monitor sees activity.

@@ -4,10 +4,11 @@
 //! driver however a program reaches it: linked to `libcuda.so.1`, through `dlopen` + `dlsym`, or
 //! through `cuGetProcAddress` (what CUDA ≥ 11.3 runtimes use).
 //!
-//! - [`hooks`]: the one table of hooked symbols, from which exports and lookups are answered;
-//! - [`dl`]: real functions resolved once, and the `dlsym` the shim answers;
+//! - [`hooks`]: the one table of hooked symbols, from which exports, `dlsym` and
+//!   `cuGetProcAddress` are answered;
+//! - [`real`]: the driver's real functions, resolved once;
 //! - [`limits`]: the slice config the agent wrote, checked so a workload cannot raise its cap;
-//! - [`memory`], [`nvml`], [`launch`], [`proc_address`]: what each hook does;
+//! - [`memory`], [`nvml`], [`launch`]: what each hook does;
 //! - [`compute`]: the slice's compute share, granted by the node agent around kernel launches.
 //!
 //! Without `GPUSLICE_SLICE_CONFIG` the shim passes every call through untouched.
@@ -16,10 +17,9 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod compute;
-pub mod dl;
 pub mod hooks;
 pub mod launch;
 pub mod limits;
 pub mod memory;
 pub mod nvml;
-pub mod proc_address;
+pub mod real;

@@ -9,8 +9,8 @@ use std::ffi::{c_int, c_uint, c_void};
 use std::sync::Mutex;
 use std::sync::atomic::AtomicUsize;
 
-use crate::dl::{Lib, resolve};
 use crate::limits::{Kind, Limits, Slice, limits};
+use crate::real::{Lib, resolve};
 use gpuslice_contract::cuda::{ArrayDescriptor, ArrayDescriptor3D, Handle};
 
 const SUCCESS: c_int = 0;

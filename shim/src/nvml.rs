@@ -5,8 +5,8 @@
 use std::ffi::{c_int, c_uint};
 use std::sync::atomic::AtomicUsize;
 
-use crate::dl::{Lib, resolve};
 use crate::limits::{Limits, limits};
+use crate::real::{Lib, resolve};
 use gpuslice_contract::cuda::Handle;
 
 const SUCCESS: c_int = 0;

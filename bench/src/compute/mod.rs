@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use gpuslice_contract::{SliceConfig, SliceKind, StateDir, env};
 use gpuslice_emulator::timeline::{Interval, Timeline, timeline_path};
 use gpuslice_emulator::{Machine, Store, device_key};
-use gpuslice_node::arbiter::Share;
-use gpuslice_node::compute::GpuShares;
-use gpuslice_node::socket;
+use gpuslice_node::workloads::arbiter::Share;
+use gpuslice_node::workloads::compute::GpuShares;
+use gpuslice_node::workloads::socket;
 
 pub mod worker;
 
@@ -406,7 +406,8 @@ impl Bench {
         });
         configs.push(software(ARBITRATED, 100));
         configs.extend((0..JOBS).map(|j| software(&job_slice(j), 100)));
-        gpuslice_node::slices::sync_dirs(&state, &configs).map_err(|e| setup(state.root(), e))?;
+        gpuslice_node::gpu::slices::sync_dirs(&state, &configs)
+            .map_err(|e| setup(state.root(), e))?;
         let agent = socket::Node::default();
         agent.serve(&state).map_err(|e| setup(state.root(), e))?;
         Ok(Bench {

@@ -3,7 +3,6 @@
 //! temperature, power and clocks that follow it, memory from CUDA allocations, MIG devices.
 
 use std::ffi::OsStr;
-use std::path::PathBuf;
 
 use gpuslice_emulator::shm::{Ledger, Process};
 use gpuslice_emulator::timeline::{Timeline, now_ns, timeline_path};
@@ -14,22 +13,6 @@ use nvml_wrapper::enum_wrappers::device::{
 };
 use nvml_wrapper::enums::device::DeviceArchitecture;
 use nvml_wrapper::error::NvmlError;
-
-/// The cdylib cargo built next to this test binary.
-fn library() -> PathBuf {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    [
-        deps.join("libnvidia_ml.so"),
-        deps.parent().unwrap().join("libnvidia_ml.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .unwrap_or_else(|| panic!("libnvidia_ml.so not built next to {}", deps.display()))
-}
 
 const MS: u64 = 1_000_000;
 const GIB: u64 = 1 << 30;
@@ -56,7 +39,7 @@ gpus:
     let store = Store::create(&state, &machine).unwrap();
     // SAFETY: this test binary has a single test, so no other thread reads the environment.
     unsafe { std::env::set_var("GPUSLICE_EMULATOR_STATE", &state) };
-    let lib = library();
+    let lib = gpuslice_emulator::built_library("libnvidia_ml.so");
     let nvml = Nvml::builder()
         .lib_path(OsStr::new(lib.as_os_str()))
         .init()

@@ -2,7 +2,6 @@
 //! compute instances through the raw bindings (as the agent does), processes, and NVML's errors.
 
 use std::ffi::OsStr;
-use std::path::PathBuf;
 
 use gpuslice_emulator::{Machine, Store};
 use nvml_wrapper::Nvml;
@@ -11,22 +10,6 @@ use nvml_wrapper_sys::bindings::{
     NVML_GPU_INSTANCE_PROFILE_3_SLICE, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
     nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t,
 };
-
-/// The cdylib cargo built next to this test binary.
-fn library() -> PathBuf {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    [
-        deps.join("libnvidia_ml.so"),
-        deps.parent().unwrap().join("libnvidia_ml.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .unwrap_or_else(|| panic!("libnvidia_ml.so not built next to {}", deps.display()))
-}
 
 #[test]
 fn nvml_wrapper_drives_the_emulated_h200s() {
@@ -40,7 +23,7 @@ fn nvml_wrapper_drives_the_emulated_h200s() {
     // SAFETY: this test binary has a single test, so no other thread reads the environment.
     unsafe { std::env::set_var("GPUSLICE_EMULATOR_STATE", &state) };
 
-    let lib = library();
+    let lib = gpuslice_emulator::built_library("libnvidia_ml.so");
     let nvml = Nvml::builder()
         .lib_path(OsStr::new(lib.as_os_str()))
         .init()

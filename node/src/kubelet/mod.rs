@@ -285,7 +285,7 @@ fn device_nodes(slice: &SliceConfig) -> Vec<String> {
 
 /// The pins of a claim being prepared, given back when dropped while `key` is still set.
 struct Pins<'a> {
-    claims: &'a crate::claims::Claims,
+    claims: &'a crate::workloads::claims::Claims,
     key: Option<String>,
 }
 
@@ -304,9 +304,9 @@ pub struct Plugin {
     state: StateDir,
     paths: Paths,
     /// The dataset caches, mounted read-only into containers of their pools' slices.
-    caches: std::sync::Arc<crate::cache::Caches>,
+    caches: std::sync::Arc<crate::protections::cache::Caches>,
     /// The slices `gpuslice run` holds: not prepared for a pod as well.
-    claims: std::sync::Arc<crate::claims::Claims>,
+    claims: std::sync::Arc<crate::workloads::claims::Claims>,
     /// One claim change at a time: the kubelet may call concurrently.
     lock: tokio::sync::Mutex<()>,
 }
@@ -317,8 +317,8 @@ impl Plugin {
         node: &str,
         state: StateDir,
         paths: Paths,
-        caches: std::sync::Arc<crate::cache::Caches>,
-        claims: std::sync::Arc<crate::claims::Claims>,
+        caches: std::sync::Arc<crate::protections::cache::Caches>,
+        claims: std::sync::Arc<crate::workloads::claims::Claims>,
     ) -> Plugin {
         Plugin {
             client,
@@ -391,7 +391,7 @@ impl Plugin {
             .iter()
             .find_map(|p| p.get("memoryLimitBytes")?.as_u64());
         let results = allocated.results.unwrap_or_default();
-        let slices = crate::slices::published(&self.state);
+        let slices = crate::gpu::slices::published(&self.state);
         let mut devices = Vec::new();
         for result in results.iter().filter(|r| r.driver == dra::DRIVER) {
             if result.pool != self.node {
@@ -436,7 +436,7 @@ impl Plugin {
         }
         let mut named: Vec<(String, SliceConfig, PathBuf)> = Vec::new();
         for (name, _, slice) in &devices {
-            crate::slices::new_workload(&self.state, &slice.id);
+            crate::gpu::slices::new_workload(&self.state, &slice.id);
             let config = SliceConfig {
                 memory_bytes: memory_limit
                     .map_or(slice.memory_bytes, |m| m.min(slice.memory_bytes)),

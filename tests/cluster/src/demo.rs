@@ -136,7 +136,7 @@ impl Demo {
                 "--admission-params={CHART_NAMESPACE}/{CHART_RELEASE}-policies"
             ))
             .env("KUBECONFIG", kubeconfig)
-            .env(gpuslice_planning::clock::CLOCK_START_VAR, &clock)
+            .env(gpuslice_runtime::clock::CLOCK_START_VAR, &clock)
             .stdout(Stdio::null())
             .stderr(log_file(&logs.join("operator.log"))?)
             .spawn()
@@ -473,7 +473,7 @@ fn spawn_agent(
         .arg("--kernel-log")
         .arg(&kernel_log)
         .env("KUBECONFIG", kubeconfig)
-        .env(gpuslice_planning::clock::CLOCK_START_VAR, clock)
+        .env(gpuslice_runtime::clock::CLOCK_START_VAR, clock)
         .stdout(Stdio::null())
         .stderr(log_file(
             &dir.join("logs").join(format!("agent-{}.log", node.name)),

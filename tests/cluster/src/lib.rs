@@ -1183,7 +1183,7 @@ pub fn build_probe(binary: &Path, dir: &Path) -> (PathBuf, PathBuf) {
         ("libnvidia-ml.so", "libnvidia_ml.so"),
         ("libnvidia-ml.so.1", "libnvidia_ml.so"),
     ] {
-        let newest = gpuslice_node::emulate::newest_built(&built, from)
+        let newest = gpuslice_runtime::built::newest_built(&built, from)
             .unwrap_or_else(|| panic!("{from} is not built: cargo build --workspace"));
         std::fs::copy(newest, lib.join(name)).unwrap();
     }

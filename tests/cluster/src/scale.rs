@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use gpuslice_api::{GpuAssignment, GpuNode, GpuNodeStatus, NodeInventory};
 use gpuslice_node::cluster::Publisher;
-pub use gpuslice_planning::clock::Clock;
+pub use gpuslice_runtime::clock::Clock;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::watcher;
@@ -196,7 +196,9 @@ pub fn simulated_agents(
                     let (generation, gpus) = key;
                     let inventory = applied(&name, &gpus);
                     let devices =
-                        gpuslice_node::dra::devices(&inventory, &gpus, &|_, _| Some(Vec::new()));
+                        gpuslice_node::cluster::dra::devices(&inventory, &gpus, &|_, _| {
+                            Some(Vec::new())
+                        });
                     publisher.lock().await.publish(devices).await;
                     let status = GpuNodeStatus {
                         inventory: Some(inventory),

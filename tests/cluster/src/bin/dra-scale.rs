@@ -3,7 +3,7 @@
 //! slices each by day, two at night), the real operator, and one simulated agent per node in this
 //! process. A simulated agent does what the real one does in the cluster minus the GPUs: it
 //! reports its GPUs, and on each GpuNode change builds its devices and publishes them with the
-//! agent's own code (`gpuslice_node::dra::devices`, `gpuslice_node::cluster::Publisher`), then
+//! agent's own code (`gpuslice_node::cluster::dra::devices`, `gpuslice_node::cluster::Publisher`), then
 //! reports the spec as applied.
 //!
 //! Measures: the time for every agent to publish its devices once the pool is applied; the time

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use gpuslice_api::{GpuAssignment, Layout};
 use gpuslice_node::cluster::Publisher;
-use gpuslice_node::dra::{self, NodeRef};
+use gpuslice_node::cluster::dra::{self, NodeRef};
 use gpuslice_testcluster::scale::{GPUS, applied, arg, cpu_seconds};
 use gpuslice_testcluster::{Components, ControlPlane};
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};

@@ -19,18 +19,8 @@ pub enum EmulateError {
 /// Where the emulated `libnvidia-ml` is: next to the running `gpuslice`, as cargo builds it.
 pub fn emulator_library() -> Result<PathBuf, EmulateError> {
     let exe = std::env::current_exe().unwrap_or_default();
-    newest_built(exe.parent().unwrap_or(Path::new(".")), "libnvidia_ml.so")
+    gpuslice_runtime::built::newest_built(exe.parent().unwrap_or(Path::new(".")), "libnvidia_ml.so")
         .ok_or_else(|| EmulateError::NoLibrary(exe.display().to_string()))
-}
-
-/// A library cargo built beside the binaries in `dir`: it leaves a workspace crate's cdylib in
-/// `deps/`, and after a plain build beside the binaries too; the newer is the one just built.
-pub fn newest_built(dir: &Path, file: &str) -> Option<PathBuf> {
-    [dir.join(file), dir.join("deps").join(file)]
-        .into_iter()
-        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-        .max()
-        .map(|(_, p)| p)
 }
 
 /// Seeds (or reuses) the emulated machine's state file (`path`) for an inventory, and points the

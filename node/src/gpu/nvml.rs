@@ -252,7 +252,7 @@ impl NvmlGpus {
     /// fails is retried.
     pub fn watch_xids(
         self,
-        seen: impl Fn(crate::faults::XidSeen) + Send + 'static,
+        seen: impl Fn(crate::protections::faults::XidSeen) + Send + 'static,
     ) -> Result<std::thread::JoinHandle<()>, NvmlError> {
         use nvml_wrapper::bitmasks::event::EventTypes;
         let call = |call: &'static str| {
@@ -277,7 +277,7 @@ impl NvmlGpus {
                 let bus = device
                     .pci_info()
                     .ok()
-                    .and_then(|p| crate::faults::PciAddress::parse(&p.bus_id));
+                    .and_then(|p| crate::protections::faults::PciAddress::parse(&p.bus_id));
                 // The handle as a number: compared with events' devices, never dereferenced.
                 watched.push((index, self.handle(index)? as usize, bus));
             }
@@ -354,7 +354,7 @@ impl NvmlGpus {
                         })
                         .flatten();
                     tracing::warn!(gpu, xid = data.eventData, ?instance, "XID error");
-                    seen(crate::faults::XidSeen {
+                    seen(crate::protections::faults::XidSeen {
                         gpu,
                         code: data.eventData,
                         instance,
@@ -396,7 +396,7 @@ impl NvmlGpus {
 
     /// The device memory of every compute process on every GPU, as the driver reports it (a
     /// GPU that does not answer, or a process whose figure is not available, is left out).
-    pub fn compute_processes(&self) -> Vec<crate::watchdog::GpuProcess> {
+    pub fn compute_processes(&self) -> Vec<ProcessMemory> {
         let count = self.nvml.device_count().unwrap_or(0);
         (0..count)
             .filter_map(|gpu| Some((gpu, self.nvml.device_by_index(gpu).ok()?)))
@@ -407,7 +407,7 @@ impl NvmlGpus {
                     .into_iter()
                     .filter_map(move |p| match p.used_gpu_memory {
                         nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => {
-                            Some(crate::watchdog::GpuProcess {
+                            Some(ProcessMemory {
                                 gpu,
                                 pid: p.pid,
                                 bytes,
@@ -742,4 +742,12 @@ fn profile_name(model: Option<&GpuModel>, id: u32) -> String {
         .and_then(|m| m.mig.as_ref())
         .and_then(|g| g.profile_by_id(id))
         .map_or_else(|| format!("profile-{id}"), |p| p.name.clone())
+}
+
+/// One process's device memory on a GPU, as the driver reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessMemory {
+    pub gpu: u32,
+    pub pid: u32,
+    pub bytes: u64,
 }

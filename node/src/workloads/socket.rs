@@ -1,8 +1,8 @@
 //! The agent's Unix socket (`<state>/socket/agent.sock`, messages: `gpuslice_contract::socket`), open to
 //! every local user: the agent tells callers apart by the socket's peer credentials. A
-//! connection's first request decides what it is: a claim ([`crate::claims`]), a shim's compute
-//! session ([`crate::compute`]), a dataset file through the local cache ([`crate::cache`]) or
-//! root's word that GPUs were reset ([`crate::faults`]). One thread per connection; a timer
+//! connection's first request decides what it is: a claim ([`crate::workloads::claims`]), a shim's compute
+//! session ([`crate::workloads::compute`]), a dataset file through the local cache ([`crate::protections::cache`]) or
+//! root's word that GPUs were reset ([`crate::protections::faults`]). One thread per connection; a timer
 //! thread for the arbiters.
 //!
 //! Every local process can reach the socket, so it holds against hostile callers: a line is at
@@ -13,16 +13,16 @@
 //! pods get slices through DRA, GPU resets are the node's root's.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read as _, Write as _};
+use std::io::{BufReader, Write as _};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpuslice_contract::StateDir;
-use gpuslice_contract::socket::{self, Reply, Request};
+use gpuslice_contract::socket::{self, Reply, Request, read_line};
 
-use crate::claims::Claims;
-use crate::compute::Compute;
+use crate::workloads::claims::Claims;
+use crate::workloads::compute::Compute;
 
 /// Why the socket cannot be served.
 #[derive(Debug, thiserror::Error)]
@@ -32,8 +32,6 @@ pub struct SocketError {
     source: std::io::Error,
 }
 
-/// The longest request line (the longest real one is a few hundred bytes).
-pub const MAX_LINE: usize = 64 * 1024;
 /// How long a new connection may take to say what it wants.
 pub const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once, all callers together.
@@ -42,20 +40,6 @@ pub const MAX_CONNECTIONS: usize = 1024;
 pub const MAX_PER_PEER: usize = 256;
 /// Each connection's thread: enough for a request, a cache fetch and its small async runtime.
 const THREAD_STACK: usize = 256 * 1024;
-
-/// Reads one line of at most [`MAX_LINE`] bytes (0 at the end of the stream); a longer one is an
-/// error, so a caller cannot make the agent buffer without bound.
-pub fn read_line(reader: &mut impl BufRead, line: &mut String) -> std::io::Result<usize> {
-    let limit = (MAX_LINE + 1) as u64;
-    let n = reader.by_ref().take(limit).read_line(line)?;
-    if n > MAX_LINE || (n == MAX_LINE && !line.ends_with('\n')) {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a request line is longer than {MAX_LINE} bytes"),
-        ));
-    }
-    Ok(n)
-}
 
 /// Who a connection counts against: its pod, else its user.
 fn peer_key(pod: Option<&str>, uid: u32) -> String {
@@ -117,8 +101,8 @@ impl Drop for Ticket {
 pub struct Node {
     pub claims: Arc<Claims>,
     pub compute: Arc<Compute>,
-    pub caches: Arc<crate::cache::Caches>,
-    pub faults: crate::faults::Inbox,
+    pub caches: Arc<crate::protections::cache::Caches>,
+    pub faults: crate::protections::faults::Inbox,
 }
 
 impl Node {
@@ -169,7 +153,7 @@ impl Node {
         };
         let pid = credentials.pid.as_raw_nonzero().get() as u32;
         // The caller's pod (by its cgroup), read once: it is counted and judged by it.
-        let pod = crate::process::pod_of(pid);
+        let pod = crate::workloads::process::pod_of(pid);
         let ticket =
             match Ticket::take(admitted, peer_key(pod.as_deref(), credentials.uid.as_raw())) {
                 Ok(ticket) => ticket,
@@ -225,7 +209,7 @@ impl Node {
                 self.compute.serve(stream, reader, &slice, client, &claims)
             }
             Ok(Request::Cache { source, pool }) => {
-                let caller = crate::cache::Caller {
+                let caller = crate::protections::cache::Caller {
                     uid: credentials.uid.as_raw(),
                     gid: credentials.gid.as_raw(),
                 };
@@ -267,6 +251,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
+    use gpuslice_contract::socket::MAX_LINE;
     use proptest::prelude::*;
 
     use super::*;

@@ -1,9 +1,12 @@
 //! The one table of hooked symbols. From it come the exported functions (what a program linked
-//! to `libcuda.so.1` or `libnvidia-ml.so.1` calls), the answers to `dlsym` and the answers to
-//! `cuGetProcAddress`. Each export resolves its real function once, runs its hook under
+//! to `libcuda.so.1` or `libnvidia-ml.so.1` calls), the answers to `dlsym` ([`dlsym`]) and the
+//! answers to `cuGetProcAddress` ([`proc_address`], itself a hook in the table). Each export resolves its real function once, runs its hook under
 //! `catch_unwind`, and on a panic makes the real call instead: an internal failure never costs
 //! the program its call. (Hooks do their own work before the real call or after it without
 //! panicking, so the fallback never repeats a call that happened.)
+
+pub mod dlsym;
+pub mod proc_address;
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void};
@@ -13,8 +16,8 @@ use gpuslice_contract::cuda::{
     ArrayDescriptor, ArrayDescriptor3D, CUDA_ERROR_UNKNOWN, Handle, LaunchConfig,
 };
 
-use crate::dl::{Lib, resolve};
-use crate::{launch, memory, nvml, proc_address};
+use crate::real::{Lib, resolve};
+use crate::{launch, memory, nvml};
 
 /// One hooked symbol.
 pub struct Hook {

@@ -16,7 +16,7 @@ use gpuslice_contract::{SliceConfig, StateDir};
 use gpuslice_source::last_good::Config;
 use serde::Serialize;
 
-use crate::process::parent_of;
+use crate::workloads::process::parent_of;
 
 /// How often a waiting claim looks whether its client hung up.
 const HANGUP_CHECK: Duration = Duration::from_millis(500);
@@ -32,7 +32,7 @@ pub struct Need {
     /// The policy's pool: only slices of its GPUs will do.
     pub pool: Option<String>,
     /// The policy's host CPU and memory (`spec.host`).
-    pub host: crate::hostlimit::HostLimit,
+    pub host: crate::protections::hostlimit::HostLimit,
 }
 
 impl Need {
@@ -100,9 +100,9 @@ pub struct Limits {
     /// The node's name (groups are `gpuslice/<node>/<slice>`).
     pub node: String,
     /// The node's I/O controller, when it has one.
-    pub io: Option<crate::iolimit::Cgroups>,
+    pub io: Option<crate::protections::iolimit::Cgroups>,
     /// Its cpu, cpuset and memory controllers, when it has them.
-    pub host: Option<crate::hostlimit::HostCgroups>,
+    pub host: Option<crate::protections::hostlimit::HostCgroups>,
     /// Each GPU's I/O limit per slice (bytes/s, from its pool's `io.bandwidthPerSlice`).
     pub bandwidth: BTreeMap<u32, u64>,
 }
@@ -266,7 +266,7 @@ impl Claims {
 
     /// Puts a `gpuslice run` process (and so the command it is about to start) in its slice's
     /// cgroups: the I/O limit of the slice's pool, the host CPU and memory of its policy.
-    fn confine(&self, client: u32, slice: &str, host: crate::hostlimit::HostLimit) {
+    fn confine(&self, client: u32, slice: &str, host: crate::protections::hostlimit::HostLimit) {
         let (limits, bandwidth, others) = {
             let board = self.lock();
             let gpu = board.slices.iter().find(|s| s.id == slice).map(|s| s.gpu);
@@ -286,7 +286,7 @@ impl Claims {
                 None => tracing::warn!("slice {slice}: no I/O controller for pid {client}'s limit"),
             }
         }
-        if host != crate::hostlimit::HostLimit::default() {
+        if host != crate::protections::hostlimit::HostLimit::default() {
             let applied = limits
                 .host
                 .as_ref()
@@ -389,14 +389,14 @@ impl Claims {
             }
         };
         let config = state.slice_config(&granted);
-        crate::slices::new_workload(state, &granted);
+        crate::gpu::slices::new_workload(state, &granted);
         let host = want
             .policy
             .as_ref()
             .and_then(|p| self.lock().policies.get(p).map(|n| n.host))
             .unwrap_or_default();
         self.confine(client, &granted, host);
-        let device_uuid = crate::slices::read_config(state, &granted)
+        let device_uuid = crate::gpu::slices::read_config(state, &granted)
             .map(|c| c.device_uuid)
             .unwrap_or_default();
         if send(&Reply::Granted {
@@ -408,7 +408,7 @@ impl Claims {
         {
             // Held until the client hangs up.
             let mut line = String::new();
-            while crate::socket::read_line(&mut reader, &mut line).unwrap_or(0) > 0 {
+            while gpuslice_contract::socket::read_line(&mut reader, &mut line).unwrap_or(0) > 0 {
                 if let Ok(Request::Running { pid }) = serde_json::from_str(&line)
                     && parent_of(pid) == Some(client)
                     && let Some(claim) = self.lock().claims.get_mut(&conn)
@@ -473,7 +473,7 @@ pub fn needs(config: &Config) -> BTreeMap<String, Need> {
             let memory = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
             let compute = spec.compute.as_ref().map_or(0, |c| c.limit);
             let guarantee = spec.compute.as_ref().and_then(|c| c.guarantee).unwrap_or(0);
-            let host = crate::hostlimit::HostLimit {
+            let host = crate::protections::hostlimit::HostLimit {
                 millicores: spec
                     .host
                     .as_ref()

@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 
 use gpuslice_contract::{SliceConfig, SliceKind, StateDir};
 
-use crate::claims::Claims;
-use crate::faults::Holding;
-use crate::nvml::NvmlGpus;
+use crate::gpu::nvml::{NvmlGpus, ProcessMemory};
+use crate::protections::faults::Holding;
+use crate::workloads::claims::Claims;
 
 /// How the watchdog acts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,14 +47,6 @@ pub struct Watched {
     /// slice's memory).
     pub cap: u64,
     pub holding: Holding,
-}
-
-/// One process's device memory on a GPU, as the driver reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GpuProcess {
-    pub gpu: u32,
-    pub pid: u32,
-    pub bytes: u64,
 }
 
 /// A slice holding more than its cap.
@@ -107,7 +99,7 @@ impl Report {
 /// holding a pid belongs to.
 pub fn overruns(
     watched: &[Watched],
-    processes: &[GpuProcess],
+    processes: &[ProcessMemory],
     owner: impl Fn(u32) -> Option<usize>,
 ) -> Vec<Overrun> {
     // Per watched slice: bytes per pid (a process may hold memory on several GPUs).
@@ -304,7 +296,7 @@ pub fn start(
                 let holdings: Vec<Holding> = watched.iter().map(|w| w.holding.clone()).collect();
                 let processes = gpus.compute_processes();
                 let over = overruns(&watched, &processes, |pid| {
-                    crate::faults::owner_of(pid, &holdings)
+                    crate::protections::faults::owner_of(pid, &holdings)
                 });
                 for r in dog.act(&over, Instant::now()) {
                     tracing::warn!("{}", r.text());
@@ -346,30 +338,30 @@ mod tests {
             watched("gpu0-s1", 0, 8 * GIB, &[20]),
         ];
         let processes = [
-            GpuProcess {
+            ProcessMemory {
                 gpu: 0,
                 pid: 11,
                 bytes: 5 * GIB,
             },
-            GpuProcess {
+            ProcessMemory {
                 gpu: 0,
                 pid: 12,
                 bytes: 2 * GIB,
             },
             // The same workload on a GPU that is not its slice's counts too.
-            GpuProcess {
+            ProcessMemory {
                 gpu: 1,
                 pid: 12,
                 bytes: 4 * GIB,
             },
             // Within its cap.
-            GpuProcess {
+            ProcessMemory {
                 gpu: 0,
                 pid: 20,
                 bytes: 8 * GIB,
             },
             // Nobody's.
-            GpuProcess {
+            ProcessMemory {
                 gpu: 0,
                 pid: 99,
                 bytes: 70 * GIB,
@@ -391,7 +383,7 @@ mod tests {
             .spawn()
             .unwrap();
         let w = [watched("gpu0-s0", 0, GIB, &[child.id()])];
-        let processes = [GpuProcess {
+        let processes = [ProcessMemory {
             gpu: 0,
             pid: child.id(),
             bytes: 2 * GIB,
@@ -425,7 +417,7 @@ mod tests {
         // Let the shell install its trap.
         std::thread::sleep(Duration::from_millis(200));
         let w = [watched("gpu0-s0", 0, GIB, &[child.id()])];
-        let processes = [GpuProcess {
+        let processes = [ProcessMemory {
             gpu: 0,
             pid: child.id(),
             bytes: 2 * GIB,

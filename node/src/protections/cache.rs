@@ -287,7 +287,7 @@ impl Cache {
                 }
                 copy_file(path, file, &mut sink)
             }
-            Source::Http(url) => crate::cache::http::get(url, &mut sink),
+            Source::Http(url) => crate::protections::cache::http::get(url, &mut sink),
         };
         let size = match copied {
             Ok(size) => size,

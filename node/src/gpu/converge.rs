@@ -9,8 +9,8 @@ use gpuslice_planning::cluster::{GpuPlan, GpuPlanError};
 use gpuslice_planning::transition::{self, Blocker, Desired, GpuState, Op};
 use serde::Serialize;
 
-use crate::nvml::{NvmlError, NvmlGpus};
-use crate::slices;
+use crate::gpu::nvml::{NvmlError, NvmlGpus};
+use crate::gpu::slices;
 
 /// Why the node cannot be read or its slice tables kept.
 #[derive(Debug, thiserror::Error)]

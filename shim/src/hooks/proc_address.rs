@@ -6,7 +6,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::OnceLock;
 use std::sync::atomic::AtomicUsize;
 
-use crate::dl::{Lib, resolve};
+use crate::real::{Lib, resolve};
 
 type V1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> c_int;
 type V2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> c_int;
@@ -24,7 +24,7 @@ fn substitute(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flag
     // The driver hands out the newest variant both the caller and the driver know; the hook
     // must be of that variant, whose arguments the caller will pass.
     let version = driver_version().map_or(version, |driver| version.min(driver));
-    if let Some(hook) = crate::hooks::by_proc(name.to_bytes(), version, flags) {
+    if let Some(hook) = super::by_proc(name.to_bytes(), version, flags) {
         // SAFETY: as above.
         unsafe { pfn.write(hook as *mut c_void) };
     }

@@ -17,7 +17,7 @@ use gpuslice_api::quantity::format_bytes;
 use gpuslice_api::{GpuAssignment, NodeInventory};
 use gpuslice_contract::SliceKind;
 
-use crate::slices::{self, SliceConfig};
+use crate::gpu::slices::{self, SliceConfig};
 
 /// The most devices one ResourceSlice may hold (`resource.k8s.io/v1` validation).
 pub const DEVICES_PER_SLICE: usize = 128;

@@ -2,7 +2,7 @@
 //! A process under the shim opens the agent's socket, names its slice, and then asks for the GPU
 //! (`"acquire"`), gets it (`"grant"`), and gives it back (`"release"`) once the work it queued has
 //! finished; the agent asks a holder to stop (`"yield"`) when its cap is reached or a waiter should
-//! go next, and the holder says when it has launched its last kernel (`"stopped"`). Every decision is [`gpuslice_node::arbiter::Arbiter`]'s, one per GPU; this module only
+//! go next, and the holder says when it has launched its last kernel (`"stopped"`). Every decision is [`gpuslice_node::workloads::arbiter::Arbiter`]'s, one per GPU; this module only
 //! carries messages and time. All state is in the agent: nothing a workload writes grants time.
 
 use std::collections::{BTreeMap, HashMap};
@@ -14,9 +14,9 @@ use std::time::Duration;
 use gpuslice_contract::socket::{Compute as Message, Ready, Reply};
 use gpuslice_contract::{SliceConfig, SliceKind};
 
-use crate::arbiter::{Arbiter, ClientId, Order, Share, Usage};
-use crate::claims::{Claim, Need};
-use crate::process::{ancestry, pod_of};
+use crate::workloads::arbiter::{Arbiter, ClientId, Order, Share, Usage};
+use crate::workloads::claims::{Claim, Need};
+use crate::workloads::process::{ancestry, pod_of};
 
 /// With nothing due, the arbiters' timer still looks this often (ns).
 const TIMER_IDLE_NS: u64 = 1_000_000_000;
@@ -232,7 +232,7 @@ impl Compute {
             },
         );
         let mut line = String::new();
-        while crate::socket::read_line(&mut reader, &mut line).unwrap_or(0) > 0 {
+        while gpuslice_contract::socket::read_line(&mut reader, &mut line).unwrap_or(0) > 0 {
             let message = Message::from_wire(&line);
             line.clear();
             let now = now_ns();

@@ -1,5 +1,5 @@
 //! Fault isolation (`GpuPool.spec.faultIsolation`). XID errors come from NVML's event sets
-//! ([`crate::nvml::NvmlGpus::watch_xids`]); the process that caused one comes from the kernel's
+//! ([`crate::gpu::nvml::NvmlGpus::watch_xids`]); the process that caused one comes from the kernel's
 //! record of it (`NVRM: Xid (PCI:0000:3b:00): 31, pid=1234, …`, read from `/dev/kmsg`), as
 //! NVML's event does not name it. [`gpuslice_planning::xid`] says what each XID does:
 //! quarantine the slice whose workload caused it, or take the whole GPU out of service (its
@@ -428,14 +428,14 @@ pub enum Notice {
 /// The process `pid` or one of its ancestors is a holder's `gpuslice run` or workload, or it
 /// runs in a holder's pod: that holder (index in `held`).
 pub fn owner_of(pid: u32, held: &[Holding]) -> Option<usize> {
-    let ancestry = crate::process::ancestry(pid);
+    let ancestry = crate::workloads::process::ancestry(pid);
     if let Some(i) = held
         .iter()
         .position(|h| h.pids.iter().any(|p| ancestry.contains(p)))
     {
         return Some(i);
     }
-    let pod = crate::process::pod_of(pid)?;
+    let pod = crate::workloads::process::pod_of(pid)?;
     held.iter().position(|h| h.pod_uids.contains(&pod))
 }
 

@@ -438,7 +438,7 @@ pub fn execute(state: &StateDir, action: &Action, slice_of: impl Fn(u32) -> Stri
             signal,
         } => {
             let _ = std::fs::remove_file(state.checkpoint_done(slice));
-            let pids = crate::process::of_pods(uids);
+            let pids = crate::workloads::process::of_pods(uids);
             if pids.is_empty() {
                 return vec![format!(
                     "no process of pod {} is visible to the agent (does it run with hostPID?)",

@@ -1,0 +1,440 @@
+//! Cluster mode (`gpuslice agent --kube`): the source is this node's `GpuNode` (written by the
+//! operator) with the policies claims may name, read from the API; the sink is
+//! `GpuNode.status`: the inventory, the generation applied, and `Ready` / `Blocked` conditions.
+//! The agent owns the status under its own field manager and states all of it in every apply.
+//! Passes are the standalone agent's: claims, drains and compute shares work the same. After each
+//! pass the slices in force are published as DRA devices ([`crate::cluster::dra`]) in ResourceSlices the
+//! Node owns, written only when a device changed.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use gpuslice_api::k8s_openapi::api::core::v1::ObjectReference;
+use gpuslice_api::{CheckpointPolicy, DriverMinimum, GpuNode, GpuPool, GpuSlicePolicy};
+use gpuslice_contract::SliceKind;
+use gpuslice_planning::cluster::{ClusterPlan, NodePlan};
+use gpuslice_runtime::apply_body;
+use gpuslice_runtime::clock::Clock;
+use gpuslice_runtime::telemetry::Telemetry;
+use gpuslice_source::last_good::Config;
+use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+
+use crate::pass::{Agent, Intent, Pass, PassError};
+use crate::protections::faults::{self, Notice, Quarantines};
+
+pub mod dra;
+mod evictions;
+mod isolation;
+mod metrics;
+mod publish;
+mod status;
+
+use evictions::{ask_evictions, recut_devices, stale_allocations, unprepared_victims};
+use isolation::{isolate_faults, tell_faults, tell_overrun};
+use status::{driver_check, io_condition, plan_spec, quarantine_condition, status};
+
+pub use metrics::{Metrics, Readings};
+pub use publish::Publisher;
+
+/// The field manager of what the agent writes.
+pub const MANAGER: &str = "gpuslice-agent";
+/// While a transition waits for busy processes, pass again at least this often.
+const BLOCKED_RETRY: Duration = Duration::from_secs(5);
+/// The shortest wait between passes.
+const MIN_WAIT: Duration = Duration::from_millis(200);
+/// After a staged switch at a window boundary, how long a status that only says so (the slices
+/// in force, `appliedSwitch`) waits: the operator writes the new layout as the spec 20 s after
+/// the boundary, and the one write that answers it reports both. So a thousand nodes switching
+/// at once write only their ResourceSlices then, which the scheduler waits for.
+const SWITCH_REPORT_AFTER: chrono::TimeDelta = chrono::TimeDelta::seconds(40);
+
+/// Why the agent stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("GpuNode/{node}: {source}")]
+    Kube { node: String, source: kube::Error },
+    #[error(transparent)]
+    Pass(#[from] PassError),
+    #[error(transparent)]
+    Faults(#[from] faults::FaultError),
+}
+
+/// The policies claims may name, their pools' headroom, and the checkpoint policies drains
+/// follow, as the API has them now. A list that fails leaves that part empty (claims naming a
+/// policy are then refused, drains wait) and is retried next pass.
+async fn read_config(client: &Client) -> Config {
+    let params = ListParams::default();
+    let pools = Api::<GpuPool>::all(client.clone()).list(&params).await;
+    let policies = Api::<GpuSlicePolicy>::all(client.clone())
+        .list(&params)
+        .await;
+    let checkpoints = Api::<CheckpointPolicy>::all(client.clone())
+        .list(&params)
+        .await;
+    for (kind, e) in [
+        ("GpuPool", pools.as_ref().err()),
+        ("GpuSlicePolicy", policies.as_ref().err()),
+        ("CheckpointPolicy", checkpoints.as_ref().err()),
+    ] {
+        if let Some(e) = e {
+            tracing::warn!("listing {kind}: {e}");
+        }
+    }
+    Config {
+        pools: pools.map(|l| l.items).unwrap_or_default(),
+        policies: policies
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|p| Some((p.metadata.name?, p.spec)))
+            .collect(),
+        checkpoints: checkpoints
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|c| Some((c.metadata.name?, c.spec)))
+            .collect(),
+        revision: None,
+    }
+}
+
+/// How the agent runs in a cluster.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Pass at least this often (processes come and go).
+    pub interval: Duration,
+    /// Taint a GPU's devices this long before a window change re-cuts it.
+    pub recut_lookahead: Duration,
+    /// Serve the DRA kubelet plugin with these paths.
+    pub kubelet: Option<crate::kubelet::Paths>,
+    /// XID errors (and the kernel's records of them) as the watcher threads receive them.
+    pub faults: faults::Inbox,
+    /// Where `/var/lib/gpuslice/cache`, the pools' dataset caches' root, is.
+    pub cache_root: std::path::PathBuf,
+}
+
+/// Runs the agent until the process ends: a pass whenever its GpuNode changes, every
+/// `interval` (processes come and go), and sooner while a transition waits for busy processes.
+pub async fn run(
+    client: Client,
+    agent: &Agent,
+    clock: &Clock,
+    settings: Settings,
+    metrics: Metrics,
+    telemetry: Option<Telemetry>,
+) -> Result<(), ClusterError> {
+    let interval = settings.interval;
+    let lookahead =
+        chrono::Duration::from_std(settings.recut_lookahead).unwrap_or(chrono::Duration::zero());
+    let node = agent.node().to_string();
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let kube_err = |source| ClusterError::Kube {
+        node: node.clone(),
+        source,
+    };
+    let params = PatchParams::apply(MANAGER).force();
+    // The object must exist (with an empty spec, which the operator fills) before its status.
+    if api.get_opt(&node).await.map_err(kube_err)?.is_none() {
+        let object = apply_body("GpuNode", &node, "spec", &serde_json::json!({}));
+        api.patch(&node, &params, &Patch::Apply(&object))
+            .await
+            .map_err(kube_err)?;
+    }
+    let changes = watcher(
+        api.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={node}")),
+    );
+    futures::pin_mut!(changes);
+    let mut blocked_since: Option<std::time::Instant> = None;
+    let mut publisher = Publisher::new(client.clone(), &node);
+    // Pods asked to be evicted and not gone yet, so that each is logged and counted once.
+    let mut asked = std::collections::BTreeSet::new();
+    // The slices as the last pass left them, and the claims allocated on slices a pass re-cut
+    // before they were prepared (by UID), asked to be evicted until they are gone.
+    let mut last_slices: Option<Vec<gpuslice_contract::slice::SliceConfig>> = None;
+    let mut stale_claims = std::collections::BTreeSet::new();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: MANAGER.into(),
+            instance: Some(node.clone()),
+        },
+    );
+    let mut quarantines = Quarantines::load(agent.state())?;
+    agent.serve_socket()?;
+    // The memory watchdog's reports: counted, and told to the pods of the slice.
+    let (overruns, mut told) = tokio::sync::mpsc::unbounded_channel();
+    let counted = metrics.clone();
+    agent.start_watchdog(move |report| {
+        counted.count_overrun(report);
+        let _ = overruns.send(report.clone());
+    });
+    let teller = recorder.clone();
+    tokio::spawn(async move {
+        while let Some(report) = told.recv().await {
+            tell_overrun(&teller, &report).await;
+        }
+    });
+    if let Some(paths) = settings.kubelet.clone() {
+        let plugin = crate::kubelet::Plugin::new(
+            client.clone(),
+            &node,
+            agent.state().clone(),
+            paths,
+            agent.caches(),
+            agent.claims(),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = plugin.serve().await {
+                tracing::error!("{e}");
+            }
+        });
+    }
+    loop {
+        let started = std::time::Instant::now();
+        let current = api.get(&node).await.map_err(kube_err)?;
+        let config = read_config(&client).await;
+        let classes: BTreeMap<String, String> = config
+            .policies
+            .iter()
+            .filter_map(|(name, p)| Some((name.clone(), p.class?.as_str().to_string())))
+            .collect();
+        let isolating: std::collections::BTreeSet<String> = config
+            .pools
+            .iter()
+            .filter(|p| p.spec.fault_isolation.as_ref().is_some_and(|f| f.enabled))
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        let bandwidths: BTreeMap<String, u64> = config
+            .pools
+            .iter()
+            .filter_map(|p| {
+                Some((
+                    p.metadata.name.clone()?,
+                    crate::protections::iolimit::bandwidth_of(&p.spec)?,
+                ))
+            })
+            .collect();
+        let driver_minimums: BTreeMap<String, DriverMinimum> = config
+            .pools
+            .iter()
+            .filter_map(|p| Some((p.metadata.name.clone()?, p.spec.driver.clone()?)))
+            .collect();
+        let now = clock.now();
+        // A layout staged for a window boundary is in force from the boundary on this node's
+        // clock, before the operator writes it as the spec.
+        let spec = current.spec.in_force(now);
+        let (switched, next_switch) =
+            (current.spec.last_switch(now), current.spec.next_switch(now));
+        let mut pass = agent.pass(now, |inventory| {
+            let (gpus, problems) = plan_spec(inventory, &spec);
+            Intent {
+                plan: ClusterPlan {
+                    at: now,
+                    pools: Vec::new(),
+                    nodes: vec![NodePlan {
+                        node: inventory.name.clone(),
+                        gpus,
+                    }],
+                },
+                config: Config {
+                    revision: current.spec.source_revision.clone(),
+                    ..config
+                },
+                problems,
+                preemptions: current.spec.preemptions.clone(),
+                gpus_out: quarantines.gpus_out(),
+            }
+        })?;
+        pass.evictions
+            .extend(unprepared_victims(&client, &current.spec.preemptions, &pass.claims).await);
+        let slices = crate::gpu::slices::configs(&pass.inventory);
+        let recut = recut_devices(last_slices.as_deref().unwrap_or_default(), &slices);
+        last_slices = Some(slices);
+        pass.evictions.extend(
+            stale_allocations(&client, &node, &recut, &pass.claims, &mut stale_claims).await,
+        );
+        ask_evictions(&metrics, &pass.evictions, &mut asked);
+        let notices = isolate_faults(
+            &api,
+            &current,
+            &pass,
+            &mut quarantines,
+            &settings.faults,
+            &isolating,
+            clock,
+        )
+        .await;
+        let gpu_node = ObjectReference {
+            api_version: Some("gpuslice.io/v1alpha1".into()),
+            kind: Some("GpuNode".into()),
+            name: Some(node.clone()),
+            uid: current.metadata.uid.clone(),
+            ..ObjectReference::default()
+        };
+        tell_faults(&recorder, &gpu_node, &node, &notices).await;
+        metrics.record_quarantines(&quarantines.list);
+        metrics.record_caches(&agent.caches().all());
+        let readings = Readings {
+            state: agent.state(),
+            telemetry: &agent.telemetry(),
+            compute: &agent.compute_usage(),
+            classes: &classes,
+        };
+        metrics.record(&pass, &readings, started, &mut blocked_since);
+        if let Some(t) = &telemetry {
+            t.pass_done();
+        }
+        let (outdated, driver_supported) = driver_check(
+            &pass.inventory,
+            &spec.gpus,
+            &driver_minimums,
+            current.metadata.generation,
+        );
+        let was_supported = current
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "DriverSupported"))
+            .map(|c| c.status == "True");
+        if driver_supported.status == "False" && was_supported != Some(false) {
+            tracing::warn!("node {node}: {}", driver_supported.message);
+        }
+        // What DRA does not offer, `gpuslice run` is not given either.
+        let closed = crate::gpu::slices::configs(&pass.inventory)
+            .into_iter()
+            .filter(|c| {
+                let pool = spec.gpus.iter().find(|a| a.index == c.gpu);
+                let outdated = c.kind == SliceKind::Software
+                    && pool.is_some_and(|a| outdated.contains_key(&a.pool));
+                outdated || !quarantines.taints(c.gpu, &c.id).is_empty()
+            })
+            .map(|c| c.id)
+            .collect();
+        agent.close_slices(closed);
+        let now = clock.now();
+        // A GPU whose new layout waits for busy slices is about to be re-cut as well.
+        let waiting: Vec<u32> = pass
+            .outcomes
+            .iter()
+            .filter(|o| !o.blocked_by.is_empty())
+            .map(|o| o.index)
+            .collect();
+        // Slices `gpuslice run` commands hold: one holder per slice, so no pod goes there.
+        let held_locally: BTreeMap<&str, u32> = pass
+            .claims
+            .iter()
+            .filter(|c| c.resource_claim.is_none())
+            .map(|c| (c.slice.as_str(), c.client))
+            .collect();
+        let devices = dra::devices(&pass.inventory, &spec.gpus, &|a, slice| {
+            // Old drivers break the shim's isolation; MIG's is the hardware's.
+            if slice.kind == SliceKind::Software && outdated.contains_key(&a.pool) {
+                return None;
+            }
+            let recut = if waiting.contains(&a.index) {
+                Some(dra::pending_recut_taint())
+            } else {
+                dra::recut_taint(
+                    a.recut_at.as_ref().and_then(gpuslice_api::chrono_of),
+                    lookahead,
+                    now,
+                )
+            };
+            let mut taints: Vec<_> = recut.into_iter().collect();
+            if current.spec.compacting.contains(&a.index) {
+                taints.push(dra::compacting_taint());
+            }
+            taints.extend(quarantines.taints(a.index, &slice.id));
+            if let Some(pid) = held_locally.get(slice.id.as_str()) {
+                taints.push(dra::held_locally_taint(*pid));
+            }
+            Some(taints)
+        });
+        publisher.publish(devices).await;
+        // After the devices, which the scheduler waits for; the status is for people and the
+        // operator's counts.
+        let report = status(
+            &pass,
+            current.metadata.generation,
+            switched,
+            current.status.as_ref(),
+            driver_supported,
+            quarantine_condition(&quarantines.list, &node, current.metadata.generation),
+            io_condition(
+                agent.io(),
+                &spec.gpus,
+                &bandwidths,
+                current.metadata.generation,
+            ),
+        );
+        let report_due = switched.map(|at| at + SWITCH_REPORT_AFTER);
+        let only_switched = current.status.as_ref().is_some_and(|old| {
+            old.conditions == report.conditions
+                && old.claims == report.claims
+                && old.applied_generation == report.applied_generation
+        });
+        let wait_for_catch_up = only_switched && report_due.is_some_and(|due| due > clock.now());
+        if current.status.as_ref() != Some(&report) && !wait_for_catch_up {
+            let patch = apply_body("GpuNode", &node, "status", &report);
+            if let Err(e) = api
+                .patch_status(&node, &params, &Patch::Apply(&patch))
+                .await
+            {
+                tracing::warn!("GpuNode/{node}: reporting status: {e}");
+            }
+        }
+        // Our own status write comes back as a change too; that pass finds nothing to do.
+        let mut wake = next_wake(&pass, clock, interval)
+            .min(until_taint(&spec.gpus, lookahead, clock))
+            .min(next_switch.map_or(Duration::MAX, |at| clock.until(at)));
+        if let Some(due) = report_due.filter(|_| wait_for_catch_up) {
+            wake = wake.min(clock.until(due).max(MIN_WAIT));
+        }
+        // An XID waiting for its kernel record; a GPU just taken out starts draining at once.
+        if let Some(due) = settings.faults.next_due(std::time::Instant::now()) {
+            wake = wake.min(due.max(MIN_WAIT));
+        }
+        if notices.iter().any(|n| matches!(n, Notice::GpuOut(_))) {
+            wake = MIN_WAIT;
+        }
+        let _ = tokio::time::timeout(wake, async {
+            tokio::select! {
+                _ = changes.next() => {}
+                _ = settings.faults.changed() => {}
+            }
+        })
+        .await;
+    }
+}
+
+/// Until the next re-cut taint is due (never, when none is ahead).
+fn until_taint(
+    gpus: &[gpuslice_api::GpuAssignment],
+    lookahead: chrono::Duration,
+    clock: &Clock,
+) -> Duration {
+    let now = clock.now();
+    gpus.iter()
+        .filter_map(|a| a.recut_at.as_ref().and_then(gpuslice_api::chrono_of))
+        .map(|at| at - lookahead)
+        .filter(|due| *due > now)
+        .map(|due| clock.until(due))
+        .min()
+        .unwrap_or(Duration::MAX)
+}
+
+/// The interval, or (while blocked) the next retry or grace deadline.
+fn next_wake(pass: &Pass, clock: &Clock, interval: Duration) -> Duration {
+    let mut wake = interval;
+    if pass.blocked() || !pass.draining.is_empty() {
+        wake = wake.min(BLOCKED_RETRY);
+        for until in pass.draining.iter().filter_map(|w| w.until) {
+            wake = wake.min(clock.until(until));
+        }
+    }
+    wake.max(MIN_WAIT)
+}

@@ -1,0 +1,241 @@
+//! `gpuslice bench` (developer build): the benchmarks, each printing a table with a PASS/FAIL
+//! column and exiting non-zero on FAIL.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Subcommand)]
+pub enum Bench {
+    /// Replay the Alibaba GPU-sharing traces under each placement policy (FGD paper method).
+    Placement {
+        /// The folder of cluster-trace-gpu-v2023 CSVs.
+        #[arg(long)]
+        data: PathBuf,
+        /// Seeds (shuffles) per trace; the paper uses 10.
+        #[arg(long, default_value_t = 10)]
+        seeds: u64,
+        /// Only these trace files (e.g. openb_pod_list_default.csv); every one in the folder by default.
+        #[arg(long = "trace")]
+        traces: Vec<String>,
+        /// Replay constrained variants of the default trace instead: pods that name the GPU
+        /// models they may run on (like the FGD paper's gpuspec traces), for every model mix and
+        /// share of constrained pods.
+        #[arg(long)]
+        constrained: bool,
+        /// The seed the constrained variants are generated with.
+        #[arg(long, default_value_t = 1)]
+        variant_seed: u64,
+    },
+    /// Compute shares: real processes under the shim on the emulated GPU (or a real one), target
+    /// vs achieved share per slice in every 1 s window, the arbitration's launch overhead, and
+    /// four jobs sharing the GPU against the same four one after another.
+    Compute {
+        /// Seconds per scenario (the first is warm-up).
+        #[arg(long, default_value_t = 4)]
+        seconds: u64,
+        /// Only scenarios whose names contain this (repeatable).
+        #[arg(long = "scenario")]
+        scenarios: Vec<String>,
+        /// Skip the launch-overhead measurement and the four-jobs comparison.
+        #[arg(long)]
+        no_overhead: bool,
+        /// Run on this machine's GPU 0 through the real CUDA driver instead of the emulator
+        /// (nothing on the GPU is reconfigured; see tests/device/compute.sh).
+        #[arg(long)]
+        real_gpu: bool,
+    },
+    /// Compaction on the Alibaba default trace: place pods to a load, plan the moves that free
+    /// whole GPUs (threshold 30 %), and show GPUs freed against workloads moved.
+    Compaction {
+        /// The folder of cluster-trace-gpu-v2023 CSVs.
+        #[arg(long)]
+        data: PathBuf,
+        /// Stop placing when pods have asked for this % of the cluster's GPUs.
+        #[arg(long, default_value_t = 70.0)]
+        load: f64,
+        /// Share of GPU-sharing pods that may move (0–1).
+        #[arg(long, default_value_t = 0.5)]
+        movable: f64,
+        /// Share of placed pods that end before compaction runs (0–1).
+        #[arg(long, default_value_t = 0.4)]
+        depart: f64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// The dataset cache: two epochs over shards from an HTTP source held to a rate; the second,
+    /// from the cache, against the local disk's direct-I/O read speed.
+    Cache {
+        #[arg(long, default_value_t = 8)]
+        shards: usize,
+        #[arg(long, default_value_t = 16)]
+        shard_mib: usize,
+        /// What the source serves, MiB/s.
+        #[arg(long, default_value_t = 32)]
+        source_mib: u64,
+    },
+    /// A process the compute benchmark runs under the shim.
+    #[command(hide = true)]
+    ComputeWorker {
+        #[arg(long)]
+        kernel_us: u64,
+        #[arg(long, default_value_t = 1.0)]
+        seconds: f64,
+        #[arg(long)]
+        busy_ms: Option<u64>,
+        #[arg(long, default_value_t = 0)]
+        idle_ms: u64,
+        /// Launch CUDA graphs of this many kernels.
+        #[arg(long)]
+        graph: Option<u32>,
+        #[arg(long)]
+        cooperative: bool,
+        /// Launch with cuLaunchKernelEx.
+        #[arg(long)]
+        ex: bool,
+        /// Launch this many kernels as fast as possible and report the rate.
+        #[arg(long)]
+        launches: Option<u64>,
+        /// Stop after this many kernels (a job of fixed work) instead of after --seconds.
+        #[arg(long)]
+        kernels: Option<u64>,
+        /// Real GPU: the busy loop's iterations per kernel.
+        #[arg(long)]
+        iterations: Option<u64>,
+        /// Real GPU: find the iterations for --kernel-us and report them.
+        #[arg(long)]
+        calibrate: bool,
+        /// Start working at this CLOCK_MONOTONIC time (ns), once set up.
+        #[arg(long)]
+        start_at: Option<u64>,
+    },
+}
+
+/// Prints a benchmark's table; the exit status says whether every row passed.
+fn print_table(table: &str, ok: bool) -> ExitCode {
+    print!("{table}");
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
+    match which {
+        Bench::Placement {
+            data,
+            seeds,
+            traces,
+            constrained,
+            variant_seed,
+        } => {
+            use gpuslice_bench::placement as bench;
+            let nodes = bench::cluster(&data)?;
+            if constrained {
+                let pods = bench::pods(&data.join("openb_pod_list_default.csv"))?;
+                let mut results = Vec::new();
+                for mix in bench::model_mixes(&nodes) {
+                    for share in bench::CONSTRAINED_SHARES {
+                        let variant = bench::constrained(&pods, &nodes, share, &mix, variant_seed);
+                        let name = format!("{}-{:.0}%", mix.name, share * 100.0);
+                        results.push(bench::run_pods(&nodes, &name, &variant, seeds));
+                        eprintln!("replayed {name}");
+                    }
+                }
+                let (table, ok) = bench::render(&results, seeds);
+                return Ok(print_table(&table, ok));
+            }
+            let files = if traces.is_empty() {
+                gpuslice_bench::placement::traces(&data)?
+            } else {
+                traces.iter().map(|t| data.join(t)).collect()
+            };
+            let mut results = Vec::new();
+            for file in &files {
+                results.push(gpuslice_bench::placement::run_trace(&nodes, file, seeds)?);
+                eprintln!("replayed {}", file.display());
+            }
+            let (table, ok) = gpuslice_bench::placement::render(&results, seeds);
+            Ok(print_table(&table, ok))
+        }
+        Bench::Compute {
+            seconds,
+            scenarios,
+            no_overhead,
+            real_gpu,
+        } => {
+            let (table, ok) = gpuslice_bench::compute::run_all(
+                seconds.max(2),
+                &scenarios,
+                !no_overhead,
+                real_gpu,
+            )?;
+            Ok(print_table(&table, ok))
+        }
+        Bench::Compaction {
+            data,
+            load,
+            movable,
+            depart,
+            seed,
+        } => {
+            let trace = data.join("openb_pod_list_default.csv");
+            let (report, ok) = gpuslice_bench::compaction::run(
+                &data,
+                &trace,
+                gpuslice_bench::compaction::Plan {
+                    load,
+                    movable: movable.clamp(0.0, 1.0),
+                    depart: depart.clamp(0.0, 1.0),
+                    seed,
+                },
+            )?;
+            Ok(print_table(&report, ok))
+        }
+        Bench::Cache {
+            shards,
+            shard_mib,
+            source_mib,
+        } => {
+            let (table, ok) = gpuslice_bench::cache::run(gpuslice_bench::cache::Plan {
+                shards,
+                shard_bytes: shard_mib << 20,
+                source_rate: source_mib << 20,
+            })?;
+            Ok(print_table(&table, ok))
+        }
+        Bench::ComputeWorker {
+            kernel_us,
+            seconds,
+            busy_ms,
+            idle_ms,
+            graph,
+            cooperative,
+            ex,
+            launches,
+            kernels,
+            iterations,
+            calibrate,
+            start_at,
+        } => {
+            let report =
+                gpuslice_bench::compute::worker::run(gpuslice_bench::compute::worker::Plan {
+                    kernel_us,
+                    seconds,
+                    busy_ms,
+                    idle_ms,
+                    graph,
+                    cooperative,
+                    ex,
+                    launches,
+                    kernels,
+                    iterations,
+                    calibrate,
+                    start_at,
+                })
+                .map_err(anyhow::Error::msg)?;
+            println!("{report}");
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! `gpuslice plan`: what the pools of a source do to an inventory, or what a change does.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use gpuslice_source::SourceSpec;
+use gpuslice_source::validate::read_repository;
+
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+pub enum PlanOutput {
+    Text,
+    Json,
+    Markdown,
+}
+
+/// Plan every GPU of an inventory against the pools of a source: layout now, operations, next
+/// change. With --against, what a change does: the GPUs it re-cuts, the busy slices that would
+/// block it and whose workloads they are, the windows it changes (exit 2 when it would wait
+/// for running work, 1 when it cannot be planned).
+#[derive(clap::Args)]
+pub struct Args {
+    /// A folder, a YAML file, a local Git repository or a Git URL (as for validate).
+    pub source: String,
+    /// A node (NodeInventory: name, labels, GPUs with model and current state), a YAML list
+    /// of them, or the cluster's GpuNodes (`kubectl get gpunodes -o yaml`).
+    #[arg(long)]
+    pub nodes: PathBuf,
+    /// The instant to plan for (RFC 3339, e.g. 2026-12-02T21:00:00+08:00); now by default.
+    #[arg(long)]
+    pub at: Option<chrono::DateTime<chrono::FixedOffset>>,
+    /// The revision to plan (the folder as it is on disk when omitted).
+    #[arg(long = "ref")]
+    pub git_ref: Option<String>,
+    /// Compare with this Git revision of the same repository (the pull request's base,
+    /// e.g. origin/main): only what differs is shown.
+    #[arg(long)]
+    pub against: Option<String>,
+    #[arg(long)]
+    pub path: Option<String>,
+    /// Output format; markdown (with --against) is for a pull-request comment.
+    #[arg(long, short, value_enum, default_value_t = PlanOutput::Text)]
+    pub output: PlanOutput,
+    /// Show what compaction would move in each pool with `spec.compaction` (from the
+    /// GpuNodes' claims: who holds which software slice), instead of the layouts.
+    #[arg(long, conflicts_with = "against")]
+    pub compaction: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let Args {
+        source,
+        nodes,
+        at,
+        git_ref,
+        against,
+        path,
+        output,
+        compaction,
+    } = args;
+    let at = at.map_or_else(chrono::Utc::now, |t| t.with_timezone(&chrono::Utc));
+    let text =
+        std::fs::read_to_string(&nodes).with_context(|| format!("reading {}", nodes.display()))?;
+    let inventory = gpuslice::plan::parse_inventory(&nodes.display().to_string(), &text)?;
+    let head_name = git_ref.clone().unwrap_or_else(|| "the working tree".into());
+    let Some((head, policies)) = config_of(&source, git_ref, path.clone(), at, &head_name)? else {
+        return Ok(ExitCode::FAILURE);
+    };
+    if compaction {
+        let plan = gpuslice_planning::cluster::plan_cluster(&head, &inventory.nodes, at);
+        let plans = gpuslice::plan::compaction(&head, &policies, &plan, &inventory);
+        match output {
+            PlanOutput::Json => println!("{}", serde_json::to_string_pretty(&plans)?),
+            _ => print!("{}", gpuslice::plan::render_compaction(&plans)),
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let Some(base_ref) = against else {
+        let plan = gpuslice_planning::cluster::plan_cluster(&head, &inventory.nodes, at);
+        match output {
+            PlanOutput::Text => print!("{}", gpuslice::plan::render(&plan)),
+            PlanOutput::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
+            PlanOutput::Markdown => {
+                eprintln!("--output markdown shows a change: give --against <base revision>");
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        return Ok(if gpuslice::plan::has_errors(&plan) {
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        });
+    };
+    let Some(base) = pools_of(&source, Some(base_ref.clone()), path, at, &base_ref)? else {
+        return Ok(ExitCode::FAILURE);
+    };
+    let diff = gpuslice_planning::diff::diff(&base, &head, &inventory.nodes, at);
+    match output {
+        PlanOutput::Text => print!(
+            "{}",
+            gpuslice::plan::render_diff(&diff, &inventory, &base_ref, &head_name)
+        ),
+        PlanOutput::Json => println!("{}", serde_json::to_string_pretty(&diff)?),
+        PlanOutput::Markdown => print!(
+            "{}",
+            gpuslice::plan::render_diff_markdown(&diff, &inventory, &base_ref, &head_name)
+        ),
+    }
+    Ok(if diff.head_errors().next().is_some() {
+        ExitCode::FAILURE
+    } else if diff.blocks_on_running_work() {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// The pools of one revision of a source, or `None` (after printing why) when it does not
+/// validate: a plan of a broken revision would mislead.
+fn pools_of(
+    location: &str,
+    git_ref: Option<String>,
+    sub_path: Option<String>,
+    at: chrono::DateTime<chrono::Utc>,
+    revision: &str,
+) -> anyhow::Result<Option<Vec<gpuslice_api::GpuPool>>> {
+    Ok(config_of(location, git_ref, sub_path, at, revision)?.map(|(pools, _)| pools))
+}
+
+/// The pools and policies of a source's revision; `None` (after saying why) when it does not
+/// validate.
+fn config_of(
+    location: &str,
+    git_ref: Option<String>,
+    sub_path: Option<String>,
+    at: chrono::DateTime<chrono::Utc>,
+    revision: &str,
+) -> anyhow::Result<
+    Option<(
+        Vec<gpuslice_api::GpuPool>,
+        Vec<gpuslice_api::GpuSlicePolicy>,
+    )>,
+> {
+    let spec = SourceSpec {
+        location: location.to_string(),
+        git_ref,
+        sub_path,
+    };
+    let snapshot = gpuslice_source::load(&spec)
+        .with_context(|| format!("reading {revision} of {location}"))?;
+    let (report, repo) = read_repository(&snapshot.files, at);
+    if !report.ok() {
+        for p in &report.problems {
+            eprintln!("{p}");
+        }
+        eprintln!(
+            "{revision}: {}; fix the source before planning",
+            report.summary()
+        );
+        return Ok(None);
+    }
+    Ok(Some((
+        repo.pools.into_iter().map(|p| p.object).collect(),
+        repo.policies.into_iter().map(|p| p.object).collect(),
+    )))
+}
