@@ -110,9 +110,9 @@ pub fn render(plan: &ClusterPlan) -> String {
         for g in &node.gpus {
             gpus += 1;
             let _ = write!(out, "  GPU {} {}", g.index, g.model);
-            if let Some(pool) = &g.pool {
-                let _ = write!(out, "  pool {pool}");
-                if let Some(w) = &g.window {
+            if let Some(assigned) = &g.assigned {
+                let _ = write!(out, "  pool {}", assigned.pool);
+                if let Some(w) = &assigned.window {
                     let _ = write!(out, " ({w})");
                 }
             }
@@ -122,7 +122,7 @@ pub fn render(plan: &ClusterPlan) -> String {
             let status = if let Some(e) = &g.error {
                 errors += 1;
                 format!("ERROR: {e}")
-            } else if g.pool.is_none() {
+            } else if g.assigned.is_none() {
                 "not in any pool".to_string()
             } else if g.ops.is_empty() {
                 "up to date".to_string()
@@ -460,11 +460,7 @@ pub fn compaction(
         let mut gpus = Vec::new();
         for node in &plan.nodes {
             let claims = inventory.claims.get(&node.node);
-            for gpu in node
-                .gpus
-                .iter()
-                .filter(|g| g.pool.as_deref() == Some(&name))
-            {
+            for gpu in node.gpus.iter().filter(|g| g.pool() == Some(name.as_str())) {
                 let Some(Desired::Software(table)) = &gpu.desired else {
                     continue;
                 };

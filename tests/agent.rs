@@ -5,13 +5,10 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+use gpuslice_testcluster::repo_root as root;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuslice");
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn agent(state: &Path, node: &str, at: &str, apply: bool, source: &Path) -> (Output, Value) {
     let mut cmd = Command::new(BIN);

@@ -10,14 +10,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpuslice_api::GpuNode;
+use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, built_tool, free_port};
 use kube::api::{Api, ApiResource, DynamicObject};
 
 const KINDS: [&str; 3] = ["GpuPool", "GpuSlicePolicy", "GpuNode"];
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 #[derive(serde::Deserialize)]
 struct HealthTests {

@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpuslice_api::GpuPool;
+use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, eventually};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::Pod;
@@ -15,10 +16,6 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 
 const NAMESPACE: &str = "gpuslice-system";
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 struct Reaper(Vec<Child>);
 

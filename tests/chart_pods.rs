@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gpuslice_testcluster::containerd::{Driver, build_image};
+use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, Runtime, eventually};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -28,10 +29,6 @@ const IMAGE_TAG: &str = "chart";
 const PROBE_IMAGE: &str = "gpuslice.test/probe:chart";
 /// Where the NVIDIA container runtime puts the driver's libraries in a container (Debian/Ubuntu).
 const DRIVER_LIBS: &str = "/usr/lib/x86_64-linux-gnu";
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The images: the chart's (`gpuslice` and `libgpuslice.so` in /usr/local/bin, as the
 /// Dockerfile puts them, with the libraries they link) and the workload's (the probe).

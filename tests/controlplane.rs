@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane};
 use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
@@ -15,10 +16,6 @@ use kube::discovery::{ApiResource, Discovery};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 async fn start(components: Components) -> Option<ControlPlane> {
     ControlPlane::start(components)

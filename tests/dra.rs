@@ -12,6 +12,7 @@ use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy};
 use gpuslice_node::kubelet::proto;
 use gpuslice_node::kubelet::proto::dra::d_r_a_plugin_client::DRAPluginClient as DraPluginClient;
 use gpuslice_node::kubelet::proto::registration::registration_client::RegistrationClient;
+use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
@@ -20,10 +21,6 @@ use k8s_openapi::api::resource::v1::{
 };
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// A pod asking for one slice of `policy` through the extended resource.
 fn pod(name: &str, policy: &str) -> Pod {
@@ -1386,12 +1383,22 @@ async fn at_a_window_boundary_the_agent_switches_to_the_staged_layout_before_the
             let (memory, _) = published_memory(&client, "a100-a").await?;
             let gpu = node.spec.gpus.first().ok_or("no layout yet")?;
             let next = gpu.next.as_ref().ok_or("nothing staged")?;
-            let day = gpu.layout.software.as_ref().map(|s| s.memory.0.clone());
-            let night = next.layout.software.as_ref().map(|s| s.memory.0.clone());
+            let day = gpu
+                .assigned
+                .layout
+                .software
+                .as_ref()
+                .map(|s| s.memory.0.clone());
+            let night = next
+                .assigned
+                .layout
+                .software
+                .as_ref()
+                .map(|s| s.memory.0.clone());
             let ready = memory == ["20Gi"; 4]
                 && day.as_deref() == Some("20Gi")
                 && night.as_deref() == Some("40Gi")
-                && next.window.as_deref() == Some("night")
+                && next.assigned.window.as_deref() == Some("night")
                 && gpuslice_api::chrono_of(&next.at)
                     == Some("2026-12-02T12:00:00Z".parse().unwrap());
             let seen = format!("published {memory:?}, day {day:?}, staged {next:?}");
@@ -1428,7 +1435,7 @@ async fn at_a_window_boundary_the_agent_switches_to_the_staged_layout_before_the
         async move {
             let node = gpu_nodes.get("a100-a").await.map_err(|e| e.to_string())?;
             let gpu = node.spec.gpus.first().ok_or("no layout")?;
-            let memory = gpu.layout.software.as_ref().map(|s| s.memory.0.clone());
+            let memory = gpu.assigned.layout.software.as_ref().map(|s| s.memory.0.clone());
             let morning = gpu
                 .next
                 .as_ref()

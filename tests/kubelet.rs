@@ -15,6 +15,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, Kubelet, Runtime, eventually};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
@@ -24,10 +25,6 @@ use kube::{Client, ResourceExt as _};
 
 const NODE: &str = "gpu-a";
 const CLOCK: &str = "2026-12-02T10:00:00Z";
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The control plane, the kubelet of node `gpu-a` (on containerd) on an emulated A100 in pool
 /// shared-a100, its agent and the operator, all on a clock started at `clock`; the examples' pool

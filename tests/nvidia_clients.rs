@@ -27,13 +27,10 @@ use std::process::Command;
 
 use gpuslice_emulator::{Machine, Store};
 use gpuslice_planning::catalog;
+use gpuslice_testcluster::repo_root as root;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuslice");
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// Fails under CI, else says why the test is skipped.
 fn missing(why: String) -> Option<PathBuf> {

@@ -12,15 +12,12 @@ use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually, fre
 fn http_get(port: u16, path: &str) -> (String, String) {
     gpuslice_testcluster::local_get(port, path).unwrap()
 }
+use gpuslice_testcluster::repo_root as root;
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 
 const AGENT: &str = "gpuslice-test-agent";
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// What an agent on `node` would report: its GPUs.
 async fn report_gpus(client: &Client, node: &str, gpus: &str) {
@@ -159,7 +156,7 @@ async fn pools_become_node_layouts_and_status() {
                 (gpus.len() == 2
                     && gpus
                         .iter()
-                        .all(|g| g.pool == "h200-mig" && g.layout.mig.is_some()))
+                        .all(|g| g.assigned.pool == "h200-mig" && g.assigned.layout.mig.is_some()))
                 .then_some(())
                 .ok_or_else(|| format!("{:?}", n.spec))
             }
@@ -720,7 +717,7 @@ async fn a_standby_operator_takes_over_when_the_leader_dies() {
                 .spec
                 .gpus
                 .first()
-                .and_then(|g| g.layout.mig.as_ref())
+                .and_then(|g| g.assigned.layout.mig.as_ref())
                 .map(|m| m.profiles.clone());
             (profiles
                 .as_ref()

@@ -11,14 +11,11 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{
     Components, ControlPlane, KillOnDrop, built_tool, eventually, free_port, local_get,
 };
 use k8s_openapi::api::core::v1::Pod;
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// `GET /api/v1/<path>?query=<promql>` on Prometheus: the `data` of a successful answer, or why not.
 fn prometheus_api(port: u16, path: &str, query: Option<&str>) -> Result<serde_json::Value, String> {

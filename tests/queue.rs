@@ -5,19 +5,15 @@
 //! free slices, in the pool's order (priority first), each onto the node its placement engine
 //! picks, and tells the others their place and why they wait.
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 
+use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 const CLOCK: &str = "2026-12-02T10:00:00Z";
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn pod(name: &str, namespace: &str, policy: &str) -> Pod {
     serde_json::from_value(serde_json::json!({

@@ -10,15 +10,12 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use gpuslice_emulator::{Machine, Store};
+use gpuslice_testcluster::repo_root as root;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpuslice");
 /// Only a guard against a hung test; nothing here asserts how fast the agent is.
 const PATIENCE: Duration = Duration::from_secs(120);
-
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// A running agent; killed when dropped.
 struct Agent {

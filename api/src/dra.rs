@@ -5,6 +5,40 @@
 /// The DRA driver name: ResourceSlices, device attributes and opaque configs use it.
 pub const DRIVER: &str = "gpuslice.io";
 
+/// The `kind` of the opaque parameters a DeviceClass hands the driver.
+pub const PARAMETERS_KIND: &str = "SliceParameters";
+
+/// What a policy's DeviceClass tells the driver, as opaque config (`kind: SliceParameters`):
+/// written by the operator, read by the kubelet plugin when it prepares a claim. Read leniently
+/// (every field may be absent): a claim may carry a config of its own for the driver.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ClassParameters {
+    pub api_version: String,
+    pub kind: String,
+    /// The `GpuSlicePolicy`.
+    pub policy: String,
+    /// Its pool.
+    pub pool: String,
+    /// Its `memory`, as written.
+    pub memory: String,
+    /// The cap the plugin gives the workload's slice: the policy's memory plus the pool's
+    /// headroom.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_limit_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compute: Option<ClassCompute>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_policy: Option<String>,
+}
+
+/// A policy's compute share in its class's parameters, in percent of a GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ClassCompute {
+    pub limit: u32,
+    pub guarantee: u32,
+}
+
 /// Device attributes (in the driver's domain: `device.attributes["gpuslice.io"].<name>`).
 pub mod attribute {
     /// The `GpuPool` the slice's GPU belongs to (string).

@@ -25,7 +25,7 @@ pub use checkpoint::{
 };
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{
-    DriverVersions, EvictionRequest, GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec,
+    Assignment, DriverVersions, EvictionRequest, GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec,
     GpuNodeStatus, GpuProcess, MigInstance, MigState, NextAssignment, NodeInventory, Placement,
     Preemption, SliceClaim, SoftwareSliceState,
 };

@@ -75,15 +75,11 @@ pub struct Preemption {
     pub reason: String,
 }
 
-/// The desired layout of one GPU.
+/// What a GPU is given: its pool, the layout the pool's window (or default) declares, and how
+/// its slices are shared and drained. The same in `GpuNode.spec` now and in what is staged next.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct GpuAssignment {
-    /// GPU index on the node.
-    pub index: u32,
-    /// GPU UUID, when known; the agent refuses to apply when the GPU at `index` has another UUID.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub uuid: Option<String>,
+pub struct Assignment {
     /// The pool the GPU belongs to.
     #[schemars(length(max = 253))]
     pub pool: String,
@@ -101,6 +97,19 @@ pub struct GpuAssignment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub checkpoint_policy: Option<String>,
+}
+
+/// The desired layout of one GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuAssignment {
+    /// GPU index on the node.
+    pub index: u32,
+    /// GPU UUID, when known; the agent refuses to apply when the GPU at `index` has another UUID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    #[serde(flatten)]
+    pub assigned: Assignment,
     /// When the pool's next window change gives this GPU another layout. The agent taints the
     /// GPU's DRA devices (`gpuslice.io/recut`, NoSchedule) a lookahead before it, so that no new
     /// pod lands on a slice about to be re-cut. Absent when the next change leaves it as it is.
@@ -120,22 +129,8 @@ pub struct GpuAssignment {
 pub struct NextAssignment {
     /// When it takes over (the window boundary).
     pub at: Time,
-    /// The pool the GPU belongs to then.
-    #[schemars(length(max = 253))]
-    pub pool: String,
-    /// The window whose layout it is; empty for the pool's default layout.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub window: Option<String>,
-    /// The layout then.
-    pub layout: Layout,
-    /// Minimum compute time slice for software slices then.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
-    pub time_slice: Option<Duration>,
-    /// The pool's CheckpointPolicy then.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 253))]
-    pub checkpoint_policy: Option<String>,
+    #[serde(flatten)]
+    pub assigned: Assignment,
 }
 
 impl GpuAssignment {
@@ -146,11 +141,7 @@ impl GpuAssignment {
             Some(next) if crate::chrono_of(&next.at).is_some_and(|t| t <= at) => GpuAssignment {
                 index: self.index,
                 uuid: self.uuid.clone(),
-                pool: next.pool.clone(),
-                window: next.window.clone(),
-                layout: next.layout.clone(),
-                time_slice: next.time_slice,
-                checkpoint_policy: next.checkpoint_policy.clone(),
+                assigned: next.assigned.clone(),
                 recut_at: None,
                 next: None,
             },

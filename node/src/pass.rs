@@ -345,7 +345,7 @@ impl Agent {
             .nodes
             .iter()
             .flat_map(|n| &n.gpus)
-            .filter_map(|g| Some((g.index, g.pool.clone()?)))
+            .filter_map(|g| Some((g.index, g.pool()?.to_string())))
             .collect();
         let caches = local_caches(&pass.plan, &intent.config);
         let cached_gpus = gpu_pools(&pass.plan, &intent.config)
@@ -470,6 +470,24 @@ impl Agent {
         intent: &Taking<'_>,
         now: DateTime<Utc>,
     ) -> Result<(), PassError> {
+        let blocking = self.blocking(pass, config, intent);
+        let mut drains = Drains::load(&self.state)?;
+        if blocking.is_empty() && drains.records.is_empty() {
+            return Ok(());
+        }
+        let (actions, waiting) = drain::decide(&blocking, &mut drains.records, now, |slice| {
+            drain::checkpoint_done(&self.state, slice)
+        });
+        // Record before acting: a crash after a signal must not signal again or restart the grace.
+        drains.save()?;
+        self.carry_out(pass, &actions, &blocking);
+        pass.draining = waiting;
+        Ok(())
+    }
+
+    /// What must be drained, and why: busy slices a re-cut needs, every workload on a GPU out
+    /// of service, and preempted pods' slices; each with its CheckpointPolicy.
+    fn blocking(&self, pass: &Pass, config: &Config, intent: &Taking<'_>) -> Vec<Blocked> {
         let claims = self.socket.claims.held();
         let gpus: Vec<_> = pass.plan.nodes.iter().flat_map(|n| &n.gpus).collect();
         let workload_policy = |claim: Option<&Claim>| {
@@ -483,7 +501,7 @@ impl Agent {
             let index = slice_gpus.iter().find(|c| c.id == slice).map(|c| c.gpu);
             gpus.iter()
                 .find(|g| Some(g.index) == index)
-                .and_then(|g| g.checkpoint_policy.clone())
+                .and_then(|g| g.checkpoint_policy().map(str::to_string))
         };
         let policy_of = |claim: Option<&Claim>, slice: &str| {
             drain::policy_for(
@@ -573,15 +591,13 @@ impl Agent {
                 },
             });
         }
-        let mut drains = Drains::load(&self.state)?;
-        if blocking.is_empty() && drains.records.is_empty() {
-            return Ok(());
-        }
-        let (actions, waiting) = drain::decide(&blocking, &mut drains.records, now, |slice| {
-            drain::checkpoint_done(&self.state, slice)
-        });
-        // Record before acting: a crash after a signal must not signal again or restart the grace.
-        drains.save()?;
+        blocking
+    }
+
+    /// Carries out the drain's decisions: evictions go to the pass (the cluster asks for them),
+    /// signals and kills are sent here.
+    fn carry_out(&self, pass: &mut Pass, actions: &[Action], blocking: &[Blocked]) {
+        pass.drain_errors.clear();
         let slice_of = |pid: u32| {
             blocking
                 .iter()
@@ -589,8 +605,7 @@ impl Agent {
                 .map(|b| b.slice.clone())
                 .unwrap_or_default()
         };
-        pass.drain_errors.clear();
-        for action in &actions {
+        for action in actions {
             match action {
                 Action::Evict {
                     pods,
@@ -625,8 +640,6 @@ impl Agent {
                 }
             }
         }
-        pass.draining = waiting;
-        Ok(())
     }
 }
 
@@ -637,7 +650,7 @@ fn gpu_pools<'a>(
     config: &'a Config,
 ) -> impl Iterator<Item = (u32, &'a str, &'a gpuslice_api::GpuPoolSpec)> + 'a {
     plan.nodes.iter().flat_map(|n| &n.gpus).filter_map(|gpu| {
-        let pool = gpu.pool.as_deref()?;
+        let pool = gpu.pool()?;
         let spec = &config
             .pools
             .iter()
@@ -718,7 +731,8 @@ fn time_slices(plan: &ClusterPlan) -> BTreeMap<u32, Duration> {
         .iter()
         .flat_map(|n| &n.gpus)
         .map(|gpu| {
-            let slice = gpu.time_slice.map_or(DEFAULT_TIME_SLICE, Duration::from);
+            let slice = (gpu.assigned.as_ref().and_then(|a| a.time_slice))
+                .map_or(DEFAULT_TIME_SLICE, Duration::from);
             (gpu.index, slice)
         })
         .collect()

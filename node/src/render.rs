@@ -52,7 +52,7 @@ pub fn render_body(pass: &Pass) -> String {
         .nodes
         .iter()
         .flat_map(|n| &n.gpus)
-        .filter_map(|g| g.pool.as_deref())
+        .filter_map(|g| g.pool())
         .collect();
     for p in pass
         .plan
@@ -72,7 +72,7 @@ pub fn render_body(pass: &Pass) -> String {
     }
     for g in pass.plan.nodes.iter().flat_map(|n| &n.gpus) {
         let _ = write!(out, "  GPU {} {}", g.index, g.model);
-        let Some(pool) = &g.pool else {
+        let Some(assigned) = &g.assigned else {
             let why = g
                 .error
                 .as_ref()
@@ -82,8 +82,10 @@ pub fn render_body(pass: &Pass) -> String {
         };
         let _ = write!(
             out,
-            "  pool {pool}{}",
-            g.window
+            "  pool {}{}",
+            assigned.pool,
+            assigned
+                .window
                 .as_ref()
                 .map(|w| format!(" ({w})"))
                 .unwrap_or_default()

@@ -153,7 +153,7 @@ fn isolate_faults(
             .iter()
             .flat_map(|n| &n.gpus)
             .find(|g| g.index == gpu)
-            .and_then(|g| g.pool.as_deref())
+            .and_then(|g| g.pool())
             .is_some_and(|pool| isolating.contains(&pool))
     };
     let notices = faults::isolate(

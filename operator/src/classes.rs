@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use gpuslice_api::dra::{self, attribute, capacity, kind};
+use gpuslice_api::dra::{self, ClassCompute, ClassParameters, attribute, capacity, kind};
 use gpuslice_api::{GpuPool, GpuSlicePolicy, bytes_of};
 use k8s_openapi::api::resource::v1::{
     CELDeviceSelector, DeviceClass, DeviceClassConfiguration, DeviceClassSpec, DeviceSelector,
@@ -15,9 +15,6 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
-
-/// The `kind` of the opaque parameters a class hands the driver.
-pub const PARAMETERS_KIND: &str = "SliceParameters";
 
 /// A CEL string literal.
 fn literal(s: &str) -> String {
@@ -66,24 +63,21 @@ pub fn selector(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> String {
 
 /// What the driver is told about a policy, in the class's opaque config: `memoryLimitBytes` is
 /// the cap the kubelet plugin gives the workload's slice.
-pub fn parameters(name: &str, policy: &GpuSlicePolicy, pools: &[GpuPool]) -> serde_json::Value {
+pub fn parameters(name: &str, policy: &GpuSlicePolicy, pools: &[GpuPool]) -> ClassParameters {
     let spec = &policy.spec;
-    let mut out = serde_json::json!({
-        "apiVersion": gpuslice_api::API_VERSION,
-        "kind": PARAMETERS_KIND,
-        "policy": name,
-        "pool": spec.pool,
-        "memory": spec.memory.0,
-        "memoryLimitBytes": memory_limit(policy, pools),
-    });
-    if let Some(c) = &spec.compute {
-        out["compute"] =
-            serde_json::json!({"limit": c.limit, "guarantee": c.guarantee.unwrap_or(0)});
+    ClassParameters {
+        api_version: gpuslice_api::API_VERSION.to_string(),
+        kind: dra::PARAMETERS_KIND.to_string(),
+        policy: name.to_string(),
+        pool: spec.pool.clone(),
+        memory: spec.memory.0.clone(),
+        memory_limit_bytes: Some(memory_limit(policy, pools)),
+        compute: spec.compute.as_ref().map(|c| ClassCompute {
+            limit: c.limit,
+            guarantee: c.guarantee.unwrap_or(0),
+        }),
+        checkpoint_policy: spec.checkpoint_policy.clone(),
     }
-    if let Some(cp) = &spec.checkpoint_policy {
-        out["checkpointPolicy"] = serde_json::json!(cp);
-    }
-    out
 }
 
 /// The DeviceClass of every policy whose pool exists, by class name. A policy read before its
@@ -134,7 +128,10 @@ pub fn device_classes(
                     config: Some(vec![DeviceClassConfiguration {
                         opaque: Some(OpaqueDeviceConfiguration {
                             driver: dra::DRIVER.to_string(),
-                            parameters: RawExtension(parameters(&name, policy, pools)),
+                            parameters: RawExtension(
+                                serde_json::to_value(parameters(&name, policy, pools))
+                                    .unwrap_or_default(),
+                            ),
                         }),
                     }]),
                 },

@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
-use gpuslice_api::{CompactionMove, CompactionStatus, GpuPool, Preemption, dra};
+use gpuslice_api::{Compaction, CompactionMove, CompactionStatus, GpuPool, Preemption, dra};
 use gpuslice_planning::compaction::{Capacity, GpuState, Workload};
 use gpuslice_planning::windows::Recurrence;
 use kube::ResourceExt as _;
@@ -135,70 +135,93 @@ impl Rounds {
                 round.request = asked;
                 self.written.insert(name.clone(), round.clone());
             }
-            let left: Vec<&CompactionMove> = round
-                .moves
-                .iter()
-                .filter(|m| held.contains(&m.resource_claim))
-                .collect();
-            if left.is_empty() && quiet {
-                let since = *self.settled_since.entry(name.clone()).or_insert(now);
-                if (now - since).num_seconds() >= SETTLE_SECONDS {
-                    round.finished_at = gpuslice_api::time_of(now);
-                    self.settled_since.remove(&name);
-                    self.written.insert(name.clone(), round.clone());
-                    step.record = Some(round);
-                    return step;
-                }
-            } else {
-                self.settled_since.remove(&name);
-            }
-            for m in left {
-                let Some((node, _)) = parse_gpu_ref(&m.from) else {
-                    continue;
-                };
-                step.preemptions.entry(node).or_default().push(Preemption {
-                    resource_claim: m.resource_claim.clone(),
-                    for_pod: String::new(),
-                    reason: format!("{REASON_PREFIX}: emptying {} of pool {name}", m.from),
-                });
-            }
-            step.compacting = round
-                .freeing
-                .iter()
-                .filter_map(|g| parse_gpu_ref(g))
-                .collect();
-            if recorded.as_ref() != Some(&round) {
-                step.record = Some(round);
-            }
-            return step;
+            return self.under_way(pool, round, held, quiet, now);
         }
         if recorded != last {
             // What this operator wrote last has not reached the status yet: write it again.
             step.record = last.clone();
         }
-        // Due by the window: once per opening.
-        let opening = settings
-            .window
-            .as_ref()
-            .and_then(|w| Recurrence::of_daily(w).ok())
-            .and_then(|r| {
-                r.occurrences(now, now + chrono::Duration::seconds(1))
-                    .into_iter()
-                    .find(|o| o.start <= now)
-            });
-        let by_window = opening.is_some_and(|o| {
-            last.as_ref()
-                .and_then(|r| gpuslice_api::chrono_of(&r.started_at))
-                .is_none_or(|started| started < o.start)
-        });
+        let by_window = due_by_window(settings, last.as_ref(), now);
         if !(asked.is_some() || by_window) || !quiet {
             return step;
         }
-        let threshold = settings.fragmentation_threshold.unwrap_or(0.3);
+        if let Some(round) = self.start(pool, slices, asked, last, now) {
+            step.record = Some(round);
+        }
+        step
+    }
+
+    /// One pass of the `round` under way in `pool`: over once every moved workload has left
+    /// (none of `held`) and the pool has stayed `quiet` for [`SETTLE_SECONDS`]; until then the
+    /// moves left are asked for again and the GPUs being emptied stay listed.
+    fn under_way(
+        &mut self,
+        pool: &GpuPool,
+        mut round: CompactionStatus,
+        held: &BTreeSet<String>,
+        quiet: bool,
+        now: DateTime<Utc>,
+    ) -> Step {
+        let mut step = Step::default();
+        let name = pool.name_any();
+        let left: Vec<&CompactionMove> = round
+            .moves
+            .iter()
+            .filter(|m| held.contains(&m.resource_claim))
+            .collect();
+        if left.is_empty() && quiet {
+            let since = *self.settled_since.entry(name.clone()).or_insert(now);
+            if (now - since).num_seconds() >= SETTLE_SECONDS {
+                round.finished_at = gpuslice_api::time_of(now);
+                self.settled_since.remove(&name);
+                self.written.insert(name.clone(), round.clone());
+                step.record = Some(round);
+                return step;
+            }
+        } else {
+            self.settled_since.remove(&name);
+        }
+        for m in left {
+            let Some((node, _)) = parse_gpu_ref(&m.from) else {
+                continue;
+            };
+            step.preemptions.entry(node).or_default().push(Preemption {
+                resource_claim: m.resource_claim.clone(),
+                for_pod: String::new(),
+                reason: format!("{REASON_PREFIX}: emptying {} of pool {name}", m.from),
+            });
+        }
+        step.compacting = round
+            .freeing
+            .iter()
+            .filter_map(|g| parse_gpu_ref(g))
+            .collect();
+        let recorded = pool.status.as_ref().and_then(|s| s.compaction.clone());
+        if recorded.as_ref() != Some(&round) {
+            step.record = Some(round);
+        }
+        step
+    }
+
+    /// Starts a round in `pool`, planned from its `slices`: `asked` by the annotation's value,
+    /// else by the window; `last` the round before. `None` when `now` cannot be written.
+    fn start(
+        &mut self,
+        pool: &GpuPool,
+        slices: impl FnOnce() -> Vec<Slice>,
+        asked: Option<String>,
+        last: Option<CompactionStatus>,
+        now: DateTime<Utc>,
+    ) -> Option<CompactionStatus> {
+        let name = pool.name_any();
+        let threshold = pool
+            .spec
+            .compaction
+            .as_ref()
+            .and_then(|c| c.fragmentation_threshold)
+            .unwrap_or(0.3);
         let planned = gpuslice_planning::compaction::plan(&gpu_states(&slices()), threshold);
-        let Some(started_at) = gpuslice_api::time_of(now) else {
-            return step;
-        };
+        let started_at = gpuslice_api::time_of(now)?;
         let at = |(node, gpu): &(String, u32)| gpu_ref(node, *gpu);
         let round = CompactionStatus {
             started_at,
@@ -229,9 +252,30 @@ impl Rounds {
             round.freeing.len()
         );
         self.written.insert(name, round.clone());
-        step.record = Some(round);
-        step
+        Some(round)
     }
+}
+
+/// Whether the pool's compaction window has opened since its `last` round started: a round is
+/// due by the window once per opening.
+fn due_by_window(
+    settings: &Compaction,
+    last: Option<&CompactionStatus>,
+    now: DateTime<Utc>,
+) -> bool {
+    let opening = settings
+        .window
+        .as_ref()
+        .and_then(|w| Recurrence::of_daily(w).ok())
+        .and_then(|r| {
+            r.occurrences(now, now + chrono::Duration::seconds(1))
+                .into_iter()
+                .find(|o| o.start <= now)
+        });
+    opening.is_some_and(|o| {
+        last.and_then(|r| gpuslice_api::chrono_of(&r.started_at))
+            .is_none_or(|started| started < o.start)
+    })
 }
 
 /// Why a compaction could not be asked for.

@@ -328,87 +328,195 @@ pub async fn run(
     agent_timeout: std::time::Duration,
 ) -> Result<(), OperatorError> {
     let changed = Arc::new(Notify::new());
-    let all = watcher::Config::default;
-    let pools = cache(Api::<GpuPool>::all(client.clone()), all(), changed.clone());
-    let checkpoints = cache(
-        Api::<CheckpointPolicy>::all(client.clone()),
-        all(),
-        changed.clone(),
-    );
-    let policies = cache(
-        Api::<GpuSlicePolicy>::all(client.clone()),
-        all(),
-        changed.clone(),
-    );
-    // Of a Node, only its name and labels are read (which pools select it).
-    let nodes = trimmed_cache(
-        Api::<Node>::all(client.clone()),
-        all(),
-        changed.clone(),
-        |n| {
-            n.spec = None;
-            n.status = None;
-            n.metadata.annotations = None;
-        },
-    );
-    let gpu_nodes = cache(Api::<GpuNode>::all(client.clone()), all(), changed.clone());
-    let classes = cache(
-        Api::<DeviceClass>::all(client.clone()),
-        all().labels(&format!("{}={MANAGER}", dra::MANAGED_BY_LABEL)),
-        changed.clone(),
-    );
-    let slices = trimmed_cache(
-        Api::<PublishedSlice>::all(client.clone()),
-        all().fields(&format!("spec.driver={}", dra::DRIVER)),
-        changed.clone(),
-        trim_slice,
-    );
-    let claims = trimmed_cache(
-        Api::<ResourceClaim>::all(client.clone()),
-        all(),
-        changed.clone(),
-        trim_claim,
-    );
-    // Only with admission parameters to write: which namespaces each policy's selector matches.
-    let namespaces = admission.as_ref().map(|_| {
-        cache(
-            Api::<Namespace>::all(client.clone()),
-            all(),
-            changed.clone(),
-        )
-    });
-    if let Some(namespaces) = &namespaces {
-        namespaces
-            .wait_until_ready()
-            .await
-            .map_err(|e| OperatorError::Cache {
-                kind: "Namespace",
-                message: e.to_string(),
-            })?;
-    }
-    let mut params_written: Option<BTreeMap<String, String>> = None;
-    for (kind, ready) in [
-        ("GpuPool", pools.wait_until_ready().await),
-        ("CheckpointPolicy", checkpoints.wait_until_ready().await),
-        ("GpuSlicePolicy", policies.wait_until_ready().await),
-        ("Node", nodes.wait_until_ready().await),
-        ("GpuNode", gpu_nodes.wait_until_ready().await),
-        ("DeviceClass", classes.wait_until_ready().await),
-        ("ResourceSlice", slices.wait_until_ready().await),
-        ("ResourceClaim", claims.wait_until_ready().await),
-    ] {
-        ready.map_err(|e| OperatorError::Cache {
-            kind,
-            message: e.to_string(),
-        })?;
-    }
+    let stores = Stores::watch(&client, admission.is_some(), &changed).await?;
     // The admission queue: pods that name a policy, and the caches above. A change of such a pod
     // wakes the queue, and this loop too (the policies count their waiting pods).
     let queue_changed = Arc::new(Notify::new());
+    let pods = watch_pods(&client, &queue_changed, &changed).await?;
+    // A policy's priority may name a PriorityClass: the queue orders by its value.
+    let priority_classes = cache(
+        Api::<PriorityClass>::all(client.clone()),
+        watcher::Config::default(),
+        queue_changed.clone(),
+    );
+    priority_classes
+        .wait_until_ready()
+        .await
+        .map_err(|e| OperatorError::Cache {
+            kind: "PriorityClass",
+            message: e.to_string(),
+        })?;
+    tokio::spawn(crate::evictions::run(
+        client.clone(),
+        leadership.clone(),
+        stores.gpu_nodes.clone(),
+    ));
+    tokio::spawn(crate::queue::run(
+        client.clone(),
+        clock,
+        leadership.clone(),
+        crate::queue::Caches {
+            pods: pods.clone(),
+            pools: stores.pools.clone(),
+            policies: stores.policies.clone(),
+            slices: stores.slices.clone(),
+            claims: stores.claims.clone(),
+            gpu_nodes: stores.gpu_nodes.clone(),
+            priority_classes,
+        },
+        queue_changed,
+        metrics.queue.clone(),
+        agent_timeout,
+    ));
+    let writer = Writer {
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: MANAGER.into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        ),
+        client,
+    };
+    let mut reconciler = Reconciler {
+        stores,
+        pods,
+        writer,
+        clock,
+        leadership,
+        metrics,
+        telemetry,
+        admission,
+        params_written: None,
+        catch_up: None,
+    };
+    loop {
+        let started = std::time::Instant::now();
+        let span = tracing::info_span!("reconcile", leader = reconciler.leadership.is_leader());
+        let want = reconciler.pass(started).instrument(span).await;
+        reconciler.wait(&want, started, &changed).await;
+    }
+}
+
+/// The caches the controller reconciles from; a change of any wakes its loop.
+struct Stores {
+    pools: Store<GpuPool>,
+    checkpoints: Store<CheckpointPolicy>,
+    policies: Store<GpuSlicePolicy>,
+    nodes: Store<Node>,
+    gpu_nodes: Store<GpuNode>,
+    classes: Store<DeviceClass>,
+    slices: Store<PublishedSlice>,
+    claims: Store<ResourceClaim>,
+    /// Only with admission parameters to write: which namespaces each policy's selector matches.
+    namespaces: Option<Store<Namespace>>,
+}
+
+impl Stores {
+    /// Starts the watches (the Namespaces' only when `admission` parameters are written) and
+    /// waits until every cache has filled.
+    async fn watch(
+        client: &Client,
+        admission: bool,
+        changed: &Arc<Notify>,
+    ) -> Result<Stores, OperatorError> {
+        let all = watcher::Config::default;
+        let pools = cache(Api::<GpuPool>::all(client.clone()), all(), changed.clone());
+        let checkpoints = cache(
+            Api::<CheckpointPolicy>::all(client.clone()),
+            all(),
+            changed.clone(),
+        );
+        let policies = cache(
+            Api::<GpuSlicePolicy>::all(client.clone()),
+            all(),
+            changed.clone(),
+        );
+        // Of a Node, only its name and labels are read (which pools select it).
+        let nodes = trimmed_cache(
+            Api::<Node>::all(client.clone()),
+            all(),
+            changed.clone(),
+            |n| {
+                n.spec = None;
+                n.status = None;
+                n.metadata.annotations = None;
+            },
+        );
+        let gpu_nodes = cache(Api::<GpuNode>::all(client.clone()), all(), changed.clone());
+        let classes = cache(
+            Api::<DeviceClass>::all(client.clone()),
+            all().labels(&format!("{}={MANAGER}", dra::MANAGED_BY_LABEL)),
+            changed.clone(),
+        );
+        let slices = trimmed_cache(
+            Api::<PublishedSlice>::all(client.clone()),
+            all().fields(&format!("spec.driver={}", dra::DRIVER)),
+            changed.clone(),
+            trim_slice,
+        );
+        let claims = trimmed_cache(
+            Api::<ResourceClaim>::all(client.clone()),
+            all(),
+            changed.clone(),
+            trim_claim,
+        );
+        let namespaces = admission.then(|| {
+            cache(
+                Api::<Namespace>::all(client.clone()),
+                all(),
+                changed.clone(),
+            )
+        });
+        if let Some(namespaces) = &namespaces {
+            namespaces
+                .wait_until_ready()
+                .await
+                .map_err(|e| OperatorError::Cache {
+                    kind: "Namespace",
+                    message: e.to_string(),
+                })?;
+        }
+        for (kind, ready) in [
+            ("GpuPool", pools.wait_until_ready().await),
+            ("CheckpointPolicy", checkpoints.wait_until_ready().await),
+            ("GpuSlicePolicy", policies.wait_until_ready().await),
+            ("Node", nodes.wait_until_ready().await),
+            ("GpuNode", gpu_nodes.wait_until_ready().await),
+            ("DeviceClass", classes.wait_until_ready().await),
+            ("ResourceSlice", slices.wait_until_ready().await),
+            ("ResourceClaim", claims.wait_until_ready().await),
+        ] {
+            ready.map_err(|e| OperatorError::Cache {
+                kind,
+                message: e.to_string(),
+            })?;
+        }
+        Ok(Stores {
+            pools,
+            checkpoints,
+            policies,
+            nodes,
+            gpu_nodes,
+            classes,
+            slices,
+            claims,
+            namespaces,
+        })
+    }
+}
+
+/// Watches the pods that name a policy (`queue_changed` and `changed` both notified of a change)
+/// and waits until the cache has filled.
+async fn watch_pods(
+    client: &Client,
+    queue_changed: &Arc<Notify>,
+    changed: &Arc<Notify>,
+) -> Result<Store<Pod>, OperatorError> {
     let pods_changed = Arc::new(Notify::new());
     let pods = trimmed_cache(
         Api::<Pod>::all(client.clone()),
-        all().labels(crate::queue::POLICY_LABEL),
+        watcher::Config::default().labels(crate::queue::POLICY_LABEL),
         pods_changed.clone(),
         crate::queue::trim_pod,
     );
@@ -428,135 +536,158 @@ pub async fn run(
             kind: "Pod",
             message: e.to_string(),
         })?;
-    // A policy's priority may name a PriorityClass: the queue orders by its value.
-    let priority_classes = cache(
-        Api::<PriorityClass>::all(client.clone()),
-        all(),
-        queue_changed.clone(),
-    );
-    priority_classes
-        .wait_until_ready()
-        .await
-        .map_err(|e| OperatorError::Cache {
-            kind: "PriorityClass",
-            message: e.to_string(),
-        })?;
-    tokio::spawn(crate::evictions::run(
-        client.clone(),
-        leadership.clone(),
-        gpu_nodes.clone(),
-    ));
-    tokio::spawn(crate::queue::run(
-        client.clone(),
-        clock,
-        leadership.clone(),
-        crate::queue::Caches {
-            pods: pods.clone(),
-            pools: pools.clone(),
-            policies: policies.clone(),
-            slices: slices.clone(),
-            claims: claims.clone(),
-            gpu_nodes: gpu_nodes.clone(),
-            priority_classes,
-        },
-        queue_changed,
-        metrics.queue.clone(),
-        agent_timeout,
-    ));
-    let writer = Writer {
-        recorder: Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: MANAGER.into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        ),
-        client,
-    };
-    // When the specs that agents switched away from by themselves are due to be caught up.
-    let mut catch_up = None;
-    loop {
-        let started = std::time::Instant::now();
-        let want = async {
-            let mut observed = observe(&pools, &checkpoints, &nodes, &gpu_nodes);
-            observed.policies = policies.state().iter().map(|p| (**p).clone()).collect();
-            observed.allocated = allocated(&slices, &claims);
-            observed.waiting = crate::queue::waiting_by_policy(&pods);
-            let now = clock.now();
-            let want = desired(&observed, now);
-            // Only the leader writes; the others keep their caches warm to take over at once.
-            let failed = if leadership.is_leader() {
-                let (failed, due) = writer.apply(&want, &pools, &gpu_nodes, now).await;
-                catch_up = due;
-                let mut failed = failed
-                    + writer.apply_policies(&want, &policies).await
-                    + writer.apply_classes(&want, &classes).await;
-                if let (Some(params), Some(namespaces)) = (&admission, &namespaces) {
-                    let labelled: Vec<(String, BTreeMap<String, String>)> = namespaces
-                        .state()
-                        .iter()
-                        .map(|n| (n.name_any(), n.labels().clone()))
-                        .collect();
-                    let mut allowed = allowed_namespaces(&observed.policies, &labelled);
-                    allowed.extend(crate::admission::host_requests(&observed.policies));
-                    allowed.extend(crate::admission::non_root_policies(
-                        &observed.policies,
-                        &observed.pools,
-                    ));
-                    if params_written.as_ref() != Some(&allowed) {
-                        match writer.apply_admission_params(params, &allowed).await {
-                            Ok(()) => params_written = Some(allowed),
-                            Err(e) => {
-                                tracing::warn!(
-                                    "ConfigMap {}/{}: writing admission parameters: {e}",
-                                    params.namespace,
-                                    params.name
-                                );
-                                failed += 1;
-                            }
-                        }
-                    }
-                }
-                failed
-            } else {
-                params_written = None;
-                catch_up = None;
-                0
-            };
-            metrics.reconciles.inc();
-            metrics.errors.inc_by(failed);
-            metrics.duration.observe(started.elapsed().as_secs_f64());
-            let pool_and_class: BTreeMap<String, (String, String)> = policies
+    Ok(pods)
+}
+
+/// The reconcile loop's state: what it reads, writes and reports with, the admission
+/// parameters written last, and when specs are due to be caught up.
+struct Reconciler {
+    stores: Stores,
+    pods: Store<Pod>,
+    writer: Writer,
+    clock: Clock,
+    leadership: Leadership,
+    metrics: Metrics,
+    telemetry: Option<Telemetry>,
+    admission: Option<AdmissionParams>,
+    /// The admission parameters as last written (none while not the leader).
+    params_written: Option<BTreeMap<String, String>>,
+    /// When the specs that agents switched away from by themselves are due to be caught up.
+    catch_up: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl Reconciler {
+    /// One reconcile pass (`started` at that instant): read the caches, build the desired
+    /// state, write what differs (only the leader), and record the pass's metrics.
+    async fn pass(&mut self, started: std::time::Instant) -> crate::desired::DesiredState {
+        let observed = self.observed();
+        let now = self.clock.now();
+        let want = desired(&observed, now);
+        // Only the leader writes; the others keep their caches warm to take over at once.
+        let failed = if self.leadership.is_leader() {
+            self.write(&want, &observed, now).await
+        } else {
+            self.params_written = None;
+            self.catch_up = None;
+            0
+        };
+        self.record(&want, failed, started);
+        want
+    }
+
+    /// The cluster as the caches have it.
+    fn observed(&self) -> Observed {
+        let stores = &self.stores;
+        let mut observed = observe(
+            &stores.pools,
+            &stores.checkpoints,
+            &stores.nodes,
+            &stores.gpu_nodes,
+        );
+        observed.policies = stores
+            .policies
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        observed.allocated = allocated(&stores.slices, &stores.claims);
+        observed.waiting = crate::queue::waiting_by_policy(&self.pods);
+        observed
+    }
+
+    /// Writes what differs from `want`: GpuNode specs and pool status, policy status,
+    /// DeviceClasses, the admission parameters. Returns how many writes failed.
+    async fn write(
+        &mut self,
+        want: &crate::desired::DesiredState,
+        observed: &Observed,
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> u64 {
+        let stores = &self.stores;
+        let (failed, due) = self
+            .writer
+            .apply(want, &stores.pools, &stores.gpu_nodes, now)
+            .await;
+        self.catch_up = due;
+        let mut failed = failed
+            + self.writer.apply_policies(want, &stores.policies).await
+            + self.writer.apply_classes(want, &stores.classes).await;
+        if let (Some(params), Some(namespaces)) = (&self.admission, &stores.namespaces) {
+            let labelled: Vec<(String, BTreeMap<String, String>)> = namespaces
                 .state()
                 .iter()
-                .map(|p| {
-                    let class = p.spec.class.map(|c| c.as_str().to_string());
-                    (
-                        p.name_any(),
-                        (p.spec.pool.clone(), class.unwrap_or_default()),
-                    )
-                })
+                .map(|n| (n.name_any(), n.labels().clone()))
                 .collect();
-            metrics.record_state(&want, &pool_and_class);
-            if let Some(t) = &telemetry {
-                t.pass_done();
+            let mut allowed = allowed_namespaces(&observed.policies, &labelled);
+            allowed.extend(crate::admission::host_requests(&observed.policies));
+            allowed.extend(crate::admission::non_root_policies(
+                &observed.policies,
+                &observed.pools,
+            ));
+            if self.params_written.as_ref() != Some(&allowed) {
+                match self.writer.apply_admission_params(params, &allowed).await {
+                    Ok(()) => self.params_written = Some(allowed),
+                    Err(e) => {
+                        tracing::warn!(
+                            "ConfigMap {}/{}: writing admission parameters: {e}",
+                            params.namespace,
+                            params.name
+                        );
+                        failed += 1;
+                    }
+                }
             }
-            want
         }
-        .instrument(tracing::info_span!(
-            "reconcile",
-            leader = leadership.is_leader()
-        ))
-        .await;
+        failed
+    }
+
+    /// Records a pass `started` then, with `failed` writes, and the state it wants.
+    fn record(
+        &self,
+        want: &crate::desired::DesiredState,
+        failed: u64,
+        started: std::time::Instant,
+    ) {
+        let metrics = &self.metrics;
+        metrics.reconciles.inc();
+        metrics.errors.inc_by(failed);
+        metrics.duration.observe(started.elapsed().as_secs_f64());
+        let pool_and_class: BTreeMap<String, (String, String)> = self
+            .stores
+            .policies
+            .state()
+            .iter()
+            .map(|p| {
+                let class = p.spec.class.map(|c| c.as_str().to_string());
+                (
+                    p.name_any(),
+                    (p.spec.pool.clone(), class.unwrap_or_default()),
+                )
+            })
+            .collect();
+        metrics.record_state(want, &pool_and_class);
+        if let Some(t) = &self.telemetry {
+            t.pass_done();
+        }
+    }
+
+    /// Waits for the next pass: a change (a burst settles first), or the next window boundary
+    /// or catch-up (a follower looks again soon whether it leads now).
+    async fn wait(
+        &self,
+        want: &crate::desired::DesiredState,
+        started: std::time::Instant,
+        changed: &Notify,
+    ) {
         // Wake on a change (a burst settles first) or at the next window boundary.
         tracing::debug!("pass took {:.2} s", started.elapsed().as_secs_f64());
         let until_boundary = want
             .next_change
             .into_iter()
-            .chain(catch_up)
+            .chain(self.catch_up)
             .min()
-            .map_or(IDLE_PASS, |t| clock.until(t) + BOUNDARY_MARGIN);
-        let until_boundary = if leadership.is_leader() {
+            .map_or(IDLE_PASS, |t| self.clock.until(t) + BOUNDARY_MARGIN);
+        let until_boundary = if self.leadership.is_leader() {
             until_boundary
         } else {
             until_boundary.min(FOLLOWER_PASS)

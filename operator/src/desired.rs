@@ -8,9 +8,9 @@ use chrono::{DateTime, Utc};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use gpuslice_api::{
     GpuAssignment, GpuNodeSpec, GpuPool, GpuPoolStatus, GpuSlicePolicy, GpuSlicePolicyStatus,
-    NextAssignment, NodeInventory, SliceCounts,
+    Layout, NextAssignment, NodeInventory, SliceCounts,
 };
-use gpuslice_planning::cluster::plan_cluster;
+use gpuslice_planning::cluster::{ClusterPlan, GpuPlan, NodePlan, PoolTiming, plan_cluster};
 use gpuslice_planning::transition::Desired;
 use gpuslice_runtime::conditions::condition;
 use k8s_openapi::api::resource::v1::DeviceClass;
@@ -125,92 +125,12 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
         ),
         ..DesiredState::default()
     };
-    // Each pool's next window change, and the plan at each such time (one per distinct
-    // boundary), to tell which GPUs a pool's own next change re-cuts and what it gives them.
-    let pool_next: BTreeMap<&str, DateTime<Utc>> = plan
-        .pools
-        .iter()
-        .filter_map(|p| Some((p.pool.as_str(), p.next_change?)))
-        .collect();
-    let later: BTreeMap<DateTime<Utc>, gpuslice_planning::cluster::ClusterPlan> = pool_next
-        .values()
-        .copied()
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .map(|t| (t, plan_cluster(&observed.pools, &inventories, t)))
-        .collect();
-
+    let later = Later::plan(observed, &inventories, &plan);
     for (position, node) in plan.nodes.iter().enumerate() {
-        // The plans are of the same inventories, in the same order.
-        let later_node = |at: &DateTime<Utc>| {
-            later
-                .get(at)
-                .and_then(|l| l.nodes.get(position))
-                .filter(|n| n.node == node.node)
-        };
-        let assigned = observed
-            .nodes
-            .iter()
-            .find(|n| n.inventory.name == node.node)
-            .map(|n| n.assigned.as_slice())
-            .unwrap_or_default();
-        let gpus: Vec<GpuAssignment> = node
-            .gpus
-            .iter()
-            .filter_map(|g| {
-                // A GPU that cannot be planned now (pools overlap, a layout it cannot hold)
-                // keeps the layout it was last given: the last good state stays in force, and
-                // the pool says what is wrong.
-                if g.error.is_some() {
-                    return assigned
-                        .iter()
-                        .find(|a| a.index == g.index)
-                        .map(|a| a.in_force(at));
-                }
-                let next_at = g.pool.as_deref().and_then(|p| pool_next.get(p));
-                let then = next_at
-                    .and_then(later_node)
-                    .and_then(|n| n.gpus.iter().find(|x| x.index == g.index));
-                let recut = then.is_some_and(|x| x.layout != g.layout || x.pool != g.pool);
-                // Staged ahead, so that the agents switch at the boundary by themselves.
-                let next = then
-                    .filter(|x| {
-                        x.error.is_none()
-                            && (x.pool != g.pool
-                                || x.window != g.window
-                                || x.layout != g.layout
-                                || x.time_slice != g.time_slice
-                                || x.checkpoint_policy != g.checkpoint_policy)
-                    })
-                    .and_then(|x| {
-                        Some(NextAssignment {
-                            at: gpuslice_api::time_of(*next_at?)?,
-                            pool: x.pool.clone()?,
-                            window: x.window.clone(),
-                            layout: x.layout.clone()?,
-                            time_slice: x.time_slice,
-                            checkpoint_policy: x.checkpoint_policy.clone(),
-                        })
-                    });
-                Some(GpuAssignment {
-                    index: g.index,
-                    uuid: g.uuid.clone(),
-                    pool: g.pool.clone()?,
-                    window: g.window.clone(),
-                    layout: g.layout.clone()?,
-                    time_slice: g.time_slice,
-                    checkpoint_policy: g.checkpoint_policy.clone(),
-                    recut_at: next_at
-                        .filter(|_| recut)
-                        .and_then(|t| gpuslice_api::time_of(*t)),
-                    next,
-                })
-            })
-            .collect();
         out.node_specs.insert(
             node.node.clone(),
             GpuNodeSpec {
-                gpus,
+                gpus: node_gpus(observed, &later, position, node, at),
                 source_revision: None,
                 // The queue's, under its own field manager.
                 preemptions: Vec::new(),
@@ -218,214 +138,419 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
             },
         );
     }
-
     for (pool, timing) in observed.pools.iter().zip(&plan.pools) {
         let name = pool.metadata.name.clone().unwrap_or_default();
-        let generation = pool.metadata.generation;
-        let mut problems: Vec<String> = Vec::new();
-        if let Some(cp) = &pool.spec.checkpoint_policy
-            && !observed.checkpoint_policies.contains(cp)
-        {
-            problems.push(format!(
-                "spec.checkpointPolicy: CheckpointPolicy {cp:?} does not exist; create it or remove the reference"
-            ));
+        let status = pool_status(observed, &plan, &out.node_specs, pool, timing, at);
+        out.pool_status.insert(name, status);
+    }
+    for policy in &observed.policies {
+        let name = policy.metadata.name.clone().unwrap_or_default();
+        let status = policy_status(observed, &plan, policy);
+        out.policy_status.insert(name, status);
+    }
+    out
+}
+
+/// Each pool's next window change, and the plan at each such time (one per distinct
+/// boundary), to tell which GPUs a pool's own next change re-cuts and what it gives them.
+struct Later<'a> {
+    /// Pool name → its next window change.
+    pool_next: BTreeMap<&'a str, DateTime<Utc>>,
+    /// The cluster's plan at each of those times.
+    plans: BTreeMap<DateTime<Utc>, ClusterPlan>,
+}
+
+impl<'a> Later<'a> {
+    /// Plans the cluster at each pool's next window change of `plan`.
+    fn plan(
+        observed: &Observed,
+        inventories: &[NodeInventory],
+        plan: &'a ClusterPlan,
+    ) -> Later<'a> {
+        let pool_next: BTreeMap<&str, DateTime<Utc>> = plan
+            .pools
+            .iter()
+            .filter_map(|p| Some((p.pool.as_str(), p.next_change?)))
+            .collect();
+        let plans: BTreeMap<DateTime<Utc>, ClusterPlan> = pool_next
+            .values()
+            .copied()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .map(|t| (t, plan_cluster(&observed.pools, inventories, t)))
+            .collect();
+        Later { pool_next, plans }
+    }
+
+    /// When the pool of `g` (a GPU of `node`, at `position` in the plan) next changes, and the
+    /// GPU as the plan then has it.
+    fn gpu(
+        &self,
+        position: usize,
+        node: &NodePlan,
+        g: &GpuPlan,
+    ) -> (Option<&DateTime<Utc>>, Option<&GpuPlan>) {
+        // The plans are of the same inventories, in the same order.
+        let later_node = |at: &DateTime<Utc>| {
+            self.plans
+                .get(at)
+                .and_then(|l| l.nodes.get(position))
+                .filter(|n| n.node == node.node)
+        };
+        let next_at = g.pool().and_then(|p| self.pool_next.get(p));
+        let then = next_at
+            .and_then(later_node)
+            .and_then(|n| n.gpus.iter().find(|x| x.index == g.index));
+        (next_at, then)
+    }
+}
+
+/// The GPUs a planned `node` (at `position` in the plan) is to have, as its spec lists them.
+fn node_gpus(
+    observed: &Observed,
+    later: &Later,
+    position: usize,
+    node: &NodePlan,
+    at: DateTime<Utc>,
+) -> Vec<GpuAssignment> {
+    let assigned = observed
+        .nodes
+        .iter()
+        .find(|n| n.inventory.name == node.node)
+        .map(|n| n.assigned.as_slice())
+        .unwrap_or_default();
+    node.gpus
+        .iter()
+        .filter_map(|g| {
+            // A GPU that cannot be planned now (pools overlap, a layout it cannot hold)
+            // keeps the layout it was last given: the last good state stays in force, and
+            // the pool says what is wrong.
+            if g.error.is_some() {
+                return assigned
+                    .iter()
+                    .find(|a| a.index == g.index)
+                    .map(|a| a.in_force(at));
+            }
+            let (next_at, then) = later.gpu(position, node, g);
+            gpu_assignment(g, next_at, then)
+        })
+        .collect()
+}
+
+/// The assignment of a planned GPU `g` (none outside every pool): what it has now, when its
+/// pool's next change (`next_at`) re-cuts it, and what it gets `then`, staged ahead.
+fn gpu_assignment(
+    g: &GpuPlan,
+    next_at: Option<&DateTime<Utc>>,
+    then: Option<&GpuPlan>,
+) -> Option<GpuAssignment> {
+    let recut = then.is_some_and(|x| layout_and_pool(x) != layout_and_pool(g));
+    // Staged ahead, so that the agents switch at the boundary by themselves.
+    let next = then
+        .filter(|x| x.error.is_none() && x.assigned != g.assigned)
+        .and_then(|x| {
+            Some(NextAssignment {
+                at: gpuslice_api::time_of(*next_at?)?,
+                assigned: x.assigned.clone()?,
+            })
+        });
+    Some(GpuAssignment {
+        index: g.index,
+        uuid: g.uuid.clone(),
+        assigned: g.assigned.clone()?,
+        recut_at: next_at
+            .filter(|_| recut)
+            .and_then(|t| gpuslice_api::time_of(*t)),
+        next,
+    })
+}
+
+/// The layout a planned GPU is given, and its pool (none outside every pool).
+fn layout_and_pool(g: &GpuPlan) -> Option<(&Layout, &str)> {
+    g.assigned.as_ref().map(|a| (&a.layout, a.pool.as_str()))
+}
+
+/// The status of `pool` (`timing`: its window in force and next change), the nodes' specs
+/// as this pass writes them.
+fn pool_status(
+    observed: &Observed,
+    plan: &ClusterPlan,
+    node_specs: &BTreeMap<String, GpuNodeSpec>,
+    pool: &GpuPool,
+    timing: &PoolTiming,
+    at: DateTime<Utc>,
+) -> GpuPoolStatus {
+    let name = pool.metadata.name.clone().unwrap_or_default();
+    let generation = pool.metadata.generation;
+    let problems = pool_problems(observed, plan, pool, &name);
+    let held = Footprint::of(observed, plan, node_specs, &name, at);
+    let outdated = driver_outdated(observed, pool, &name, &held.nodes);
+    let conditions = pool_conditions(&problems, &outdated, &held, generation);
+    let allocated = observed
+        .allocated
+        .iter()
+        .filter(|a| a.pool.as_deref() == Some(name.as_str()))
+        .count() as u32;
+    GpuPoolStatus {
+        conditions,
+        observed_generation: generation,
+        active_window: Some(
+            timing
+                .window
+                .clone()
+                .unwrap_or_else(|| gpuslice_api::DEFAULT_WINDOW.into()),
+        ),
+        next_transition: timing.next_change.and_then(gpuslice_api::time_of),
+        nodes: held.nodes.len() as u32,
+        gpus: held.gpus,
+        slices: SliceCounts {
+            total: held.slices,
+            allocated,
+            free: held.slices.saturating_sub(allocated),
+        },
+        driver_outdated: outdated.len() as u32,
+        fair_share: None,
+        compaction: None,
+    }
+}
+
+/// What is wrong with the pool `name`: a CheckpointPolicy it names that does not exist, and
+/// the GPUs that cannot be planned for it (sorted, each once).
+fn pool_problems(
+    observed: &Observed,
+    plan: &ClusterPlan,
+    pool: &GpuPool,
+    name: &str,
+) -> Vec<String> {
+    let mut problems: Vec<String> = Vec::new();
+    if let Some(cp) = &pool.spec.checkpoint_policy
+        && !observed.checkpoint_policies.contains(cp)
+    {
+        problems.push(format!(
+            "spec.checkpointPolicy: CheckpointPolicy {cp:?} does not exist; create it or remove the reference"
+        ));
+    }
+    for node in &plan.nodes {
+        for g in &node.gpus {
+            let claimed = g.pool() == Some(name);
+            if let Some(e) = &g.error
+                && (claimed || e.pools().contains(&name))
+            {
+                problems.push(format!("node {} GPU {}: {e}", node.node, g.index));
+            }
         }
-        let mut nodes = BTreeSet::new();
-        let mut gpus = 0u32;
-        let mut slices = 0u32;
-        let mut waiting = Vec::new();
-        let mut blocked = Vec::new();
+    }
+    problems.sort();
+    problems.dedup();
+    problems
+}
+
+/// What a pool holds in the plan, and where its nodes stand with the layout.
+struct Footprint {
+    /// The nodes with a GPU of the pool.
+    nodes: BTreeSet<String>,
+    gpus: u32,
+    slices: u32,
+    /// The nodes whose agent has not applied what they are to have now.
+    waiting: Vec<String>,
+    /// `node: why` of the nodes whose transition waits for busy instances.
+    blocked: Vec<String>,
+}
+
+impl Footprint {
+    /// The GPUs of the pool `name` in the plan, and where their nodes' agents stand with the
+    /// specs this pass writes (`node_specs`).
+    fn of(
+        observed: &Observed,
+        plan: &ClusterPlan,
+        node_specs: &BTreeMap<String, GpuNodeSpec>,
+        name: &str,
+        at: DateTime<Utc>,
+    ) -> Footprint {
+        let mut held = Footprint {
+            nodes: BTreeSet::new(),
+            gpus: 0,
+            slices: 0,
+            waiting: Vec::new(),
+            blocked: Vec::new(),
+        };
         for node in &plan.nodes {
             let report = observed
                 .nodes
                 .iter()
                 .find(|n| n.inventory.name == node.node);
-            for g in &node.gpus {
-                let claimed = g.pool.as_deref() == Some(name.as_str());
-                if let Some(e) = &g.error
-                    && (claimed || e.pools().contains(&name.as_str()))
-                {
-                    problems.push(format!("node {} GPU {}: {e}", node.node, g.index));
-                }
-                if !claimed {
-                    continue;
-                }
-                nodes.insert(node.node.clone());
-                gpus += 1;
-                slices += match &g.desired {
+            for g in node.gpus.iter().filter(|g| g.pool() == Some(name)) {
+                held.nodes.insert(node.node.clone());
+                held.gpus += 1;
+                held.slices += match &g.desired {
                     Some(Desired::Mig(counts)) => counts.values().sum(),
                     Some(Desired::Software(table)) => table.slices,
                     Some(Desired::Exclusive) => 1,
                     None => 0,
                 };
             }
-            if nodes.contains(&node.node)
+            if held.nodes.contains(&node.node)
                 && let Some(r) = report
             {
                 // The spec this pass writes changes what the node is to have now: its agent
                 // has not applied that, whatever generation it reported.
-                let respecified = out
-                    .node_specs
+                let respecified = node_specs
                     .get(&node.node)
                     .is_some_and(|spec| in_force(&spec.gpus, at) != in_force(&r.assigned, at));
                 if let Some(b) = &r.blocked {
-                    blocked.push(format!("{}: {b}", node.node));
+                    held.blocked.push(format!("{}: {b}", node.node));
                 } else if respecified
                     || r.applied_generation.is_none()
                     || r.applied_generation < r.generation
                     || switch_pending(r, at)
                 {
-                    waiting.push(node.node.clone());
+                    held.waiting.push(node.node.clone());
                 }
             }
         }
-        problems.sort();
-        problems.dedup();
-        // The agents enforce it (DriverSupported on each GpuNode); the pool counts the nodes
-        // whose reported driver falls short.
-        let minimum = pool.spec.driver.as_ref().map(|m| (name.as_str(), m));
-        let outdated: Vec<String> = observed
-            .nodes
-            .iter()
-            .filter(|n| nodes.contains(&n.inventory.name))
-            .filter_map(|n| {
-                let found = n.inventory.driver.as_ref()?;
-                let short = gpuslice_planning::driver::check(Some(found), minimum).err()?;
-                Some(format!("node {}: {short}", n.inventory.name))
-            })
-            .collect();
-        let mut conditions = Vec::new();
-        let degraded = !problems.is_empty() || !outdated.is_empty();
-        conditions.push(condition(
-            "Degraded",
-            degraded,
-            if !problems.is_empty() {
-                "InvalidConfiguration"
-            } else if degraded {
-                "DriverOutdated"
-            } else {
-                "AsExpected"
-            },
-            problems
-                .iter()
-                .chain(&outdated)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join("; "),
-            generation,
-        ));
-        let progressing = !waiting.is_empty() || !blocked.is_empty();
-        let (reason, message) = if !blocked.is_empty() {
-            (
-                "Blocked",
-                format!(
-                    "waiting for busy instances to drain: {}",
-                    blocked.join("; ")
-                ),
-            )
-        } else if !waiting.is_empty() {
-            (
-                "Applying",
-                format!(
-                    "waiting for {} node(s) to apply the layout: {}",
-                    waiting.len(),
-                    waiting.join(", ")
-                ),
-            )
+        held
+    }
+}
+
+/// The pool's `nodes` whose reported driver falls short of the pool's minimum, each with why.
+fn driver_outdated(
+    observed: &Observed,
+    pool: &GpuPool,
+    name: &str,
+    nodes: &BTreeSet<String>,
+) -> Vec<String> {
+    // The agents enforce it (DriverSupported on each GpuNode); the pool counts the nodes
+    // whose reported driver falls short.
+    let minimum = pool.spec.driver.as_ref().map(|m| (name, m));
+    observed
+        .nodes
+        .iter()
+        .filter(|n| nodes.contains(&n.inventory.name))
+        .filter_map(|n| {
+            let found = n.inventory.driver.as_ref()?;
+            let short = gpuslice_planning::driver::check(Some(found), minimum).err()?;
+            Some(format!("node {}: {short}", n.inventory.name))
+        })
+        .collect()
+}
+
+/// The pool's Degraded, Progressing and Ready conditions, from its `problems`, its nodes whose
+/// driver is `outdated`, and what it `held`.
+fn pool_conditions(
+    problems: &[String],
+    outdated: &[String],
+    held: &Footprint,
+    generation: Option<i64>,
+) -> Vec<Condition> {
+    let (nodes, waiting, blocked) = (&held.nodes, &held.waiting, &held.blocked);
+    let mut conditions = Vec::new();
+    let degraded = !problems.is_empty() || !outdated.is_empty();
+    conditions.push(condition(
+        "Degraded",
+        degraded,
+        if !problems.is_empty() {
+            "InvalidConfiguration"
+        } else if degraded {
+            "DriverOutdated"
         } else {
-            ("Converged", String::new())
-        };
-        conditions.push(condition(
-            "Progressing",
-            progressing,
+            "AsExpected"
+        },
+        problems
+            .iter()
+            .chain(outdated)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("; "),
+        generation,
+    ));
+    let progressing = !waiting.is_empty() || !blocked.is_empty();
+    let (reason, message) = if !blocked.is_empty() {
+        (
+            "Blocked",
+            format!(
+                "waiting for busy instances to drain: {}",
+                blocked.join("; ")
+            ),
+        )
+    } else if !waiting.is_empty() {
+        (
+            "Applying",
+            format!(
+                "waiting for {} node(s) to apply the layout: {}",
+                waiting.len(),
+                waiting.join(", ")
+            ),
+        )
+    } else {
+        ("Converged", String::new())
+    };
+    conditions.push(condition(
+        "Progressing",
+        progressing,
+        reason,
+        message,
+        generation,
+    ));
+    let ready = problems.is_empty() && !progressing && !nodes.is_empty();
+    let (reason, message) = if !problems.is_empty() {
+        (
+            "InvalidConfiguration",
+            "see the Degraded condition".to_string(),
+        )
+    } else if nodes.is_empty() {
+        (
+            "NoNodes",
+            "no node with reported GPUs matches spec.nodeSelector and spec.gpuSelector".to_string(),
+        )
+    } else if progressing {
+        ("Progressing", "see the Progressing condition".to_string())
+    } else {
+        (
+            "Converged",
+            format!(
+                "{} GPUs on {} nodes have the layout",
+                held.gpus,
+                nodes.len()
+            ),
+        )
+    };
+    conditions.push(condition("Ready", ready, reason, message, generation));
+    conditions
+}
+
+/// The status of `policy`: whether it can be used now, its slices allocated, its pods waiting.
+fn policy_status(
+    observed: &Observed,
+    plan: &ClusterPlan,
+    policy: &GpuSlicePolicy,
+) -> GpuSlicePolicyStatus {
+    let name = policy.metadata.name.clone().unwrap_or_default();
+    let (ready, reason, message) = policy_ready(observed, plan, policy);
+    let allocated = observed
+        .allocated
+        .iter()
+        .filter(|a| a.policy.as_deref() == Some(name.as_str()))
+        .count() as u32;
+    let waiting = observed.waiting.get(&name).copied().unwrap_or(0);
+    GpuSlicePolicyStatus {
+        conditions: vec![condition(
+            "Ready",
+            ready,
             reason,
             message,
-            generation,
-        ));
-        let ready = problems.is_empty() && !progressing && !nodes.is_empty();
-        let (reason, message) = if !problems.is_empty() {
-            (
-                "InvalidConfiguration",
-                "see the Degraded condition".to_string(),
-            )
-        } else if nodes.is_empty() {
-            (
-                "NoNodes",
-                "no node with reported GPUs matches spec.nodeSelector and spec.gpuSelector"
-                    .to_string(),
-            )
-        } else if progressing {
-            ("Progressing", "see the Progressing condition".to_string())
-        } else {
-            (
-                "Converged",
-                format!("{} GPUs on {} nodes have the layout", gpus, nodes.len()),
-            )
-        };
-        conditions.push(condition("Ready", ready, reason, message, generation));
-        let allocated = observed
-            .allocated
-            .iter()
-            .filter(|a| a.pool.as_deref() == Some(name.as_str()))
-            .count() as u32;
-        out.pool_status.insert(
-            name,
-            GpuPoolStatus {
-                conditions,
-                observed_generation: generation,
-                active_window: Some(
-                    timing
-                        .window
-                        .clone()
-                        .unwrap_or_else(|| gpuslice_api::DEFAULT_WINDOW.into()),
-                ),
-                next_transition: timing.next_change.and_then(gpuslice_api::time_of),
-                nodes: nodes.len() as u32,
-                gpus,
-                slices: SliceCounts {
-                    total: slices,
-                    allocated,
-                    free: slices.saturating_sub(allocated),
-                },
-                driver_outdated: outdated.len() as u32,
-                fair_share: None,
-                compaction: None,
-            },
-        );
+            policy.metadata.generation,
+        )],
+        observed_generation: policy.metadata.generation,
+        waiting,
+        allocated,
     }
-    for policy in &observed.policies {
-        let name = policy.metadata.name.clone().unwrap_or_default();
-        let (ready, reason, message) = policy_ready(observed, &plan, policy);
-        let allocated = observed
-            .allocated
-            .iter()
-            .filter(|a| a.policy.as_deref() == Some(name.as_str()))
-            .count() as u32;
-        let waiting = observed.waiting.get(&name).copied().unwrap_or(0);
-        out.policy_status.insert(
-            name,
-            GpuSlicePolicyStatus {
-                conditions: vec![condition(
-                    "Ready",
-                    ready,
-                    reason,
-                    message,
-                    policy.metadata.generation,
-                )],
-                observed_generation: policy.metadata.generation,
-                waiting,
-                allocated,
-            },
-        );
-    }
-    out
 }
 
 /// Whether a policy can be used now: its pool and checkpoint policy exist and one of the pool's
 /// slices (in the layout in force) holds its memory plus the pool's headroom and its compute limit.
 fn policy_ready(
     observed: &Observed,
-    plan: &gpuslice_planning::cluster::ClusterPlan,
+    plan: &ClusterPlan,
     policy: &GpuSlicePolicy,
 ) -> (bool, &'static str, String) {
     let spec = &policy.spec;
@@ -464,7 +589,7 @@ fn policy_ready(
         for g in node
             .gpus
             .iter()
-            .filter(|g| g.pool.as_deref() == Some(spec.pool.as_str()))
+            .filter(|g| g.pool() == Some(spec.pool.as_str()))
         {
             gpus += 1;
             let Some(desired) = &g.desired else { continue };
@@ -609,9 +734,10 @@ mod tests {
         let day = desired(&observed, ten);
         let a = &day.node_specs["a"].gpus;
         assert_eq!(a.len(), 2);
-        assert_eq!(a[0].window, None);
+        assert_eq!(a[0].assigned.window, None);
         assert!(
-            a[0].layout
+            a[0].assigned
+                .layout
                 .mig
                 .as_ref()
                 .unwrap()
@@ -633,7 +759,7 @@ mod tests {
 
         let night = desired(&observed, at("2026-12-02T23:00:00Z"));
         assert_eq!(
-            night.node_specs["a"].gpus[0].window.as_deref(),
+            night.node_specs["a"].gpus[0].assigned.window.as_deref(),
             Some("night")
         );
         assert_eq!(
@@ -660,9 +786,9 @@ mod tests {
             .as_ref()
             .expect("the night layout staged");
         assert_eq!(gpuslice_api::chrono_of(&next.at), Some(boundary));
-        assert_eq!(next.window.as_deref(), Some("night"));
+        assert_eq!(next.assigned.window.as_deref(), Some("night"));
         assert_eq!(
-            next.layout.mig.as_ref().unwrap().preset,
+            next.assigned.layout.mig.as_ref().unwrap().preset,
             Some(gpuslice_api::MigPreset::Whole)
         );
         assert_eq!(
@@ -701,10 +827,10 @@ mod tests {
 
         // On the agent's clock the night layout is in force from the boundary, before any write.
         let before = staged.in_force(at("2026-12-02T21:59:59Z"));
-        assert_eq!(before.gpus[0].window, None);
+        assert_eq!(before.gpus[0].assigned.window, None);
         let after = staged.in_force(boundary);
-        assert_eq!(after.gpus[0].window.as_deref(), Some("night"));
-        assert_eq!(after.gpus[0].layout, next.layout);
+        assert_eq!(after.gpus[0].assigned.window.as_deref(), Some("night"));
+        assert_eq!(after.gpus[0].assigned.layout, next.assigned.layout);
         assert_eq!(staged.next_switch(boundary), None);
 
         // At the boundary the operator's new spec only catches up: due 20 s later. The spec

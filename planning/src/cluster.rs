@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use gpuslice_api::{Duration, GpuInventory, GpuPool, GpuSelector, Layout, NodeInventory};
+use gpuslice_api::{Assignment, GpuInventory, GpuPool, GpuSelector, Layout, NodeInventory};
 use serde::Serialize;
 
 use crate::catalog;
@@ -117,28 +117,30 @@ pub struct GpuPlan {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
     pub model: String,
-    /// The pool the GPU belongs to, if any.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pool: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub window: Option<String>,
-    /// The pool's layout in force now (its open window's, or its default), as declared.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub layout: Option<Layout>,
+    /// The pool the GPU belongs to, if any, with the layout in force now (its open window's,
+    /// or its default) as declared, the time slice and the CheckpointPolicy.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub assigned: Option<Assignment>,
     /// The layout that should be in force now, resolved for the GPU's model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub desired: Option<Desired>,
-    /// The pool's minimum compute time slice.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub time_slice: Option<Duration>,
-    /// The pool's CheckpointPolicy: how workloads whose own policy names none are drained.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub checkpoint_policy: Option<String>,
     pub ops: Vec<Op>,
     pub blocked_by: Vec<Blocker>,
     /// Why the GPU cannot be planned (two pools claim it, its model lacks the profiles…).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<GpuPlanError>,
+}
+
+impl GpuPlan {
+    /// The pool the GPU belongs to, if any.
+    pub fn pool(&self) -> Option<&str> {
+        self.assigned.as_ref().map(|a| a.pool.as_str())
+    }
+
+    /// The pool's CheckpointPolicy, if it names one.
+    pub fn checkpoint_policy(&self) -> Option<&str> {
+        self.assigned.as_ref()?.checkpoint_policy.as_deref()
+    }
 }
 
 /// The plan of one node.
@@ -202,12 +204,8 @@ fn plan_gpu(
         index: gpu.index,
         uuid: gpu.uuid.clone(),
         model: gpu.model.clone(),
-        pool: None,
-        window: None,
-        layout: None,
+        assigned: None,
         desired: None,
-        time_slice: None,
-        checkpoint_policy: None,
         ops: Vec::new(),
         blocked_by: Vec::new(),
         error: None,
@@ -231,52 +229,37 @@ fn plan_gpu(
     let layout = window.map_or(&pool.spec.layout, |w| &pool.spec.windows[w].layout);
     plan_assigned(
         gpu,
-        Assignment {
-            pool: &timing.pool,
-            window: timing.window.as_deref(),
-            layout,
+        &Assignment {
+            pool: timing.pool.clone(),
+            window: timing.window.clone(),
+            layout: layout.clone(),
             time_slice: pool.spec.time_slice,
-            checkpoint_policy: pool.spec.checkpoint_policy.as_deref(),
+            checkpoint_policy: pool.spec.checkpoint_policy.clone(),
         },
     )
 }
 
-/// A GPU's place in a pool, as the operator assigns it (`GpuNode.spec`) or the standalone agent
-/// finds it.
-#[derive(Clone, Copy, Debug)]
-pub struct Assignment<'a> {
-    pub pool: &'a str,
-    pub window: Option<&'a str>,
-    pub layout: &'a Layout,
-    pub time_slice: Option<Duration>,
-    pub checkpoint_policy: Option<&'a str>,
-}
-
 /// Plans one GPU of a pool: the layout resolved for its model and the transition from its state.
-pub fn plan_assigned(gpu: &GpuInventory, assignment: Assignment<'_>) -> GpuPlan {
+pub fn plan_assigned(gpu: &GpuInventory, assignment: &Assignment) -> GpuPlan {
     let mut out = GpuPlan {
         index: gpu.index,
         uuid: gpu.uuid.clone(),
         model: gpu.model.clone(),
-        pool: Some(assignment.pool.to_string()),
-        window: assignment.window.map(str::to_string),
-        layout: Some(assignment.layout.clone()),
+        assigned: Some(assignment.clone()),
         desired: None,
-        time_slice: assignment.time_slice,
-        checkpoint_policy: assignment.checkpoint_policy.map(str::to_string),
         ops: Vec::new(),
         blocked_by: Vec::new(),
         error: None,
     };
     let model = catalog::model(&gpu.model).ok();
-    if let Some(message) = software_overflow(assignment.layout, model, gpu) {
+    if let Some(message) = software_overflow(&assignment.layout, model, gpu) {
         out.error = Some(GpuPlanError::Layout {
             pool: assignment.pool.to_string(),
             message,
         });
         return out;
     }
-    let result = Desired::of(assignment.layout, model, &gpu.model).and_then(|desired| {
+    let result = Desired::of(&assignment.layout, model, &gpu.model).and_then(|desired| {
         let p = transition::plan(model, &GpuState::from_inventory(gpu), &desired)?;
         Ok((desired, p))
     });
@@ -412,13 +395,13 @@ mod tests {
             ..Default::default()
         };
         let assignment = Assignment {
-            pool: "shared",
+            pool: "shared".into(),
             window: None,
-            layout: &layout,
+            layout,
             time_slice: None,
             checkpoint_policy: None,
         };
-        let plan = plan_assigned(&gpu, assignment);
+        let plan = plan_assigned(&gpu, &assignment);
         let error = plan.error.expect("an error").to_string();
         assert_eq!(
             error,
@@ -430,8 +413,8 @@ mod tests {
         assert!(
             plan_assigned(
                 &gpu,
-                Assignment {
-                    layout: &fits,
+                &Assignment {
+                    layout: fits,
                     ..assignment
                 }
             )

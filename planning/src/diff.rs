@@ -59,8 +59,8 @@ pub struct GpuSide {
 impl GpuSide {
     fn of(plan: &GpuPlan) -> Self {
         GpuSide {
-            pool: plan.pool.clone(),
-            window: plan.window.clone(),
+            pool: plan.pool().map(str::to_string),
+            window: plan.assigned.as_ref().and_then(|a| a.window.clone()),
             desired: plan.desired.clone(),
             error: plan.error.clone(),
         }

@@ -54,7 +54,8 @@ pub fn cooperative(
     })
 }
 
-pub fn ex(
+/// `cuLaunchKernelEx`: a launch with its configuration in a struct, gated like the others.
+pub fn launch_ex(
     real: LaunchKernelExFn,
     config: *const LaunchConfig,
     f: Handle,

@@ -143,38 +143,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         grace: memory_watchdog_grace.into(),
     };
     let clock = gpuslice_runtime::clock::Clock::from_env()?;
-    let node_name = node_name.or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()));
     #[cfg(feature = "dev")]
     let emulate = emulation.emulate.as_ref();
     #[cfg(not(feature = "dev"))]
     let emulate: Option<&PathBuf> = None;
-    let mut node = match emulate.or(node_file.as_ref()) {
-        Some(file) => {
-            let text = std::fs::read_to_string(file)
-                .with_context(|| format!("reading {}", file.display()))?;
-            serde_yaml::from_str::<gpuslice_api::NodeInventory>(&text)
-                .with_context(|| format!("{}: not a NodeInventory", file.display()))?
-        }
-        None => gpuslice_api::NodeInventory::default(),
-    };
-    if let Some(name) = node_name {
-        node.name = name;
-    }
-    if node.name.is_empty() {
-        node.name = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .context("no node name: give --node-name or --node-file")?;
-    }
-    node.labels.extend(labels);
+    let node = this_node(emulate.or(node_file.as_ref()), node_name, labels)?;
     let state = StateDir::new(state);
     #[cfg(feature = "dev")]
     let library = match emulate {
-        Some(_) => {
-            let machine =
-                (emulation.emulator_state).unwrap_or_else(|| state.emulated_machine(&node.name));
-            gpuslice_node::gpu::emulate::prepare_emulator(&machine, &node)?;
-            Some(gpuslice_node::gpu::emulate::emulator_library()?)
-        }
+        Some(_) => Some(emulated_nvml(emulation.emulator_state, &state, &node)?),
         None => nvml,
     };
     #[cfg(not(feature = "dev"))]
@@ -238,6 +215,48 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// This node as the agent sees it: the node file's (or the emulated node's) name and labels,
+/// the name from --node-name, NODE_NAME or the host name, and the --label flags.
+fn this_node(
+    file: Option<&PathBuf>,
+    name: Option<String>,
+    labels: Vec<(String, String)>,
+) -> anyhow::Result<gpuslice_api::NodeInventory> {
+    let name = name.or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()));
+    let mut node = match file {
+        Some(file) => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            serde_yaml::from_str::<gpuslice_api::NodeInventory>(&text)
+                .with_context(|| format!("{}: not a NodeInventory", file.display()))?
+        }
+        None => gpuslice_api::NodeInventory::default(),
+    };
+    if let Some(name) = name {
+        node.name = name;
+    }
+    if node.name.is_empty() {
+        node.name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .context("no node name: give --node-name or --node-file")?;
+    }
+    node.labels.extend(labels);
+    Ok(node)
+}
+
+/// The emulated NVML library, its machine seeded from the node (kept in `machine`, else in the
+/// state directory).
+#[cfg(feature = "dev")]
+fn emulated_nvml(
+    machine: Option<PathBuf>,
+    state: &StateDir,
+    node: &gpuslice_api::NodeInventory,
+) -> anyhow::Result<PathBuf> {
+    let machine = machine.unwrap_or_else(|| state.emulated_machine(&node.name));
+    gpuslice_node::gpu::emulate::prepare_emulator(&machine, node)?;
+    Ok(gpuslice_node::gpu::emulate::emulator_library()?)
 }
 
 fn parse_label(text: &str) -> Result<(String, String), String> {

@@ -65,7 +65,33 @@ struct Driver {
     iterations: std::cell::Cell<Option<u64>>,
 }
 
+/// The function `lib` exports as `name`, typed by where it goes; returns the error if it has none.
+macro_rules! sym {
+    ($lib:ident, $name:literal) => {
+        // SAFETY: the driver's exported function of this name, with its C signature.
+        *unsafe { $lib.get($name) }.map_err(|e| format!("{}", e))?
+    };
+}
+
 impl Driver {
+    /// The entry points a worker launches, synchronises and captures with, from `lib`.
+    fn load(lib: libloading::Library, iterations: Option<u64>) -> Result<Driver, String> {
+        Ok(Driver {
+            launch: sym!(lib, b"cuLaunchKernel\0"),
+            cooperative: sym!(lib, b"cuLaunchCooperativeKernel\0"),
+            launch_ex: sym!(lib, b"cuLaunchKernelEx\0"),
+            sync: sym!(lib, b"cuStreamSynchronize\0"),
+            event_record: sym!(lib, b"cuEventRecord\0"),
+            event_sync: sym!(lib, b"cuEventSynchronize\0"),
+            begin_capture: sym!(lib, b"cuStreamBeginCapture_v2\0"),
+            end_capture: sym!(lib, b"cuStreamEndCapture\0"),
+            instantiate: sym!(lib, b"cuGraphInstantiateWithFlags\0"),
+            graph_launch: sym!(lib, b"cuGraphLaunch\0"),
+            iterations: std::cell::Cell::new(iterations),
+            _lib: lib,
+        })
+    }
+
     /// Calls `f` with the kernel's parameter array (null for the emulator's kernel).
     fn with_params<R>(&self, f: impl FnOnce(*mut *mut c_void) -> R) -> R {
         match self.iterations.get() {
@@ -118,91 +144,130 @@ fn check(what: &str, rc: c_int) -> Result<(), String> {
 
 /// Runs the plan; returns the JSON report.
 pub fn run(plan: Plan) -> Result<serde_json::Value, String> {
-    // SAFETY: loading the CUDA driver (here the emulator, or the real one) as programs do.
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.map_err(|e| e.to_string())?;
-    macro_rules! sym {
-        ($name:literal) => {
-            // SAFETY: the driver's exported function of this name, with its C signature.
-            *unsafe { lib.get($name) }.map_err(|e| format!("{}", e))?
-        };
+    let session = Session::open(plan)?;
+    if plan.calibrate {
+        let elapsed = session
+            .elapsed
+            .ok_or("the driver has no cuEventElapsedTime")?;
+        return calibrate(
+            plan.kernel_us,
+            &session.driver,
+            session.function,
+            session.stream,
+            session.events,
+            elapsed,
+        );
     }
-    let init: unsafe extern "C" fn(c_uint) -> c_int = sym!(b"cuInit\0");
-    let device_get: unsafe extern "C" fn(*mut c_int, c_int) -> c_int = sym!(b"cuDeviceGet\0");
-    let ctx_create: unsafe extern "C" fn(*mut Handle, c_uint, c_int) -> c_int =
-        sym!(b"cuCtxCreate_v2\0");
-    let module_load: unsafe extern "C" fn(*mut Handle, *const c_void) -> c_int =
-        sym!(b"cuModuleLoadData\0");
-    let get_function: unsafe extern "C" fn(*mut Handle, Handle, *const i8) -> c_int =
-        sym!(b"cuModuleGetFunction\0");
-    let stream_create: unsafe extern "C" fn(*mut Handle, c_uint) -> c_int =
-        sym!(b"cuStreamCreate\0");
-    let event_create: unsafe extern "C" fn(*mut Handle, c_uint) -> c_int = sym!(b"cuEventCreate\0");
-    // Only calibration needs it (on a real GPU); the emulator has none.
-    // SAFETY: the driver's function of this name, with its C signature.
-    let elapsed: Option<ElapsedTime> = unsafe { lib.get(b"cuEventElapsedTime\0") }.ok().map(|f| *f);
-    let driver = Driver {
-        launch: sym!(b"cuLaunchKernel\0"),
-        cooperative: sym!(b"cuLaunchCooperativeKernel\0"),
-        launch_ex: sym!(b"cuLaunchKernelEx\0"),
-        sync: sym!(b"cuStreamSynchronize\0"),
-        event_record: sym!(b"cuEventRecord\0"),
-        event_sync: sym!(b"cuEventSynchronize\0"),
-        begin_capture: sym!(b"cuStreamBeginCapture_v2\0"),
-        end_capture: sym!(b"cuStreamEndCapture\0"),
-        instantiate: sym!(b"cuGraphInstantiateWithFlags\0"),
-        graph_launch: sym!(b"cuGraphLaunch\0"),
-        iterations: std::cell::Cell::new(plan.iterations),
-        _lib: lib,
-    };
-    let mut device = 0;
-    let mut ctx: Handle = std::ptr::null_mut();
-    let mut module: Handle = std::ptr::null_mut();
-    let mut function: Handle = std::ptr::null_mut();
-    let mut stream: Handle = std::ptr::null_mut();
-    // Two steps in flight, as a training loop keeps the GPU fed: wait for the step before
-    // the one just queued.
-    let mut events: [Handle; 2] = [std::ptr::null_mut(); 2];
-    let real_gpu = plan.iterations.is_some() || plan.calibrate;
-    let (image, name): (*const c_void, CString) = if real_gpu {
-        (WORK_PTX.as_ptr().cast(), c"work".to_owned())
-    } else {
-        (
-            c"image".as_ptr().cast(),
-            CString::new(format!("sleep_{}us", plan.kernel_us)).map_err(|e| e.to_string())?,
-        )
-    };
-    // SAFETY: driver calls with valid out-pointers, in the order the API requires.
-    unsafe {
-        check("cuInit", init(0))?;
-        check("cuDeviceGet", device_get(&mut device, 0))?;
-        check("cuCtxCreate", ctx_create(&mut ctx, 0, device))?;
-        check("cuModuleLoadData", module_load(&mut module, image))?;
-        check(
-            "cuModuleGetFunction",
-            get_function(&mut function, module, name.as_ptr()),
-        )?;
-        check("cuStreamCreate", stream_create(&mut stream, 0))?;
-        for event in &mut events {
-            check("cuEventCreate", event_create(event, 0))?;
+    if let Some(at) = plan.start_at {
+        let now = now_ns();
+        if at > now {
+            std::thread::sleep(Duration::from_nanos(at - now));
         }
     }
-    let graph = match plan.graph {
-        Some(n) => Some(capture(&driver, function, stream, n)?),
-        None => None,
-    };
-    let per_step = u64::from(plan.graph.unwrap_or(1));
-    let step = || -> Result<(), String> {
+    let started = Instant::now();
+    let start_ns = now_ns();
+    match plan.launches {
+        Some(launches) => session.launch_rate(launches, started),
+        None => session.timed(started, start_ns),
+    }
+}
+
+/// The driver set up for a plan: a context, the kernel, a stream with two events, any graph.
+struct Session {
+    plan: Plan,
+    driver: Driver,
+    function: Handle,
+    stream: Handle,
+    /// Two steps in flight, as a training loop keeps the GPU fed: wait for the step before
+    /// the one just queued.
+    events: [Handle; 2],
+    /// Only calibration needs it (on a real GPU); the emulator has none.
+    elapsed: Option<ElapsedTime>,
+    graph: Option<Handle>,
+}
+
+impl Session {
+    /// Loads the driver and sets up what the plan launches, in the order the API requires.
+    fn open(plan: Plan) -> Result<Session, String> {
+        // SAFETY: loading the CUDA driver (here the emulator, or the real one) as programs do.
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }.map_err(|e| e.to_string())?;
+        let init: unsafe extern "C" fn(c_uint) -> c_int = sym!(lib, b"cuInit\0");
+        let device_get: unsafe extern "C" fn(*mut c_int, c_int) -> c_int =
+            sym!(lib, b"cuDeviceGet\0");
+        let ctx_create: unsafe extern "C" fn(*mut Handle, c_uint, c_int) -> c_int =
+            sym!(lib, b"cuCtxCreate_v2\0");
+        let module_load: unsafe extern "C" fn(*mut Handle, *const c_void) -> c_int =
+            sym!(lib, b"cuModuleLoadData\0");
+        let get_function: unsafe extern "C" fn(*mut Handle, Handle, *const i8) -> c_int =
+            sym!(lib, b"cuModuleGetFunction\0");
+        let stream_create: unsafe extern "C" fn(*mut Handle, c_uint) -> c_int =
+            sym!(lib, b"cuStreamCreate\0");
+        let event_create: unsafe extern "C" fn(*mut Handle, c_uint) -> c_int =
+            sym!(lib, b"cuEventCreate\0");
+        // Only calibration needs it (on a real GPU); the emulator has none.
+        // SAFETY: the driver's function of this name, with its C signature.
+        let elapsed: Option<ElapsedTime> =
+            unsafe { lib.get(b"cuEventElapsedTime\0") }.ok().map(|f| *f);
+        let driver = Driver::load(lib, plan.iterations)?;
+        let mut device = 0;
+        let mut ctx: Handle = std::ptr::null_mut();
+        let mut module: Handle = std::ptr::null_mut();
+        let mut function: Handle = std::ptr::null_mut();
+        let mut stream: Handle = std::ptr::null_mut();
+        let mut events: [Handle; 2] = [std::ptr::null_mut(); 2];
+        let real_gpu = plan.iterations.is_some() || plan.calibrate;
+        let (image, name): (*const c_void, CString) = if real_gpu {
+            (WORK_PTX.as_ptr().cast(), c"work".to_owned())
+        } else {
+            (
+                c"image".as_ptr().cast(),
+                CString::new(format!("sleep_{}us", plan.kernel_us)).map_err(|e| e.to_string())?,
+            )
+        };
+        // SAFETY: driver calls with valid out-pointers, in the order the API requires.
+        unsafe {
+            check("cuInit", init(0))?;
+            check("cuDeviceGet", device_get(&mut device, 0))?;
+            check("cuCtxCreate", ctx_create(&mut ctx, 0, device))?;
+            check("cuModuleLoadData", module_load(&mut module, image))?;
+            check(
+                "cuModuleGetFunction",
+                get_function(&mut function, module, name.as_ptr()),
+            )?;
+            check("cuStreamCreate", stream_create(&mut stream, 0))?;
+            for event in &mut events {
+                check("cuEventCreate", event_create(event, 0))?;
+            }
+        }
+        let graph = match plan.graph {
+            Some(n) => Some(capture(&driver, function, stream, n)?),
+            None => None,
+        };
+        Ok(Session {
+            plan,
+            driver,
+            function,
+            stream,
+            events,
+            elapsed,
+            graph,
+        })
+    }
+
+    /// Queues one step: the graph, or one kernel launched the plan's way.
+    fn step(&self) -> Result<(), String> {
+        let (driver, function, stream) = (&self.driver, self.function, self.stream);
         // SAFETY: launches of a function this process loaded, on its own stream.
         unsafe {
-            match graph {
+            match self.graph {
                 Some(exec) => check("cuGraphLaunch", (driver.graph_launch)(exec, stream)),
-                None if plan.cooperative => check(
+                None if self.plan.cooperative => check(
                     "cuLaunchCooperativeKernel",
                     driver.with_params(|params| {
                         (driver.cooperative)(function, 1, 1, 1, 1, 1, 1, 0, stream, params)
                     }),
                 ),
-                None if plan.ex => {
+                None if self.plan.ex => {
                     let config = LaunchConfig {
                         grid: [1, 1, 1],
                         block: [1, 1, 1],
@@ -221,101 +286,122 @@ pub fn run(plan: Plan) -> Result<serde_json::Value, String> {
                 None => check("cuLaunchKernel", driver.launch_one(function, stream)),
             }
         }
-    };
-    // SAFETY: synchronising this process's own stream.
-    let sync = || check("cuStreamSynchronize", unsafe { (driver.sync)(stream) });
-    // Queues a step and waits for the previous one; true when a step was waited for.
-    let pipelined = |i: u64| -> Result<bool, String> {
-        step()?;
+    }
+
+    /// Waits for everything queued on the stream.
+    fn sync(&self) -> Result<(), String> {
+        // SAFETY: synchronising this process's own stream.
+        check("cuStreamSynchronize", unsafe {
+            (self.driver.sync)(self.stream)
+        })
+    }
+
+    /// Queues a step and waits for the previous one; true when a step was waited for.
+    fn pipelined(&self, i: u64) -> Result<bool, String> {
+        self.step()?;
+        let events = self.events;
         let (now, before) = (events[(i % 2) as usize], events[((i + 1) % 2) as usize]);
         // SAFETY: events this process created, recorded on its own stream.
         unsafe {
-            check("cuEventRecord", (driver.event_record)(now, stream))?;
+            check(
+                "cuEventRecord",
+                (self.driver.event_record)(now, self.stream),
+            )?;
             if i > 0 {
-                check("cuEventSynchronize", (driver.event_sync)(before))?;
+                check("cuEventSynchronize", (self.driver.event_sync)(before))?;
             }
         }
         Ok(i > 0)
-    };
-    if plan.calibrate {
-        let elapsed = elapsed.ok_or("the driver has no cuEventElapsedTime")?;
-        return calibrate(plan.kernel_us, &driver, function, stream, events, elapsed);
     }
-    if let Some(at) = plan.start_at {
-        let now = now_ns();
-        if at > now {
-            std::thread::sleep(Duration::from_nanos(at - now));
-        }
-    }
-    let started = Instant::now();
-    let start_ns = now_ns();
-    if let Some(launches) = plan.launches {
+
+    /// Launches `launches` steps, synchronising every thousand, and reports launches per second.
+    fn launch_rate(&self, launches: u64, started: Instant) -> Result<serde_json::Value, String> {
         for i in 0..launches {
-            step()?;
+            self.step()?;
             if i % 1000 == 999 {
-                sync()?;
+                self.sync()?;
             }
         }
-        sync()?;
+        self.sync()?;
         let elapsed = started.elapsed().as_secs_f64();
-        return Ok(serde_json::json!({
+        Ok(serde_json::json!({
             "pid": std::process::id(),
             "kernels": launches,
             "launchesPerSecond": launches as f64 / elapsed,
-        }));
+        }))
     }
-    // When each step finished (CLOCK_MONOTONIC ns): on a real GPU, what the shares are
-    // measured from.
-    let mut done: Vec<u64> = Vec::new();
-    let deadline = started + Duration::from_secs_f64(plan.seconds);
-    let more = |kernels: u64| match plan.kernels {
-        Some(total) => kernels < total,
-        None => Instant::now() < deadline,
-    };
-    let mut kernels = 0u64;
-    match plan.busy_ms {
-        None => {
-            let mut i = 0;
-            while more(kernels) {
-                if pipelined(i)? {
+
+    /// Works for the plan's seconds (or kernels), busily or in bursts; reports when steps ended.
+    fn timed(&self, started: Instant, start_ns: u64) -> Result<serde_json::Value, String> {
+        let per_step = u64::from(self.plan.graph.unwrap_or(1));
+        // When each step finished (CLOCK_MONOTONIC ns): on a real GPU, what the shares are
+        // measured from.
+        let mut done: Vec<u64> = Vec::new();
+        let deadline = started + Duration::from_secs_f64(self.plan.seconds);
+        let kernels = match self.plan.busy_ms {
+            None => self.busy(per_step, deadline, &mut done)?,
+            Some(busy_ms) => self.bursty(busy_ms, started, deadline, &mut done)?,
+        };
+        Ok(serde_json::json!({
+            "pid": std::process::id(),
+            "kernels": kernels,
+            "perStep": per_step,
+            "startNs": start_ns,
+            "endNs": now_ns(),
+            "done": done,
+        }))
+    }
+
+    /// Steps back to back until `deadline` (or the plan's kernels); returns the kernels run.
+    fn busy(&self, per_step: u64, deadline: Instant, done: &mut Vec<u64>) -> Result<u64, String> {
+        let more = |kernels: u64| match self.plan.kernels {
+            Some(total) => kernels < total,
+            None => Instant::now() < deadline,
+        };
+        let mut kernels = 0u64;
+        let mut i = 0;
+        while more(kernels) {
+            if self.pipelined(i)? {
+                done.push(now_ns());
+            }
+            i += 1;
+            kernels += per_step;
+        }
+        self.sync()?;
+        if i > 0 {
+            done.push(now_ns());
+        }
+        Ok(kernels)
+    }
+
+    /// `busy_ms` of kernels every `busy_ms + idle_ms` from `started` until `deadline`; counts them.
+    fn bursty(
+        &self,
+        busy_ms: u64,
+        started: Instant,
+        deadline: Instant,
+        done: &mut Vec<u64>,
+    ) -> Result<u64, String> {
+        let period = Duration::from_millis(busy_ms + self.plan.idle_ms);
+        let work = busy_ms * 1000 / self.plan.kernel_us.max(1);
+        let mut kernels = 0u64;
+        let mut period_start = started;
+        while period_start < deadline {
+            for i in 0..work {
+                if self.pipelined(i)? {
                     done.push(now_ns());
                 }
-                i += 1;
-                kernels += per_step;
+                kernels += 1;
             }
-            sync()?;
-            if i > 0 {
-                done.push(now_ns());
-            }
-        }
-        Some(busy_ms) => {
-            let period = Duration::from_millis(busy_ms + plan.idle_ms);
-            let work = busy_ms * 1000 / plan.kernel_us.max(1);
-            let mut period_start = started;
-            while period_start < deadline {
-                for i in 0..work {
-                    if pipelined(i)? {
-                        done.push(now_ns());
-                    }
-                    kernels += 1;
-                }
-                sync()?;
-                done.push(now_ns());
-                period_start += period;
-                if let Some(rest) = period_start.checked_duration_since(Instant::now()) {
-                    std::thread::sleep(rest);
-                }
+            self.sync()?;
+            done.push(now_ns());
+            period_start += period;
+            if let Some(rest) = period_start.checked_duration_since(Instant::now()) {
+                std::thread::sleep(rest);
             }
         }
+        Ok(kernels)
     }
-    Ok(serde_json::json!({
-        "pid": std::process::id(),
-        "kernels": kernels,
-        "perStep": per_step,
-        "startNs": start_ns,
-        "endNs": now_ns(),
-        "done": done,
-    }))
 }
 
 /// Finds the busy loop's iterations that make one kernel take `kernel_us` on this GPU,

@@ -71,10 +71,13 @@ pub fn devices(
             continue;
         };
         let mut attributes = std::collections::BTreeMap::from([
-            (attribute::POOL.to_string(), string(&assignment.pool)),
+            (
+                attribute::POOL.to_string(),
+                string(&assignment.assigned.pool),
+            ),
             (
                 attribute::WINDOW.to_string(),
-                string(assignment.window.as_deref().unwrap_or("")),
+                string(assignment.assigned.window.as_deref().unwrap_or("")),
             ),
             (
                 attribute::KIND.to_string(),
@@ -227,7 +230,7 @@ pub fn resource_slices(
 /// `wanted` as an update of `stored` (the same ResourceSlice as the API server has it): at its
 /// resourceVersion, so that a change made meanwhile is a conflict rather than lost, and keeping
 /// the labels, annotations and finalizers others put on it (ours win where keys meet).
-pub fn over(stored: &ResourceSlice, mut wanted: ResourceSlice) -> ResourceSlice {
+pub fn as_update_of(stored: &ResourceSlice, mut wanted: ResourceSlice) -> ResourceSlice {
     let theirs = &stored.metadata;
     let ours = &mut wanted.metadata;
     ours.resource_version = theirs.resource_version.clone();
@@ -432,7 +435,7 @@ gpus:
         labels.insert(dra::MANAGED_BY_LABEL.into(), "someone-else".into());
         stored.metadata.annotations = Some([("note".to_string(), "x".to_string())].into());
         let wanted = resource_slices(&me, "m", &first[..1], 2).remove(0);
-        let update = over(&stored, wanted.clone());
+        let update = as_update_of(&stored, wanted.clone());
         assert_eq!(update.metadata.resource_version.as_deref(), Some("41"));
         let labels = update.metadata.labels.as_ref().unwrap();
         assert_eq!(labels["team"], "ml");

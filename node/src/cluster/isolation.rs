@@ -30,7 +30,7 @@ pub(super) async fn isolate_faults(
         in_force
             .gpus
             .iter()
-            .any(|a| a.index == gpu && isolating.contains(&a.pool))
+            .any(|a| a.index == gpu && isolating.contains(&a.assigned.pool))
     };
     let node = &pass.node;
     let key = gpuslice_api::dra::GPU_RESET_ANNOTATION;

@@ -206,163 +206,183 @@ impl Metrics {
             counted: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("gpuslice_agent");
+        m.register_pass(r);
+        m.register_gpus(r);
+        m.register_slices(r);
+        m.register_caches(r);
+        m
+    }
+
+    /// The passes: how many, how long, what they did and what blocked them; evictions asked.
+    fn register_pass(&self, r: &mut Registry) {
         r.register(
             "transition_blocked",
             "1 while a layout change waits for busy slices (their pods draining), else 0",
-            m.blocked.clone(),
+            self.blocked.clone(),
         );
-        r.register(
-            "gpu_memory_bytes",
-            "Memory of each GPU, as NVML reports it",
-            m.gpu_memory_total.clone(),
-        );
-        r.register(
-            "gpu_memory_used_bytes",
-            "Memory in use on each GPU, as NVML reports it (every process and instance)",
-            m.gpu_memory_used.clone(),
-        );
-        r.register(
-            "gpu_utilization_percent",
-            "Percent of NVML's last sample period a kernel ran on the GPU (absent in MIG mode, where NVML gives none)",
-            m.gpu_utilization.clone(),
-        );
-        r.register(
-            "gpu_temperature_celsius",
-            "GPU core temperature (NVML)",
-            m.gpu_temperature.clone(),
-        );
-        r.register(
-            "gpu_power_watts",
-            "GPU board power draw (NVML)",
-            m.gpu_power.clone(),
-        );
-        r.register(
-            "slice_memory_overruns",
-            "Times the memory watchdog found a software slice holding more than its cap (NVML's per-process figures) and signalled (action=signalled), killed (killed) or failed to stop (failed) its biggest process",
-            m.memory_overruns.clone(),
-        );
-        r.register(
-            "gpu_compute_handovers",
-            "Times the compute arbiter gave a GPU to another process of its software slices",
-            m.gpu_switches.clone(),
-        );
-        r.register(
-            "slice_memory_bytes",
-            "Memory of a slice (a software slice's cap before the policy's headroom; a MIG instance's memory)",
-            m.slice_memory.clone(),
-        );
-        r.register(
-            "slice_memory_used_bytes",
-            "Device memory the workload of a slice holds now (a software slice: the shim's ledger, exact across processes; a MIG instance: NVML)",
-            m.slice_memory_used.clone(),
-        );
-        r.register(
-            "slice_memory_peak_bytes",
-            "The most the workload of a software slice held at once since it took the slice (the shim's ledger)",
-            m.slice_memory_peak.clone(),
-        );
-        r.register(
-            "gpu_xid_errors",
-            "XID critical errors NVML reported for each GPU since the agent started, by XID code",
-            m.gpu_xids.clone(),
-        );
-        r.register(
-            "cache_hits",
-            "Dataset files the pool's local cache gave from disk, since the agent started",
-            m.cache_hits.clone(),
-        );
-        r.register(
-            "cache_misses",
-            "Dataset files the pool's local cache fetched from their source, since the agent started",
-            m.cache_misses.clone(),
-        );
-        r.register(
-            "cache_evictions",
-            "Files the pool's local cache dropped (least recently used) to stay within its size",
-            m.cache_evictions.clone(),
-        );
-        r.register(
-            "cache_bytes",
-            "Bytes the pool's local cache holds now",
-            m.cache_bytes.clone(),
-        );
-        r.register(
-            "cache_capacity_bytes",
-            "The most the pool's local cache may hold",
-            m.cache_capacity.clone(),
-        );
-        r.register(
-            "quarantined",
-            "1 for each slice (or whole GPU: slice empty) taken out of service after an XID error, by the XID",
-            m.quarantined.clone(),
-        );
-        r.register(
-            "slice_holder",
-            "1 for each slice, labelled with who holds it (policy, class, namespace, pod; empty while free): join a slice's counters to it on (instance, slice)",
-            m.slice_holder.clone(),
-        );
-        r.register(
-            "slice_memory_refusals",
-            "Allocations the shim refused because they would pass the software slice's cap",
-            m.slice_refusals.clone(),
-        );
-        r.register(
-            "slice_compute_used_seconds",
-            "GPU time a software slice's processes held (the compute arbiter)",
-            m.slice_compute_used.clone(),
-        );
-        r.register(
-            "slice_compute_busy_seconds",
-            "Time a software slice had work: holding the GPU or waiting for it; used / busy is the share it got while it wanted the GPU, what its guarantee promises",
-            m.slice_compute_busy.clone(),
-        );
-        r.register(
-            "slice_compute_wait_seconds",
-            "Time a software slice's processes spent waiting for the GPU, from asking to being granted, summed over processes",
-            m.slice_compute_wait.clone(),
-        );
-        r.register(
-            "slice_compute_grants",
-            "Times the compute arbiter gave the GPU to a process of a software slice",
-            m.slice_grants.clone(),
-        );
-        r.register("passes", "Reconcile passes", m.passes.clone());
+        r.register("passes", "Reconcile passes", self.passes.clone());
         r.register(
             "errors",
             "GPUs a pass could not bring to their layout",
-            m.errors.clone(),
+            self.errors.clone(),
         );
         r.register(
             "operations",
             "MIG and slice-table operations applied",
-            m.operations.clone(),
+            self.operations.clone(),
         );
         r.register(
             "blocked_seconds",
             "Time transitions spent waiting for busy instances",
-            m.blocked_seconds.clone(),
+            self.blocked_seconds.clone(),
         );
         r.register(
             "pass_duration_seconds",
             "Time of one pass, NVML changes included",
-            m.duration.clone(),
-        );
-        r.register(
-            "slice_compute_limit_percent",
-            "The compute cap the arbiter enforces on a software slice (its claim's policy's limit, else the slice's share)",
-            m.slice_limit.clone(),
+            self.duration.clone(),
         );
         r.register(
             "evictions",
             "Pods evicted to take their slices back (a preemption, a window change or a GPU fault), by whether they checkpointed",
-            m.evictions.clone(),
+            self.evictions.clone(),
+        );
+    }
+
+    /// Each GPU as NVML reports it, its XID errors, and what fault isolation took out.
+    fn register_gpus(&self, r: &mut Registry) {
+        r.register(
+            "gpu_memory_bytes",
+            "Memory of each GPU, as NVML reports it",
+            self.gpu_memory_total.clone(),
+        );
+        r.register(
+            "gpu_memory_used_bytes",
+            "Memory in use on each GPU, as NVML reports it (every process and instance)",
+            self.gpu_memory_used.clone(),
+        );
+        r.register(
+            "gpu_utilization_percent",
+            "Percent of NVML's last sample period a kernel ran on the GPU (absent in MIG mode, where NVML gives none)",
+            self.gpu_utilization.clone(),
+        );
+        r.register(
+            "gpu_temperature_celsius",
+            "GPU core temperature (NVML)",
+            self.gpu_temperature.clone(),
+        );
+        r.register(
+            "gpu_power_watts",
+            "GPU board power draw (NVML)",
+            self.gpu_power.clone(),
+        );
+        r.register(
+            "gpu_compute_handovers",
+            "Times the compute arbiter gave a GPU to another process of its software slices",
+            self.gpu_switches.clone(),
+        );
+        r.register(
+            "gpu_xid_errors",
+            "XID critical errors NVML reported for each GPU since the agent started, by XID code",
+            self.gpu_xids.clone(),
+        );
+        r.register(
+            "quarantined",
+            "1 for each slice (or whole GPU: slice empty) taken out of service after an XID error, by the XID",
+            self.quarantined.clone(),
+        );
+    }
+
+    /// Each slice: its memory and who holds it, and its compute share as the arbiter keeps it.
+    fn register_slices(&self, r: &mut Registry) {
+        r.register(
+            "slice_memory_overruns",
+            "Times the memory watchdog found a software slice holding more than its cap (NVML's per-process figures) and signalled (action=signalled), killed (killed) or failed to stop (failed) its biggest process",
+            self.memory_overruns.clone(),
+        );
+        r.register(
+            "slice_memory_bytes",
+            "Memory of a slice (a software slice's cap before the policy's headroom; a MIG instance's memory)",
+            self.slice_memory.clone(),
+        );
+        r.register(
+            "slice_memory_used_bytes",
+            "Device memory the workload of a slice holds now (a software slice: the shim's ledger, exact across processes; a MIG instance: NVML)",
+            self.slice_memory_used.clone(),
+        );
+        r.register(
+            "slice_memory_peak_bytes",
+            "The most the workload of a software slice held at once since it took the slice (the shim's ledger)",
+            self.slice_memory_peak.clone(),
+        );
+        r.register(
+            "slice_holder",
+            "1 for each slice, labelled with who holds it (policy, class, namespace, pod; empty while free): join a slice's counters to it on (instance, slice)",
+            self.slice_holder.clone(),
+        );
+        r.register(
+            "slice_memory_refusals",
+            "Allocations the shim refused because they would pass the software slice's cap",
+            self.slice_refusals.clone(),
+        );
+        r.register(
+            "slice_compute_used_seconds",
+            "GPU time a software slice's processes held (the compute arbiter)",
+            self.slice_compute_used.clone(),
+        );
+        r.register(
+            "slice_compute_busy_seconds",
+            "Time a software slice had work: holding the GPU or waiting for it; used / busy is the share it got while it wanted the GPU, what its guarantee promises",
+            self.slice_compute_busy.clone(),
+        );
+        r.register(
+            "slice_compute_wait_seconds",
+            "Time a software slice's processes spent waiting for the GPU, from asking to being granted, summed over processes",
+            self.slice_compute_wait.clone(),
+        );
+        r.register(
+            "slice_compute_grants",
+            "Times the compute arbiter gave the GPU to a process of a software slice",
+            self.slice_grants.clone(),
+        );
+        r.register(
+            "slice_compute_limit_percent",
+            "The compute cap the arbiter enforces on a software slice (its claim's policy's limit, else the slice's share)",
+            self.slice_limit.clone(),
         );
         r.register(
             "slice_compute_guarantee_percent",
             "The compute floor the arbiter gives a software slice under contention",
-            m.slice_guarantee.clone(),
+            self.slice_guarantee.clone(),
         );
-        m
+    }
+
+    /// The pools' dataset caches.
+    fn register_caches(&self, r: &mut Registry) {
+        r.register(
+            "cache_hits",
+            "Dataset files the pool's local cache gave from disk, since the agent started",
+            self.cache_hits.clone(),
+        );
+        r.register(
+            "cache_misses",
+            "Dataset files the pool's local cache fetched from their source, since the agent started",
+            self.cache_misses.clone(),
+        );
+        r.register(
+            "cache_evictions",
+            "Files the pool's local cache dropped (least recently used) to stay within its size",
+            self.cache_evictions.clone(),
+        );
+        r.register(
+            "cache_bytes",
+            "Bytes the pool's local cache holds now",
+            self.cache_bytes.clone(),
+        );
+        r.register(
+            "cache_capacity_bytes",
+            "The most the pool's local cache may hold",
+            self.cache_capacity.clone(),
+        );
     }
 
     /// The dataset caches' figures now.
@@ -628,6 +648,6 @@ fn pool_of(pass: &Pass, index: u32) -> String {
         .iter()
         .flat_map(|n| &n.gpus)
         .find(|g| g.index == index)
-        .and_then(|g| g.pool.clone())
+        .and_then(|g| g.pool().map(str::to_string))
         .unwrap_or_default()
 }

@@ -6,11 +6,12 @@
 //! pass the slices in force are published as DRA devices ([`crate::cluster::dra`]) in ResourceSlices the
 //! Node owns, written only when a device changed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use futures::StreamExt as _;
 use gpuslice_api::k8s_openapi::api::core::v1::ObjectReference;
+use gpuslice_api::k8s_openapi::api::resource::v1::Device;
 use gpuslice_api::{CheckpointPolicy, DriverMinimum, GpuNode, GpuPool, GpuSlicePolicy};
 use gpuslice_contract::SliceKind;
 use gpuslice_planning::cluster::{ClusterPlan, NodePlan};
@@ -127,110 +128,198 @@ pub async fn run(
     metrics: Metrics,
     telemetry: Option<Telemetry>,
 ) -> Result<(), ClusterError> {
-    let interval = settings.interval;
-    let lookahead =
-        chrono::Duration::from_std(settings.recut_lookahead).unwrap_or(chrono::Duration::zero());
-    let node = agent.node().to_string();
-    let api: Api<GpuNode> = Api::all(client.clone());
-    let kube_err = |source| ClusterError::Kube {
-        node: node.clone(),
-        source,
-    };
-    let params = PatchParams::apply(MANAGER).force();
-    // The object must exist (with an empty spec, which the operator fills) before its status.
-    if api.get_opt(&node).await.map_err(kube_err)?.is_none() {
-        let object = apply_body("GpuNode", &node, "spec", &serde_json::json!({}));
-        api.patch(&node, &params, &Patch::Apply(&object))
-            .await
-            .map_err(kube_err)?;
-    }
+    let mut node = NodeLoop::start(client, agent, clock, settings, metrics, telemetry).await?;
     let changes = watcher(
-        api.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={node}")),
+        node.api.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={}", node.name)),
     );
     futures::pin_mut!(changes);
-    let mut blocked_since: Option<std::time::Instant> = None;
-    let mut publisher = Publisher::new(client.clone(), &node);
-    // Pods asked to be evicted and not gone yet, so that each is logged and counted once.
-    let mut asked = std::collections::BTreeSet::new();
-    // The slices as the last pass left them, and the claims allocated on slices a pass re-cut
-    // before they were prepared (by UID), asked to be evicted until they are gone.
-    let mut last_slices: Option<Vec<gpuslice_contract::slice::SliceConfig>> = None;
-    let mut stale_claims = std::collections::BTreeSet::new();
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: MANAGER.into(),
-            instance: Some(node.clone()),
-        },
-    );
-    let mut quarantines = Quarantines::load(agent.state())?;
-    agent.serve_socket()?;
-    // The memory watchdog's reports: counted, and told to the pods of the slice.
-    let (overruns, mut told) = tokio::sync::mpsc::unbounded_channel();
-    let counted = metrics.clone();
-    agent.start_watchdog(move |report| {
-        counted.count_overrun(report);
-        let _ = overruns.send(report.clone());
-    });
-    let teller = recorder.clone();
-    tokio::spawn(async move {
-        while let Some(report) = told.recv().await {
-            tell_overrun(&teller, &report).await;
+    loop {
+        let wake = node.turn().await?;
+        let _ = tokio::time::timeout(wake, async {
+            tokio::select! {
+                _ = changes.next() => {}
+                _ = node.settings.faults.changed() => {}
+            }
+        })
+        .await;
+    }
+}
+
+/// What the node's loop keeps from one pass to the next.
+struct NodeLoop<'a> {
+    client: Client,
+    agent: &'a Agent,
+    clock: &'a Clock,
+    settings: Settings,
+    metrics: Metrics,
+    telemetry: Option<Telemetry>,
+    name: String,
+    api: Api<GpuNode>,
+    lookahead: chrono::Duration,
+    publisher: Publisher,
+    recorder: Recorder,
+    quarantines: Quarantines,
+    blocked_since: Option<std::time::Instant>,
+    /// Pods asked to be evicted and not gone yet, so that each is logged and counted once.
+    asked: BTreeSet<String>,
+    /// The slices as the last pass left them.
+    last_slices: Option<Vec<gpuslice_contract::slice::SliceConfig>>,
+    /// The claims allocated on slices a pass re-cut before they were prepared (by UID), asked to
+    /// be evicted until they are gone.
+    stale_claims: BTreeSet<String>,
+}
+
+/// What this pass reads of the pools besides the node's own GpuNode.
+struct PoolFacts {
+    /// The DRA class of each policy that names one.
+    classes: BTreeMap<String, String>,
+    /// The pools with fault isolation on.
+    isolating: BTreeSet<String>,
+    /// The I/O bandwidth per slice of each pool that limits it.
+    bandwidths: BTreeMap<String, u64>,
+    /// The driver each pool needs at least.
+    driver_minimums: BTreeMap<String, DriverMinimum>,
+}
+
+impl PoolFacts {
+    fn of(config: &Config) -> PoolFacts {
+        let pools = || {
+            config
+                .pools
+                .iter()
+                .filter_map(|p| Some((p.metadata.name.clone()?, p)))
+        };
+        PoolFacts {
+            classes: config
+                .policies
+                .iter()
+                .filter_map(|(name, p)| Some((name.clone(), p.class?.as_str().to_string())))
+                .collect(),
+            isolating: pools()
+                .filter(|(_, p)| p.spec.fault_isolation.as_ref().is_some_and(|f| f.enabled))
+                .map(|(name, _)| name)
+                .collect(),
+            bandwidths: pools()
+                .filter_map(|(name, p)| {
+                    Some((name, crate::protections::iolimit::bandwidth_of(&p.spec)?))
+                })
+                .collect(),
+            driver_minimums: pools()
+                .filter_map(|(name, p)| Some((name, p.spec.driver.clone()?)))
+                .collect(),
         }
-    });
-    if let Some(paths) = settings.kubelet.clone() {
-        let plugin = crate::kubelet::Plugin::new(
+    }
+}
+
+impl<'a> NodeLoop<'a> {
+    /// Makes sure the node's GpuNode exists, and starts what runs beside the passes: the
+    /// socket, the memory watchdog (its reports told to the pods) and the kubelet plugin.
+    async fn start(
+        client: Client,
+        agent: &'a Agent,
+        clock: &'a Clock,
+        settings: Settings,
+        metrics: Metrics,
+        telemetry: Option<Telemetry>,
+    ) -> Result<NodeLoop<'a>, ClusterError> {
+        let name = agent.node().to_string();
+        let api: Api<GpuNode> = Api::all(client.clone());
+        let kube_err = |source| ClusterError::Kube {
+            node: name.clone(),
+            source,
+        };
+        // The object must exist (with an empty spec, which the operator fills) before its status.
+        if api.get_opt(&name).await.map_err(kube_err)?.is_none() {
+            let object = apply_body("GpuNode", &name, "spec", &serde_json::json!({}));
+            api.patch(
+                &name,
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&object),
+            )
+            .await
+            .map_err(kube_err)?;
+        }
+        let recorder = Recorder::new(
             client.clone(),
-            &node,
-            agent.state().clone(),
-            paths,
-            agent.caches(),
-            agent.claims(),
+            Reporter {
+                controller: MANAGER.into(),
+                instance: Some(name.clone()),
+            },
         );
+        let quarantines = Quarantines::load(agent.state())?;
+        agent.serve_socket()?;
+        // The memory watchdog's reports: counted, and told to the pods of the slice.
+        let (overruns, mut told) = tokio::sync::mpsc::unbounded_channel();
+        let counted = metrics.clone();
+        agent.start_watchdog(move |report| {
+            counted.count_overrun(report);
+            let _ = overruns.send(report.clone());
+        });
+        let teller = recorder.clone();
         tokio::spawn(async move {
-            if let Err(e) = plugin.serve().await {
-                tracing::error!("{e}");
+            while let Some(report) = told.recv().await {
+                tell_overrun(&teller, &report).await;
             }
         });
+        if let Some(paths) = settings.kubelet.clone() {
+            let plugin = crate::kubelet::Plugin::new(
+                client.clone(),
+                &name,
+                agent.state().clone(),
+                paths,
+                agent.caches(),
+                agent.claims(),
+            );
+            tokio::spawn(async move {
+                if let Err(e) = plugin.serve().await {
+                    tracing::error!("{e}");
+                }
+            });
+        }
+        Ok(NodeLoop {
+            publisher: Publisher::new(client.clone(), &name),
+            lookahead: chrono::Duration::from_std(settings.recut_lookahead)
+                .unwrap_or(chrono::Duration::zero()),
+            client,
+            agent,
+            clock,
+            settings,
+            metrics,
+            telemetry,
+            name,
+            api,
+            recorder,
+            quarantines,
+            blocked_since: None,
+            asked: BTreeSet::new(),
+            last_slices: None,
+            stale_claims: BTreeSet::new(),
+        })
     }
-    loop {
+
+    /// One pass: read the GpuNode and the pools, converge, ask for evictions, isolate faults,
+    /// publish the devices and report the status. Returns how long to wait for the next one.
+    async fn turn(&mut self) -> Result<Duration, ClusterError> {
         let started = std::time::Instant::now();
-        let current = api.get(&node).await.map_err(kube_err)?;
-        let config = read_config(&client).await;
-        let classes: BTreeMap<String, String> = config
-            .policies
-            .iter()
-            .filter_map(|(name, p)| Some((name.clone(), p.class?.as_str().to_string())))
-            .collect();
-        let isolating: std::collections::BTreeSet<String> = config
-            .pools
-            .iter()
-            .filter(|p| p.spec.fault_isolation.as_ref().is_some_and(|f| f.enabled))
-            .filter_map(|p| p.metadata.name.clone())
-            .collect();
-        let bandwidths: BTreeMap<String, u64> = config
-            .pools
-            .iter()
-            .filter_map(|p| {
-                Some((
-                    p.metadata.name.clone()?,
-                    crate::protections::iolimit::bandwidth_of(&p.spec)?,
-                ))
-            })
-            .collect();
-        let driver_minimums: BTreeMap<String, DriverMinimum> = config
-            .pools
-            .iter()
-            .filter_map(|p| Some((p.metadata.name.clone()?, p.spec.driver.clone()?)))
-            .collect();
-        let now = clock.now();
+        let current = self
+            .api
+            .get(&self.name)
+            .await
+            .map_err(|source| ClusterError::Kube {
+                node: self.name.clone(),
+                source,
+            })?;
+        let config = read_config(&self.client).await;
+        let facts = PoolFacts::of(&config);
+        let now = self.clock.now();
         // A layout staged for a window boundary is in force from the boundary on this node's
         // clock, before the operator writes it as the spec.
         let spec = current.spec.in_force(now);
         let (switched, next_switch) =
             (current.spec.last_switch(now), current.spec.next_switch(now));
-        let mut pass = agent.pass(now, |inventory| {
+        let quarantines = &self.quarantines;
+        let mut pass = self.agent.pass(now, |inventory| {
             let (gpus, problems) = plan_spec(inventory, &spec);
             Intent {
                 plan: ClusterPlan {
@@ -250,49 +339,30 @@ pub async fn run(
                 gpus_out: quarantines.gpus_out(),
             }
         })?;
-        pass.evictions
-            .extend(unprepared_victims(&client, &current.spec.preemptions, &pass.claims).await);
-        let slices = crate::gpu::slices::configs(&pass.inventory);
-        let recut = recut_devices(last_slices.as_deref().unwrap_or_default(), &slices);
-        last_slices = Some(slices);
-        pass.evictions.extend(
-            stale_allocations(&client, &node, &recut, &pass.claims, &mut stale_claims).await,
-        );
-        ask_evictions(&metrics, &pass.evictions, &mut asked);
+        self.ask_evictions(&current, &mut pass).await;
         let notices = isolate_faults(
-            &api,
+            &self.api,
             &current,
             &pass,
-            &mut quarantines,
-            &settings.faults,
-            &isolating,
-            clock,
+            &mut self.quarantines,
+            &self.settings.faults,
+            &facts.isolating,
+            self.clock,
         )
         .await;
         let gpu_node = ObjectReference {
             api_version: Some("gpuslice.io/v1alpha1".into()),
             kind: Some("GpuNode".into()),
-            name: Some(node.clone()),
+            name: Some(self.name.clone()),
             uid: current.metadata.uid.clone(),
             ..ObjectReference::default()
         };
-        tell_faults(&recorder, &gpu_node, &node, &notices).await;
-        metrics.record_quarantines(&quarantines.list);
-        metrics.record_caches(&agent.caches().all());
-        let readings = Readings {
-            state: agent.state(),
-            telemetry: &agent.telemetry(),
-            compute: &agent.compute_usage(),
-            classes: &classes,
-        };
-        metrics.record(&pass, &readings, started, &mut blocked_since);
-        if let Some(t) = &telemetry {
-            t.pass_done();
-        }
+        tell_faults(&self.recorder, &gpu_node, &self.name, &notices).await;
+        self.record(&pass, &facts, started);
         let (outdated, driver_supported) = driver_check(
             &pass.inventory,
             &spec.gpus,
-            &driver_minimums,
+            &facts.driver_minimums,
             current.metadata.generation,
         );
         let was_supported = current
@@ -301,21 +371,121 @@ pub async fn run(
             .and_then(|s| s.conditions.iter().find(|c| c.type_ == "DriverSupported"))
             .map(|c| c.status == "True");
         if driver_supported.status == "False" && was_supported != Some(false) {
-            tracing::warn!("node {node}: {}", driver_supported.message);
+            tracing::warn!("node {}: {}", self.name, driver_supported.message);
         }
-        // What DRA does not offer, `gpuslice run` is not given either.
+        self.close_slices(&pass, &spec.gpus, &outdated);
+        let devices = self.devices(&current, &spec.gpus, &pass, &outdated);
+        self.publisher.publish(devices).await;
+        // After the devices, which the scheduler waits for; the status is for people and the
+        // operator's counts.
+        let quarantined = quarantine_condition(
+            &self.quarantines.list,
+            &self.name,
+            current.metadata.generation,
+        );
+        let io_limited = io_condition(
+            self.agent.io(),
+            &spec.gpus,
+            &facts.bandwidths,
+            current.metadata.generation,
+        );
+        let report = status(
+            &pass,
+            current.metadata.generation,
+            switched,
+            current.status.as_ref(),
+            driver_supported,
+            quarantined,
+            io_limited,
+        );
+        let report_due = self.report(&current, report, switched).await;
+        // Our own status write comes back as a change too; that pass finds nothing to do.
+        let mut wake = next_wake(&pass, self.clock, self.settings.interval)
+            .min(until_taint(&spec.gpus, self.lookahead, self.clock))
+            .min(next_switch.map_or(Duration::MAX, |at| self.clock.until(at)));
+        if let Some(due) = report_due {
+            wake = wake.min(self.clock.until(due).max(MIN_WAIT));
+        }
+        // An XID waiting for its kernel record; a GPU just taken out starts draining at once.
+        if let Some(due) = self.settings.faults.next_due(std::time::Instant::now()) {
+            wake = wake.min(due.max(MIN_WAIT));
+        }
+        if notices.iter().any(|n| matches!(n, Notice::GpuOut(_))) {
+            wake = MIN_WAIT;
+        }
+        Ok(wake)
+    }
+
+    /// Adds to the pass's evictions the victims never prepared here and the pods whose claims
+    /// were allocated on slices since re-cut; counts and logs each once.
+    async fn ask_evictions(&mut self, current: &GpuNode, pass: &mut Pass) {
+        pass.evictions.extend(
+            unprepared_victims(&self.client, &current.spec.preemptions, &pass.claims).await,
+        );
+        let slices = crate::gpu::slices::configs(&pass.inventory);
+        let recut = recut_devices(self.last_slices.as_deref().unwrap_or_default(), &slices);
+        self.last_slices = Some(slices);
+        pass.evictions.extend(
+            stale_allocations(
+                &self.client,
+                &self.name,
+                &recut,
+                &pass.claims,
+                &mut self.stale_claims,
+            )
+            .await,
+        );
+        ask_evictions(&self.metrics, &pass.evictions, &mut self.asked);
+    }
+
+    /// The pass's metrics.
+    fn record(&mut self, pass: &Pass, facts: &PoolFacts, started: std::time::Instant) {
+        self.metrics.record_quarantines(&self.quarantines.list);
+        self.metrics.record_caches(&self.agent.caches().all());
+        let readings = Readings {
+            state: self.agent.state(),
+            telemetry: &self.agent.telemetry(),
+            compute: &self.agent.compute_usage(),
+            classes: &facts.classes,
+        };
+        self.metrics
+            .record(pass, &readings, started, &mut self.blocked_since);
+        if let Some(t) = &self.telemetry {
+            t.pass_done();
+        }
+    }
+
+    /// What DRA does not offer, `gpuslice run` is not given either: software slices of pools
+    /// the driver is too old for, and quarantined slices.
+    fn close_slices(
+        &self,
+        pass: &Pass,
+        gpus: &[gpuslice_api::GpuAssignment],
+        outdated: &BTreeMap<String, gpuslice_planning::driver::Shortfall>,
+    ) {
         let closed = crate::gpu::slices::configs(&pass.inventory)
             .into_iter()
             .filter(|c| {
-                let pool = spec.gpus.iter().find(|a| a.index == c.gpu);
+                let pool = gpus.iter().find(|a| a.index == c.gpu);
                 let outdated = c.kind == SliceKind::Software
-                    && pool.is_some_and(|a| outdated.contains_key(&a.pool));
-                outdated || !quarantines.taints(c.gpu, &c.id).is_empty()
+                    && pool.is_some_and(|a| outdated.contains_key(&a.assigned.pool));
+                outdated || !self.quarantines.taints(c.gpu, &c.id).is_empty()
             })
             .map(|c| c.id)
             .collect();
-        agent.close_slices(closed);
-        let now = clock.now();
+        self.agent.close_slices(closed);
+    }
+
+    /// The DRA devices of the slices in force, with their taints: re-cut ahead or waiting,
+    /// compacting, quarantined, held by a `gpuslice run`.
+    fn devices(
+        &self,
+        current: &GpuNode,
+        gpus: &[gpuslice_api::GpuAssignment],
+        pass: &Pass,
+        outdated: &BTreeMap<String, gpuslice_planning::driver::Shortfall>,
+    ) -> Vec<Device> {
+        let now = self.clock.now();
         // A GPU whose new layout waits for busy slices is about to be re-cut as well.
         let waiting: Vec<u32> = pass
             .outcomes
@@ -330,9 +500,9 @@ pub async fn run(
             .filter(|c| c.resource_claim.is_none())
             .map(|c| (c.slice.as_str(), c.client))
             .collect();
-        let devices = dra::devices(&pass.inventory, &spec.gpus, &|a, slice| {
+        dra::devices(&pass.inventory, gpus, &|a, slice| {
             // Old drivers break the shim's isolation; MIG's is the hardware's.
-            if slice.kind == SliceKind::Software && outdated.contains_key(&a.pool) {
+            if slice.kind == SliceKind::Software && outdated.contains_key(&a.assigned.pool) {
                 return None;
             }
             let recut = if waiting.contains(&a.index) {
@@ -340,7 +510,7 @@ pub async fn run(
             } else {
                 dra::recut_taint(
                     a.recut_at.as_ref().and_then(gpuslice_api::chrono_of),
-                    lookahead,
+                    self.lookahead,
                     now,
                 )
             };
@@ -348,66 +518,44 @@ pub async fn run(
             if current.spec.compacting.contains(&a.index) {
                 taints.push(dra::compacting_taint());
             }
-            taints.extend(quarantines.taints(a.index, &slice.id));
+            taints.extend(self.quarantines.taints(a.index, &slice.id));
             if let Some(pid) = held_locally.get(slice.id.as_str()) {
                 taints.push(dra::held_locally_taint(*pid));
             }
             Some(taints)
-        });
-        publisher.publish(devices).await;
-        // After the devices, which the scheduler waits for; the status is for people and the
-        // operator's counts.
-        let report = status(
-            &pass,
-            current.metadata.generation,
-            switched,
-            current.status.as_ref(),
-            driver_supported,
-            quarantine_condition(&quarantines.list, &node, current.metadata.generation),
-            io_condition(
-                agent.io(),
-                &spec.gpus,
-                &bandwidths,
-                current.metadata.generation,
-            ),
-        );
+        })
+    }
+
+    /// Writes the status when it changed, except one that only says a staged switch happened,
+    /// which waits for the operator's catch-up write (see [`SWITCH_REPORT_AFTER`]). Returns when
+    /// such a held-back report is due.
+    async fn report(
+        &self,
+        current: &GpuNode,
+        report: gpuslice_api::GpuNodeStatus,
+        switched: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Option<chrono::DateTime<chrono::Utc>> {
         let report_due = switched.map(|at| at + SWITCH_REPORT_AFTER);
         let only_switched = current.status.as_ref().is_some_and(|old| {
             old.conditions == report.conditions
                 && old.claims == report.claims
                 && old.applied_generation == report.applied_generation
         });
-        let wait_for_catch_up = only_switched && report_due.is_some_and(|due| due > clock.now());
+        let wait_for_catch_up =
+            only_switched && report_due.is_some_and(|due| due > self.clock.now());
         if current.status.as_ref() != Some(&report) && !wait_for_catch_up {
-            let patch = apply_body("GpuNode", &node, "status", &report);
-            if let Err(e) = api
-                .patch_status(&node, &params, &Patch::Apply(&patch))
+            let name = &self.name;
+            let patch = apply_body("GpuNode", name, "status", &report);
+            let params = PatchParams::apply(MANAGER).force();
+            if let Err(e) = self
+                .api
+                .patch_status(name, &params, &Patch::Apply(&patch))
                 .await
             {
-                tracing::warn!("GpuNode/{node}: reporting status: {e}");
+                tracing::warn!("GpuNode/{name}: reporting status: {e}");
             }
         }
-        // Our own status write comes back as a change too; that pass finds nothing to do.
-        let mut wake = next_wake(&pass, clock, interval)
-            .min(until_taint(&spec.gpus, lookahead, clock))
-            .min(next_switch.map_or(Duration::MAX, |at| clock.until(at)));
-        if let Some(due) = report_due.filter(|_| wait_for_catch_up) {
-            wake = wake.min(clock.until(due).max(MIN_WAIT));
-        }
-        // An XID waiting for its kernel record; a GPU just taken out starts draining at once.
-        if let Some(due) = settings.faults.next_due(std::time::Instant::now()) {
-            wake = wake.min(due.max(MIN_WAIT));
-        }
-        if notices.iter().any(|n| matches!(n, Notice::GpuOut(_))) {
-            wake = MIN_WAIT;
-        }
-        let _ = tokio::time::timeout(wake, async {
-            tokio::select! {
-                _ = changes.next() => {}
-                _ = settings.faults.changed() => {}
-            }
-        })
-        .await;
+        report_due.filter(|_| wait_for_catch_up)
     }
 }
 

@@ -117,7 +117,10 @@ impl Publisher {
                 .iter()
                 .find(|e| e.metadata.name == slice.metadata.name)
             {
-                Some(old) => api.replace(&name, &params, &dra::over(old, slice)).await?,
+                Some(old) => {
+                    api.replace(&name, &params, &dra::as_update_of(old, slice))
+                        .await?
+                }
                 None => api.create(&params, &slice).await?,
             };
             written.push(stored);

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use gpuslice_api::{DriverMinimum, GpuNodeStatus, NodeInventory};
-use gpuslice_planning::cluster::{Assignment, GpuPlan, plan_assigned};
+use gpuslice_planning::cluster::{GpuPlan, plan_assigned};
 use gpuslice_planning::driver;
 use gpuslice_runtime::conditions::{condition, keep_transition_times};
 
@@ -38,16 +38,7 @@ pub(super) fn plan_spec(
             ));
             continue;
         }
-        let plan = plan_assigned(
-            gpu,
-            Assignment {
-                pool: &assignment.pool,
-                window: assignment.window.as_deref(),
-                layout: &assignment.layout,
-                time_slice: assignment.time_slice,
-                checkpoint_policy: assignment.checkpoint_policy.as_deref(),
-            },
-        );
+        let plan = plan_assigned(gpu, &assignment.assigned);
         if let Some(e) = &plan.error {
             problems.push(format!("GPU {}: {e}", assignment.index));
         }
@@ -66,8 +57,10 @@ pub(super) fn driver_check(
     generation: Option<i64>,
 ) -> (BTreeMap<String, driver::Shortfall>, Condition) {
     let found = inventory.driver.as_ref();
-    let pools: std::collections::BTreeSet<&str> =
-        assignments.iter().map(|a| a.pool.as_str()).collect();
+    let pools: std::collections::BTreeSet<&str> = assignments
+        .iter()
+        .map(|a| a.assigned.pool.as_str())
+        .collect();
     let mut short = BTreeMap::new();
     for pool in &pools {
         let minimum = minimums.get(*pool).map(|m| (*pool, m));
@@ -141,10 +134,10 @@ pub(super) fn io_condition(
     let mut asking: Vec<String> = assignments
         .iter()
         .filter_map(|a| {
-            let limit = bandwidths.get(&a.pool)?;
+            let limit = bandwidths.get(&a.assigned.pool)?;
             Some(format!(
                 "pool {}: {}/s",
-                a.pool,
+                a.assigned.pool,
                 gpuslice_api::quantity::format_bytes(*limit)
             ))
         })

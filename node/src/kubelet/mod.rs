@@ -311,6 +311,18 @@ pub struct Plugin {
     lock: tokio::sync::Mutex<()>,
 }
 
+/// A claim's allocation as the plugin prepares it.
+struct Allocation {
+    /// The UIDs and `namespace/name`s of the pods it is reserved for.
+    pods: Vec<String>,
+    pod_names: Vec<String>,
+    /// The policy its class names, and the memory cap it gives.
+    policy: Option<String>,
+    memory_limit: Option<u64>,
+    /// Each device: its CDI device name, the request it answers, and the slice in force.
+    devices: Vec<(String, String, SliceConfig)>,
+}
+
 impl Plugin {
     pub fn new(
         client: kube::Client,
@@ -331,15 +343,9 @@ impl Plugin {
         }
     }
 
-    /// Prepares one claim (or answers what was prepared for it before).
-    pub async fn prepare(&self, claim: &proto::Claim) -> Result<Prepared, PluginError> {
-        let _one = self.lock.lock().await;
-        let record = record_path(&self.state, &claim.uid);
-        if let Ok(bytes) = std::fs::read(&record)
-            && let Ok(done) = serde_json::from_slice::<Prepared>(&bytes)
-        {
-            return Ok(done);
-        }
+    /// What the API says the claim is allocated: this node's slices in force (refused
+    /// otherwise), the pods it is reserved for, and its class's parameters.
+    async fn allocation(&self, claim: &proto::Claim) -> Result<Allocation, PluginError> {
         let refuse = |reason: String| PluginError::Claim {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
@@ -376,20 +382,19 @@ impl Plugin {
             .allocation
             .and_then(|a| a.devices)
             .unwrap_or_default();
-        let parameters: Vec<&serde_json::Value> = allocated
+        let parameters: Vec<dra::ClassParameters> = allocated
             .config
             .iter()
             .flatten()
             .filter_map(|c| c.opaque.as_ref())
             .filter(|o| o.driver == dra::DRIVER)
-            .map(|o| &o.parameters.0)
+            .filter_map(|o| serde_json::from_value(o.parameters.0.clone()).ok())
             .collect();
         let policy = parameters
             .iter()
-            .find_map(|p| p.get("policy")?.as_str().map(str::to_string));
-        let memory_limit = parameters
-            .iter()
-            .find_map(|p| p.get("memoryLimitBytes")?.as_u64());
+            .map(|p| p.policy.clone())
+            .find(|p| !p.is_empty());
+        let memory_limit = parameters.iter().find_map(|p| p.memory_limit_bytes);
         let results = allocated.results.unwrap_or_default();
         let slices = crate::gpu::slices::published(&self.state);
         let mut devices = Vec::new();
@@ -418,6 +423,36 @@ impl Plugin {
         if devices.is_empty() {
             return Err(refuse(format!("it is allocated no {} device", dra::DRIVER)));
         }
+        Ok(Allocation {
+            pods,
+            pod_names,
+            policy,
+            memory_limit,
+            devices,
+        })
+    }
+
+    /// Prepares one claim (or answers what was prepared for it before).
+    pub async fn prepare(&self, claim: &proto::Claim) -> Result<Prepared, PluginError> {
+        let _one = self.lock.lock().await;
+        let record = record_path(&self.state, &claim.uid);
+        if let Ok(bytes) = std::fs::read(&record)
+            && let Ok(done) = serde_json::from_slice::<Prepared>(&bytes)
+        {
+            return Ok(done);
+        }
+        let Allocation {
+            pods,
+            pod_names,
+            policy,
+            memory_limit,
+            devices,
+        } = self.allocation(claim).await?;
+        let refuse = |reason: String| PluginError::Claim {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            reason,
+        };
         let ids: Vec<String> = devices.iter().map(|(_, _, s)| s.id.clone()).collect();
         let key = format!("{}/{}", claim.namespace, claim.name);
         self.claims.pin(&ids, &key).map_err(|held| {

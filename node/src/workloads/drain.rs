@@ -211,37 +211,7 @@ pub fn decide(
                 until,
             })
         };
-        // What ends the holder's use of the slice: SIGKILL for a process, eviction for pods.
-        let stop = |outcome: &str| match &blocked.holder {
-            Holder::Process(pid) => Action::Stop { pid: *pid },
-            Holder::Pod { pods, .. } => Action::Evict {
-                pods: pods.clone(),
-                note: match &blocked.cause {
-                    Cause::Preempted(taken) => format!(
-                        "preempted for pod {} ({}): {outcome}",
-                        taken.for_pod, taken.reason
-                    ),
-                    Cause::Compaction { reason } => {
-                        format!("moved by {reason}, to run on another GPU: {outcome}")
-                    }
-                    Cause::Recut => format!(
-                        "its slice {} is re-cut for a window change: {outcome}",
-                        blocked.slice
-                    ),
-                    Cause::Fault { gpu, what } => {
-                        format!("its GPU {gpu} reported {what}: {outcome}")
-                    }
-                },
-                cause: blocked.cause.label(),
-                checkpoint: if outcome == CHECKPOINT_TAKEN {
-                    "taken"
-                } else if outcome == NO_POLICY {
-                    "none"
-                } else {
-                    "grace_over"
-                },
-            },
-        };
+        let stop = |outcome: &str| stop_action(blocked, outcome);
         let is_pod = pid == 0;
         let stopped = if is_pod { "evicted" } else { "stopped" };
         let Some(policy) = &blocked.policy else {
@@ -335,6 +305,41 @@ pub fn decide(
         }
     }
     (actions, waiting)
+}
+
+/// What ends the holder's use of the slice: SIGKILL for a process, eviction for pods (with a
+/// note that says why, and whether the checkpoint was taken).
+fn stop_action(blocked: &Blocked, outcome: &str) -> Action {
+    match &blocked.holder {
+        Holder::Process(pid) => Action::Stop { pid: *pid },
+        Holder::Pod { pods, .. } => Action::Evict {
+            pods: pods.clone(),
+            note: match &blocked.cause {
+                Cause::Preempted(taken) => format!(
+                    "preempted for pod {} ({}): {outcome}",
+                    taken.for_pod, taken.reason
+                ),
+                Cause::Compaction { reason } => {
+                    format!("moved by {reason}, to run on another GPU: {outcome}")
+                }
+                Cause::Recut => format!(
+                    "its slice {} is re-cut for a window change: {outcome}",
+                    blocked.slice
+                ),
+                Cause::Fault { gpu, what } => {
+                    format!("its GPU {gpu} reported {what}: {outcome}")
+                }
+            },
+            cause: blocked.cause.label(),
+            checkpoint: if outcome == CHECKPOINT_TAKEN {
+                "taken"
+            } else if outcome == NO_POLICY {
+                "none"
+            } else {
+                "grace_over"
+            },
+        },
+    }
 }
 
 /// A grace period as people write it (`90s`, `5m`).

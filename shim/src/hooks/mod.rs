@@ -186,10 +186,10 @@ hooks! {
          shared: c_uint, stream: Handle, params: *mut *mut c_void) => launch::cooperative;
     Cuda cuLaunchKernelEx "cuLaunchKernelEx" 11060 false
         (config: *const LaunchConfig, f: Handle, params: *mut *mut c_void,
-         extra: *mut *mut c_void) => launch::ex;
+         extra: *mut *mut c_void) => launch::launch_ex;
     Cuda cuLaunchKernelEx_ptsz "cuLaunchKernelEx" 11060 true
         (config: *const LaunchConfig, f: Handle, params: *mut *mut c_void,
-         extra: *mut *mut c_void) => launch::ex;
+         extra: *mut *mut c_void) => launch::launch_ex;
     Cuda cuGraphLaunch "cuGraphLaunch" 10000 false (exec: Handle, stream: Handle) => launch::graph;
     Cuda cuGraphLaunch_ptsz "cuGraphLaunch" 10000 true
         (exec: Handle, stream: Handle) => launch::graph;

@@ -671,7 +671,7 @@ impl ControlPlane {
         let Some(helm) = built_tool("GPUSLICE_HELM", "helm", "") else {
             return Ok(false);
         };
-        let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/gpuslice");
+        let chart = repo_root().join("charts/gpuslice");
         let out = Command::new(&helm)
             .args(["template", CHART_RELEASE, "--namespace", CHART_NAMESPACE])
             .arg(&chart)
@@ -1000,10 +1000,19 @@ pub const NOTEBOOK_EXAMPLES: [&str; 3] = [
     "examples/gitops/policies/notebook.yaml",
 ];
 
+/// The repository's root folder, whose examples, chart, CRDs and test programs the tests use.
+pub fn repo_root() -> &'static Path {
+    static ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| {
+        let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        here.canonicalize().unwrap_or(here)
+    })
+}
+
 /// Applies every document of each file (a path from the repository's root, or absolute) with
 /// [`apply_all`].
 pub async fn apply_repo_files(client: &Client, files: &[&str]) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = repo_root();
     for file in files {
         let text =
             std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -1188,7 +1197,7 @@ pub fn build_probe(binary: &Path, dir: &Path) -> (PathBuf, PathBuf) {
         std::fs::copy(newest, lib.join(name)).unwrap();
     }
     let program = dir.join("probe");
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shim/tests/programs/probe.c");
+    let source = repo_root().join("shim/tests/programs/probe.c");
     let cc = Command::new("cc")
         .args(["-O1", "-o"])
         .arg(&program)

@@ -109,7 +109,7 @@ pub fn applied(node: &str, gpus: &[GpuAssignment]) -> NodeInventory {
         let Some(software) = gpus
             .iter()
             .find(|a| a.index == gpu.index)
-            .and_then(|a| a.layout.software.as_ref())
+            .and_then(|a| a.assigned.layout.software.as_ref())
         else {
             continue;
         };

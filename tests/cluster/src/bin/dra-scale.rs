@@ -119,7 +119,8 @@ async fn wait_for_specs(
             .filter(|n| {
                 !n.spec.gpus.is_empty()
                     && n.spec.gpus.iter().all(|g| {
-                        g.layout
+                        g.assigned
+                            .layout
                             .software
                             .as_ref()
                             .is_some_and(|t| gpuslice_api::bytes_of(&t.memory.0).ok() == want)

@@ -1,0 +1,330 @@
+//! What one pass of the queue reads from the caches: the devices published and allocated, who
+//! holds what, the agents' word on preemptions, and the pods admitted but not bound yet.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy, dra};
+use gpuslice_planning::queue::{FreeDevice, Need};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::ResourceExt as _;
+use kube::runtime::reflector::Store;
+
+use super::{Caches, gated};
+use crate::published::PublishedSlice;
+
+/// A published device of a GpuPool.
+pub(super) struct Published {
+    pub(super) pool: String,
+    pub(super) device: FreeDevice,
+    pub(super) tainted: bool,
+    pub(super) software: bool,
+}
+
+/// Every gpuslice device published, by (ResourceSlice pool, device name).
+fn published(
+    slices: &Store<PublishedSlice>,
+    gpu_nodes: &Store<GpuNode>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> BTreeMap<(String, String), Published> {
+    // When a window change next re-cuts each GPU (the operator's desired layout says; past a
+    // staged switch, not known until the operator catches the spec up).
+    let mut recut_at: BTreeMap<(String, i64), chrono::DateTime<chrono::Utc>> = BTreeMap::new();
+    for node in gpu_nodes.state() {
+        for gpu in node.spec.gpus.iter().map(|g| g.in_force(now)) {
+            if let Some(at) = gpu.recut_at.as_ref().and_then(gpuslice_api::chrono_of) {
+                recut_at.insert((node.name_any(), i64::from(gpu.index)), at);
+            }
+        }
+    }
+    let mut software_on_gpu: BTreeMap<(String, i64), u32> = BTreeMap::new();
+    let mut out: BTreeMap<(String, String), (Published, i64)> = BTreeMap::new();
+    for slice in slices.state() {
+        let node = slice.spec.node_name.clone().unwrap_or_default();
+        for device in &slice.spec.devices {
+            let gpu = device.gpu_index().unwrap_or(-1);
+            let software = device.is_software();
+            if software {
+                *software_on_gpu.entry((node.clone(), gpu)).or_default() += 1;
+            }
+            let Some(pool) = device.pool().map(str::to_string) else {
+                continue;
+            };
+            out.insert(
+                (slice.spec.pool.name.clone(), device.name.clone()),
+                (
+                    Published {
+                        pool,
+                        device: FreeDevice {
+                            node: node.clone(),
+                            gpu: u32::try_from(gpu).unwrap_or(u32::MAX),
+                            device: device.name.clone(),
+                            memory_bytes: device.memory_bytes(),
+                            compute: u32::try_from(device.compute()).unwrap_or(0),
+                            slices_on_gpu: 0,
+                            recut_at: recut_at.get(&(node.clone(), gpu)).copied(),
+                        },
+                        tainted: device.is_tainted(),
+                        software,
+                    },
+                    gpu,
+                ),
+            );
+        }
+    }
+    out.into_iter()
+        .map(|(key, (mut p, gpu))| {
+            p.device.slices_on_gpu = software_on_gpu
+                .get(&(p.device.node.clone(), gpu))
+                .copied()
+                .unwrap_or(0);
+            (key, p)
+        })
+        .collect()
+}
+
+/// The free devices of each pool: untainted, not allocated.
+pub(super) fn free_devices(
+    devices: &BTreeMap<(String, String), Published>,
+    allocated: &BTreeSet<(String, String)>,
+) -> BTreeMap<String, Vec<FreeDevice>> {
+    let mut out: BTreeMap<String, Vec<FreeDevice>> = BTreeMap::new();
+    for (key, p) in devices {
+        if !p.tainted && !allocated.contains(key) {
+            out.entry(p.pool.clone())
+                .or_default()
+                .push(p.device.clone());
+        }
+    }
+    out
+}
+
+/// Devices by (ResourceSlice pool, device name).
+type DeviceKeys = BTreeSet<(String, String)>;
+/// Slices held per (GpuPool, namespace).
+type Holdings = BTreeMap<(String, String), u32>;
+
+/// A slice a ResourceClaim holds.
+pub(super) struct Held {
+    /// `namespace/name` of the claim.
+    pub(super) claim: String,
+    pub(super) namespace: String,
+    pub(super) pool: String,
+    pub(super) device: FreeDevice,
+    pub(super) tainted: bool,
+    /// The policy of its DeviceClass (`<policy>.gpuslice.io`).
+    pub(super) policy: Option<String>,
+    pub(super) created: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Each allocated gpuslice device, how many each namespace holds per GpuPool, and who holds
+/// what.
+fn allocations(
+    devices: &BTreeMap<(String, String), Published>,
+    claims: &Store<ResourceClaim>,
+) -> (DeviceKeys, Holdings, Vec<Held>) {
+    let mut taken = BTreeSet::new();
+    let mut holding: BTreeMap<(String, String), u32> = BTreeMap::new();
+    let mut held = Vec::new();
+    for claim in claims.state() {
+        let namespace = claim.namespace().unwrap_or_default();
+        let results = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref());
+        for r in results
+            .into_iter()
+            .flatten()
+            .filter(|r| r.driver == dra::DRIVER)
+        {
+            let key = (r.pool.clone(), r.device.clone());
+            if let Some(p) = devices.get(&key) {
+                *holding
+                    .entry((p.pool.clone(), namespace.clone()))
+                    .or_default() += 1;
+                let class = claim
+                    .spec
+                    .devices
+                    .as_ref()
+                    .and_then(|d| d.requests.as_ref())
+                    .into_iter()
+                    .flatten()
+                    .find(|q| q.name == r.request || r.request.starts_with(&format!("{}/", q.name)))
+                    .and_then(|q| q.exactly.as_ref())
+                    .map(|e| e.device_class_name.clone());
+                held.push(Held {
+                    claim: format!("{namespace}/{}", claim.name_any()),
+                    namespace: namespace.clone(),
+                    pool: p.pool.clone(),
+                    device: p.device.clone(),
+                    tainted: p.tainted,
+                    policy: class.and_then(|c| c.strip_suffix(".gpuslice.io").map(str::to_string)),
+                    created: claim
+                        .creation_timestamp()
+                        .and_then(|t| gpuslice_api::chrono_of(&t)),
+                });
+            }
+            taken.insert(key);
+        }
+    }
+    (taken, holding, held)
+}
+
+/// The node an admitted pod was sent to (the node affinity the queue set), while it is not
+/// bound yet.
+pub(super) fn admitted_to(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    if spec.node_name.is_some() || gated(pod) {
+        return None;
+    }
+    spec.affinity
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_fields.iter().flatten())
+        .find(|f| f.key == "metadata.name" && f.operator == "In")
+        .and_then(|f| f.values.as_ref()?.first().cloned())
+}
+
+/// Preemptions under way, and what the agents say of each claim (from the GpuNodes).
+#[derive(Default)]
+pub(super) struct Agents {
+    /// Claim → (pod, reason) of the preemption under way that takes it back.
+    pub(super) under_way: BTreeMap<String, (String, String)>,
+    /// Claim → when its workload last wrote a checkpoint.
+    pub(super) checkpoints: BTreeMap<String, chrono::DateTime<chrono::Utc>>,
+    /// Claim → what its agent says of its drain.
+    pub(super) draining: BTreeMap<String, String>,
+    /// Whether each node's agent has read its GpuNode's current spec (its Ready condition's
+    /// observedGeneration).
+    pub(super) read: BTreeMap<String, bool>,
+}
+
+impl Agents {
+    /// What the GpuNodes' specs and their agents' statuses say.
+    fn of(gpu_nodes: &[Arc<GpuNode>]) -> Agents {
+        let mut agents = Agents {
+            read: gpu_nodes
+                .iter()
+                .map(|node| {
+                    let seen = node
+                        .status
+                        .iter()
+                        .flat_map(|s| &s.conditions)
+                        .find(|c| c.type_ == "Ready")
+                        .and_then(|c| c.observed_generation);
+                    (
+                        node.name_any(),
+                        seen.is_some() && seen >= node.metadata.generation,
+                    )
+                })
+                .collect(),
+            ..Agents::default()
+        };
+        for node in gpu_nodes {
+            for p in &node.spec.preemptions {
+                agents.under_way.insert(
+                    p.resource_claim.clone(),
+                    (p.for_pod.clone(), p.reason.clone()),
+                );
+            }
+            for c in node.status.iter().flat_map(|s| &s.claims) {
+                let Some(claim) = &c.resource_claim else {
+                    continue;
+                };
+                if let Some(t) = c.last_checkpoint.as_ref().and_then(gpuslice_api::chrono_of) {
+                    agents.checkpoints.insert(claim.clone(), t);
+                }
+                if let Some(d) = &c.draining {
+                    agents.draining.insert(claim.clone(), d.clone());
+                }
+            }
+        }
+        agents
+    }
+}
+
+/// One pass's read of the caches (no I/O), shared by each pool's planning and by compaction.
+pub(super) struct Pass {
+    pub(super) pools: Vec<Arc<GpuPool>>,
+    pub(super) policies: Vec<Arc<GpuSlicePolicy>>,
+    /// The pools as values, as policies' memory limits are computed from.
+    pub(super) pool_list: Vec<GpuPool>,
+    /// Every gpuslice device published, by (ResourceSlice pool, device name).
+    pub(super) devices: BTreeMap<(String, String), Published>,
+    /// The devices allocated.
+    pub(super) allocated: DeviceKeys,
+    /// Slices held per (GpuPool, namespace).
+    pub(super) holding: Holdings,
+    /// Who holds which slice.
+    pub(super) held: Vec<Held>,
+    pub(super) gpu_nodes: Vec<Arc<GpuNode>>,
+    /// PriorityClass name → its value.
+    pub(super) classes: BTreeMap<String, i64>,
+    pub(super) agents: Agents,
+    /// The pods that name a policy.
+    pub(super) pods: Vec<Arc<Pod>>,
+    /// The operator's clock (windows, usage).
+    pub(super) now: chrono::DateTime<chrono::Utc>,
+    /// The real time (the API server's and the agents' timestamps).
+    pub(super) wall: chrono::DateTime<chrono::Utc>,
+    /// The operator's `--agent-timeout`.
+    pub(super) agent_timeout: std::time::Duration,
+}
+
+impl Pass {
+    /// Reads the caches: pools, policies, devices published and allocated, GpuNodes,
+    /// PriorityClasses, then the pods.
+    pub(super) fn read(
+        caches: &Caches,
+        now: chrono::DateTime<chrono::Utc>,
+        wall: chrono::DateTime<chrono::Utc>,
+        agent_timeout: std::time::Duration,
+    ) -> Pass {
+        let pools: Vec<Arc<GpuPool>> = caches.pools.state();
+        let policies: Vec<Arc<GpuSlicePolicy>> = caches.policies.state();
+        let pool_list: Vec<GpuPool> = pools.iter().map(|p| (**p).clone()).collect();
+        let devices = published(&caches.slices, &caches.gpu_nodes, now);
+        let (allocated, holding, held) = allocations(&devices, &caches.claims);
+        let gpu_nodes = caches.gpu_nodes.state();
+        let classes: BTreeMap<String, i64> = caches
+            .priority_classes
+            .state()
+            .iter()
+            .map(|c| (c.name_any(), i64::from(c.value.unwrap_or(0))))
+            .collect();
+        let agents = Agents::of(&gpu_nodes);
+        let pods = caches.pods.state();
+        Pass {
+            pools,
+            policies,
+            pool_list,
+            devices,
+            allocated,
+            holding,
+            held,
+            gpu_nodes,
+            classes,
+            agents,
+            pods,
+            now,
+            wall,
+            agent_timeout,
+        }
+    }
+
+    /// What a pod of `policy` needs of a slice.
+    pub(super) fn need(&self, policy: &GpuSlicePolicy) -> Need {
+        Need {
+            memory_bytes: crate::classes::memory_limit(policy, &self.pool_list),
+            compute: policy.spec.compute.as_ref().map_or(0, |c| c.limit),
+        }
+    }
+}

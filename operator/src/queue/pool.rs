@@ -1,0 +1,236 @@
+//! One pool's part of a pass ([`Queue::plan_pool`]): its waiting pods, their order and the
+//! admission decision, the pool's fragmentation, and what each step adds to the [`Plan`].
+
+use std::collections::BTreeMap;
+
+use gpuslice_api::{GpuPool, Preemption, Scheduling};
+use gpuslice_planning::queue::{self, Decision, FreeDevice, Need, Waiting};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt as _;
+
+use super::cluster::Pass;
+use super::messages::Telling;
+use super::{POLICY_LABEL, Plan, Queue, RUN_TIME_ANNOTATION, gated};
+
+/// One pool's planning this pass: the pass, the pool, and what each of its steps reads.
+pub(super) struct PoolPass<'a> {
+    pub(super) pass: &'a Pass,
+    pub(super) pool: &'a GpuPool,
+    pub(super) name: String,
+    /// The pool's scheduling (the defaults where it declares none).
+    pub(super) scheduling: Scheduling,
+    /// Policy name → what a pod of it needs, for the pool's policies.
+    pub(super) needs: BTreeMap<String, Need>,
+}
+
+impl Queue {
+    /// Plans one pool: tells the pods whose annotation is unreadable, decays and records the
+    /// namespaces' use, measures the pool's fragmentation, admits what fits, takes slices back
+    /// where the pool allows preemption, and tells the pods left why they wait. Returns the
+    /// claims whose preemption it asks for.
+    pub(super) fn plan_pool(
+        &mut self,
+        pass: &Pass,
+        pool: &GpuPool,
+        elapsed: f64,
+        free: &mut BTreeMap<String, Vec<FreeDevice>>,
+        plan: &mut Plan,
+    ) -> Vec<String> {
+        let at = PoolPass::new(pass, pool);
+        let (waiting, unreadable) = at.waiting();
+        for (pod, message) in unreadable {
+            plan.tell
+                .push((pod, "InvalidExpectedRunTime".into(), message));
+        }
+        let shares = at.shares(&mut self.usage, &waiting, elapsed);
+        if let Some(fair_share) = at.fair_share(&shares) {
+            plan.fair_share.insert(at.name.clone(), fair_share);
+        }
+        plan.fragmentation.insert(
+            at.name.clone(),
+            at.fragmentation(&waiting, free.get(&at.name).map_or(&[], Vec::as_slice)),
+        );
+        if waiting.is_empty() {
+            return Vec::new();
+        }
+        let order = queue::order(at.scheduling.policy, &waiting, &shares);
+        let devices = free.remove(&at.name).unwrap_or_default();
+        let Decision { admit, wait } =
+            queue::decide(&waiting, &order, &at.needs, &devices, &mut self.placer);
+        at.admitted(plan, &waiting, admit);
+        // Pods no free slice fits may take one back from running pods.
+        let mut preempted = if at.scheduling.preemption {
+            at.preempt(&self.follow_up, &waiting, &wait, &shares)
+        } else {
+            Vec::new()
+        };
+        // Preemptions the node's agent leaves unread are reported, then given up.
+        let overdue = self
+            .follow_up
+            .review(&at, &mut preempted, &mut plan.stalled);
+        for p in &preempted {
+            plan.preemptions
+                .entry(p.node.clone())
+                .or_default()
+                .push(Preemption {
+                    resource_claim: p.claim.clone(),
+                    for_pod: p.for_pod.clone(),
+                    reason: p.reason.clone(),
+                });
+        }
+        let telling = Telling {
+            at: &at,
+            waiting: &waiting,
+            shares: &shares,
+            preempted: &preempted,
+            overdue: &overdue,
+            total: wait.len(),
+        };
+        for (pod, place, reason) in wait {
+            plan.tell.push(telling.condition(pod, place, reason));
+        }
+        preempted.into_iter().map(|p| p.claim).collect()
+    }
+}
+
+impl<'a> PoolPass<'a> {
+    /// The pool's planning this pass: its name, its scheduling, its policies' needs.
+    fn new(pass: &'a Pass, pool: &'a GpuPool) -> PoolPass<'a> {
+        let name = pool.name_any();
+        let scheduling = pool.spec.scheduling.clone().unwrap_or_default();
+        let needs: BTreeMap<String, Need> = pass
+            .policies
+            .iter()
+            .filter(|p| p.spec.pool == name)
+            .map(|p| (p.name_any(), pass.need(p)))
+            .collect();
+        PoolPass {
+            pass,
+            pool,
+            name,
+            scheduling,
+            needs,
+        }
+    }
+
+    /// The pool's gated pods, and apart the pods (`namespace/name`) whose expected run time is
+    /// unreadable, each with what to tell it.
+    fn waiting(&self) -> (Vec<Waiting>, Vec<(String, String)>) {
+        let (pass, now) = (self.pass, self.pass.now);
+        let mut unreadable: Vec<(String, String)> = Vec::new();
+        let waiting: Vec<Waiting> = pass
+            .pods
+            .iter()
+            .filter(|p| gated(p))
+            .filter_map(|p| {
+                let policy = p.labels().get(POLICY_LABEL)?.clone();
+                let spec = pass.policies.iter().find(|x| x.name_any() == policy);
+                // A pod whose policy is unknown waits in no pool's queue but the first's,
+                // so that it is told why.
+                if spec.map_or(self.name != pass.pools[0].name_any(), |s| {
+                    s.spec.pool != self.name
+                }) {
+                    return None;
+                }
+                let key = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+                let runs_until = match expected_run_time(p) {
+                    Ok(run_time) => run_time.map(|d| now + d),
+                    Err(message) => {
+                        // It waits, out of line, until its annotation is fixed.
+                        unreadable.push((key, message));
+                        return None;
+                    }
+                };
+                Some(Waiting {
+                    namespace: p.namespace().unwrap_or_default(),
+                    name: p.name_any(),
+                    priority: spec.map_or(0, |s| {
+                        queue::priority_in_force(
+                            self.pool,
+                            &policy,
+                            &s.spec.priority,
+                            now,
+                            &pass.classes,
+                        )
+                    }),
+                    policy,
+                    created: p
+                        .creation_timestamp()
+                        .and_then(|t| gpuslice_api::chrono_of(&t))
+                        .unwrap_or(now),
+                    runs_until,
+                })
+            })
+            .collect();
+        (waiting, unreadable)
+    }
+
+    /// The pool's fragmentation over its `free` devices, its policies weighed by their demand:
+    /// the slices each holds and its pods waiting (each policy counts once when the pool has no
+    /// demand yet).
+    fn fragmentation(&self, waiting: &[Waiting], free: &[FreeDevice]) -> f64 {
+        let mix: Vec<(Need, f64)> = self
+            .needs
+            .iter()
+            .map(|(policy, need)| {
+                let demand = self
+                    .pass
+                    .held
+                    .iter()
+                    .filter(|h| h.pool == self.name && h.policy.as_ref() == Some(policy))
+                    .count()
+                    + waiting.iter().filter(|w| w.policy == *policy).count();
+                (*need, demand as f64)
+            })
+            .collect();
+        let no_demand = mix.iter().all(|(_, d)| *d == 0.0);
+        let mix: Vec<(Need, f64)> = mix
+            .into_iter()
+            .map(|(need, d)| (need, if no_demand { 1.0 } else { d }))
+            .collect();
+        queue::fragmentation(free, &mix)
+    }
+
+    /// Counts the pool's waiting pods per namespace, less those admitted, and adds the
+    /// admissions to the plan.
+    fn admitted(&self, plan: &mut Plan, waiting: &[Waiting], admit: Vec<(String, String)>) {
+        for w in waiting {
+            *plan
+                .waiting
+                .entry((self.name.clone(), w.namespace.clone()))
+                .or_default() += 1;
+        }
+        for (pod, _) in &admit {
+            plan.admitted_pool.insert(pod.clone(), self.name.clone());
+            if let Some((pool, namespace)) = waiting
+                .iter()
+                .find(|w| w.key() == *pod)
+                .map(|w| (self.name.clone(), w.namespace.clone()))
+                && let Some(n) = plan.waiting.get_mut(&(pool, namespace))
+            {
+                *n -= 1;
+            }
+        }
+        plan.admit.extend(admit);
+    }
+}
+
+/// The pod's declared expected run time, if any; a message naming the fix if unreadable.
+fn expected_run_time(pod: &Pod) -> Result<Option<chrono::Duration>, String> {
+    let Some(value) = pod.annotations().get(RUN_TIME_ANNOTATION) else {
+        return Ok(None);
+    };
+    let refused = || {
+        format!(
+            "annotation {RUN_TIME_ANNOTATION}: {value:?} is not a positive duration such as 90m or 2h: fix it, or remove it; the pod waits until then"
+        )
+    };
+    let declared: kube::core::Duration = value.parse().map_err(|_| refused())?;
+    let duration = std::time::Duration::from(declared);
+    if declared.is_negative() || duration.is_zero() {
+        return Err(refused());
+    }
+    chrono::Duration::from_std(duration)
+        .map(Some)
+        .map_err(|_| refused())
+}
