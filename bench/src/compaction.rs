@@ -9,7 +9,9 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use gpuslice_planning::compaction::{Capacity, GpuState, Workload, node_fragmentation, plan};
+use gpuslice_planning::compaction::{
+    Capacity, GpuState, Move, Plan as CompactionPlan, Workload, node_fragmentation, plan,
+};
 use gpuslice_planning::placement::policies::Mix;
 use gpuslice_planning::placement::{Cluster, Gpu, GpuAsk, Policy as _, WHOLE};
 use rand::rngs::StdRng;
@@ -32,6 +34,69 @@ pub struct Plan {
     /// holes to compact).
     pub depart: f64,
     pub seed: u64,
+}
+
+/// The GPUs after the moves are carried out.
+fn replay(gpus: &[GpuState], moves: &[Move]) -> Vec<GpuState> {
+    let mut after = gpus.to_vec();
+    for m in moves {
+        let from = after
+            .iter()
+            .position(|g| (g.node.clone(), g.gpu) == m.from)
+            .unwrap_or(0);
+        let Some(k) = after[from]
+            .workloads
+            .iter()
+            .position(|w| w.id == m.workload)
+        else {
+            continue;
+        };
+        let w = after[from].workloads.remove(k);
+        let to = after
+            .iter()
+            .position(|g| (g.node.clone(), g.gpu) == m.to)
+            .unwrap_or(0);
+        after[to].workloads.push(w);
+    }
+    after
+}
+
+/// The figure: after each freed GPU, how many moves so far; and why the others were kept.
+fn moves_figure(planned: &CompactionPlan) -> String {
+    let mut figure = String::from("| GPUs freed | workloads moved |\n|---:|---:|\n");
+    let mut moved = 0;
+    let step = (planned.freed.len() / 10).max(1);
+    for (k, gpu) in planned.freed.iter().enumerate() {
+        moved += planned.moves.iter().filter(|m| m.from == *gpu).count();
+        if (k + 1) % step == 0 || k + 1 == planned.freed.len() {
+            figure.push_str(&format!("| {} | {moved} |\n", k + 1));
+        }
+    }
+    let fixed = planned
+        .kept
+        .iter()
+        .filter(|k| k.contains("may not move"))
+        .count();
+    let no_room = planned.kept.len() - fixed;
+    figure.push_str(&format!(
+        "\nGPUs kept: {fixed} hold a pod that may not move, {no_room} found no room in use elsewhere\n"
+    ));
+    figure
+}
+
+/// Departures: each placed pod ends with probability `share` (all its GPUs at once).
+fn depart(on: &mut BTreeMap<(usize, usize), Vec<Workload>>, share: f64, seed: u64) {
+    let mut ids: Vec<String> = on.values().flatten().map(|w| w.id.clone()).collect();
+    ids.sort();
+    ids.dedup();
+    let mut leave = StdRng::seed_from_u64(seed ^ 0xdead);
+    let gone: std::collections::BTreeSet<String> = ids
+        .into_iter()
+        .filter(|_| leave.random_bool(share))
+        .collect();
+    for workloads in on.values_mut() {
+        workloads.retain(|w| !gone.contains(&w.id));
+    }
 }
 
 /// Runs it; returns the report and whether the plan freed GPUs and every move left its GPU
@@ -91,18 +156,7 @@ pub fn run(data: &Path, trace: &Path, run: Plan) -> Result<(String, bool), Bench
             u64::from(WHOLE).saturating_sub(used)
         })
         .sum();
-    // Departures: each placed pod ends with probability `depart` (all its GPUs at once).
-    let mut ids: Vec<String> = on.values().flatten().map(|w| w.id.clone()).collect();
-    ids.sort();
-    ids.dedup();
-    let mut leave = StdRng::seed_from_u64(run.seed ^ 0xdead);
-    let gone: std::collections::BTreeSet<String> = ids
-        .into_iter()
-        .filter(|_| leave.random_bool(run.depart))
-        .collect();
-    for workloads in on.values_mut() {
-        workloads.retain(|w| !gone.contains(&w.id));
-    }
+    depart(&mut on, run.depart, run.seed);
     let gpus: Vec<GpuState> = nodes
         .iter()
         .enumerate()
@@ -138,50 +192,13 @@ pub fn run(data: &Path, trace: &Path, run: Plan) -> Result<(String, bool), Bench
         .count();
     let planned = plan(&gpus, THRESHOLD);
     // The state after: replay the moves.
-    let mut after = gpus.clone();
-    for m in &planned.moves {
-        let from = after
-            .iter()
-            .position(|g| (g.node.clone(), g.gpu) == m.from)
-            .unwrap_or(0);
-        let Some(k) = after[from]
-            .workloads
-            .iter()
-            .position(|w| w.id == m.workload)
-        else {
-            continue;
-        };
-        let w = after[from].workloads.remove(k);
-        let to = after
-            .iter()
-            .position(|g| (g.node.clone(), g.gpu) == m.to)
-            .unwrap_or(0);
-        after[to].workloads.push(w);
-    }
+    let after = replay(&gpus, &planned.moves);
     let emptied = planned.freed.iter().all(|f| {
         after
             .iter()
             .any(|g| (g.node.clone(), g.gpu) == *f && g.workloads.is_empty())
     });
-    // The figure: after each freed GPU, how many moves so far.
-    let mut figure = String::from("| GPUs freed | workloads moved |\n|---:|---:|\n");
-    let mut moved = 0;
-    let step = (planned.freed.len() / 10).max(1);
-    for (k, gpu) in planned.freed.iter().enumerate() {
-        moved += planned.moves.iter().filter(|m| m.from == *gpu).count();
-        if (k + 1) % step == 0 || k + 1 == planned.freed.len() {
-            figure.push_str(&format!("| {} | {moved} |\n", k + 1));
-        }
-    }
-    let fixed = planned
-        .kept
-        .iter()
-        .filter(|k| k.contains("may not move"))
-        .count();
-    let no_room = planned.kept.len() - fixed;
-    figure.push_str(&format!(
-        "\nGPUs kept: {fixed} hold a pod that may not move, {no_room} found no room in use elsewhere\n"
-    ));
+    let figure = moves_figure(&planned);
     let ok = !planned.freed.is_empty() && emptied && engine_free == placed_free;
     let report = format!(
         "compaction on {} (seed {}): pods placed until {:.0} % of {} GPUs were asked for, then {:.0} % of them ended; {:.0} % of GPU-sharing pods may move; threshold {:.0} %\n\n\
