@@ -189,32 +189,7 @@ pub(super) fn status(
     quarantined: Condition,
     io_limited: Condition,
 ) -> GpuNodeStatus {
-    let blocked: Vec<String> = pass
-        .outcomes
-        .iter()
-        .filter(|o| !o.blocked_by.is_empty())
-        .map(|o| {
-            let what: Vec<String> = o.blocked_by.iter().map(ToString::to_string).collect();
-            let pids: Vec<String> = o
-                .blocking
-                .iter()
-                .map(|b| {
-                    let why = pass
-                        .draining
-                        .iter()
-                        .find(|w| w.pid == b.pid && w.slice == b.slice)
-                        .map(|w| format!(": {}", w.reason))
-                        .unwrap_or_default();
-                    if b.pid == 0 {
-                        format!("a pod's ResourceClaim on {}{why}", b.slice)
-                    } else {
-                        format!("pid {} on {}{why}", b.pid, b.slice)
-                    }
-                })
-                .collect();
-            format!("GPU {}: {} ({})", o.index, what.join(", "), pids.join("; "))
-        })
-        .collect();
+    let blocked = blocked_gpus(pass);
     let failed: Vec<String> = pass
         .outcomes
         .iter()
@@ -256,31 +231,7 @@ pub(super) fn status(
         &mut conditions,
         previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]),
     );
-    let mut claims: Vec<gpuslice_api::SliceClaim> = pass
-        .claims
-        .iter()
-        .map(|c| gpuslice_api::SliceClaim {
-            slice: c.slice.clone(),
-            resource_claim: c.resource_claim.clone(),
-            pods: c.pod_names.clone(),
-            pid: c
-                .resource_claim
-                .is_none()
-                .then(|| c.workload.unwrap_or(c.client)),
-            policy: c.policy.clone(),
-            last_checkpoint: pass
-                .checkpoints
-                .get(&c.slice)
-                .and_then(|t| gpuslice_api::time_of(*t)),
-            draining: c.resource_claim.as_ref().and_then(|_| {
-                pass.draining
-                    .iter()
-                    .find(|w| w.pid == 0 && w.slice == c.slice)
-                    .map(|w| w.reason.clone())
-            }),
-        })
-        .collect();
-    claims.dedup();
+    let claims = slice_claims(pass);
     GpuNodeStatus {
         claims,
         evictions: pass
@@ -308,4 +259,63 @@ pub(super) fn status(
         },
         conditions,
     }
+}
+
+/// Each GPU whose change waits for busy slices: what it waits for, and who holds them.
+fn blocked_gpus(pass: &Pass) -> Vec<String> {
+    pass.outcomes
+        .iter()
+        .filter(|o| !o.blocked_by.is_empty())
+        .map(|o| {
+            let what: Vec<String> = o.blocked_by.iter().map(ToString::to_string).collect();
+            let pids: Vec<String> = o
+                .blocking
+                .iter()
+                .map(|b| {
+                    let why = pass
+                        .draining
+                        .iter()
+                        .find(|w| w.pid == b.pid && w.slice == b.slice)
+                        .map(|w| format!(": {}", w.reason))
+                        .unwrap_or_default();
+                    if b.pid == 0 {
+                        format!("a pod's ResourceClaim on {}{why}", b.slice)
+                    } else {
+                        format!("pid {} on {}{why}", b.pid, b.slice)
+                    }
+                })
+                .collect();
+            format!("GPU {}: {} ({})", o.index, what.join(", "), pids.join("; "))
+        })
+        .collect()
+}
+
+/// The claims the node holds now, as the status lists them.
+fn slice_claims(pass: &Pass) -> Vec<gpuslice_api::SliceClaim> {
+    let mut claims: Vec<gpuslice_api::SliceClaim> = pass
+        .claims
+        .iter()
+        .map(|c| gpuslice_api::SliceClaim {
+            slice: c.slice.clone(),
+            resource_claim: c.resource_claim.clone(),
+            pods: c.pod_names.clone(),
+            pid: c
+                .resource_claim
+                .is_none()
+                .then(|| c.workload.unwrap_or(c.client)),
+            policy: c.policy.clone(),
+            last_checkpoint: pass
+                .checkpoints
+                .get(&c.slice)
+                .and_then(|t| gpuslice_api::time_of(*t)),
+            draining: c.resource_claim.as_ref().and_then(|_| {
+                pass.draining
+                    .iter()
+                    .find(|w| w.pid == 0 && w.slice == c.slice)
+                    .map(|w| w.reason.clone())
+            }),
+        })
+        .collect();
+    claims.dedup();
+    claims
 }
