@@ -16,6 +16,21 @@ use kube::api::{Api, ApiResource, DynamicObject};
 
 const KINDS: [&str; 3] = ["GpuPool", "GpuSlicePolicy", "GpuNode"];
 
+/// `helm template` of the chart's argocd-health.yaml, its Argo CD health checks enabled.
+fn render_health_checks(helm: &Path) -> std::process::Output {
+    Command::new(helm)
+        .args(["template", "gpuslice"])
+        .arg(root().join("charts/gpuslice"))
+        .args([
+            "--set",
+            "argocd.healthChecks.enabled=true",
+            "--show-only",
+            "templates/argocd-health.yaml",
+        ])
+        .output()
+        .unwrap()
+}
+
 #[derive(serde::Deserialize)]
 struct HealthTests {
     tests: Vec<HealthTest>,
@@ -43,17 +58,7 @@ fn argo_cd_shows_the_health_the_operator_reports_for_each_of_our_kinds() {
         return;
     };
     // argocd-cm as a platform team gets it from the chart.
-    let rendered = Command::new(&helm)
-        .args(["template", "gpuslice"])
-        .arg(root().join("charts/gpuslice"))
-        .args([
-            "--set",
-            "argocd.healthChecks.enabled=true",
-            "--show-only",
-            "templates/argocd-health.yaml",
-        ])
-        .output()
-        .unwrap();
+    let rendered = render_health_checks(&helm);
     assert!(
         rendered.status.success(),
         "{}",
@@ -299,17 +304,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
             .arg(dir.path()),
     );
     wait_port(redis_port);
-    let rendered = Command::new(&helm)
-        .args(["template", "gpuslice"])
-        .arg(root().join("charts/gpuslice"))
-        .args([
-            "--set",
-            "argocd.healthChecks.enabled=true",
-            "--show-only",
-            "templates/argocd-health.yaml",
-        ])
-        .output()
-        .unwrap();
+    let rendered = render_health_checks(&helm);
     assert!(rendered.status.success());
     let mut argocd_cm: serde_json::Value = serde_yaml::from_slice(&rendered.stdout).unwrap();
     // Argo CD's own settings of a test install: our health checks merged in as a platform team
@@ -401,27 +396,16 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
             format!("name: {node}\ngpus:\n- {{index: 0, model: {model}}}\n"),
         )
         .unwrap();
-        let mut agent = Command::new(bin);
+        // The kubelet plugin publishes the node's slices as DRA devices.
+        let mut agent = gpuslice_testcluster::agent_command(
+            bin,
+            "2s",
+            &node_file,
+            &dir.path().join(format!("state-{node}")),
+            &dir.path().join(format!("kubelet-{node}")),
+            &dir.path().join(format!("cdi-{node}")),
+        );
         agent
-            .args([
-                "agent",
-                "--kube",
-                "--apply",
-                "--interval",
-                "2s",
-                "--emulate",
-            ])
-            .arg(&node_file)
-            .arg("--state")
-            .arg(dir.path().join(format!("state-{node}")))
-            // Pools' dataset caches, for /var/lib/gpuslice/cache.
-            .arg("--cache-root")
-            .arg(std::path::Path::new(&dir.path().join(format!("state-{node}"))).join("caches"))
-            // The kubelet plugin publishes the node's slices as DRA devices.
-            .arg("--kubelet-dir")
-            .arg(dir.path().join(format!("kubelet-{node}")))
-            .arg("--cdi-dir")
-            .arg(dir.path().join(format!("cdi-{node}")))
             .env("KUBECONFIG", cluster.agent_kubeconfig(node).await.unwrap())
             .env("GPUSLICE_CLOCK_START", CLOCK);
         gpuslice.push(spawn_logged(&logs, &format!("agent-{node}"), &mut agent));

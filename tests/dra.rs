@@ -12,7 +12,6 @@ use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy};
 use gpuslice_node::kubelet::proto;
 use gpuslice_node::kubelet::proto::dra::d_r_a_plugin_client::DRAPluginClient as DraPluginClient;
 use gpuslice_node::kubelet::proto::registration::registration_client::RegistrationClient;
-use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
@@ -171,10 +170,7 @@ async fn start_with_driver(
     driver: Option<(&str, &str)>,
 ) -> Option<Cluster> {
     let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
-    let client = cluster.client().await.unwrap();
-    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-        .await
-        .unwrap();
+    let client = cluster.client_with_crds().await;
     if !cluster.install_chart_identities().await.unwrap() {
         return None;
     }

@@ -15,8 +15,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use gpuslice_testcluster::repo_root as root;
-use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, Kubelet, Runtime, eventually};
+use gpuslice_testcluster::{
+    Components, ControlPlane, KillOnDrop, Kubelet, Runtime, event_note, eventually,
+};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -99,10 +100,7 @@ impl Setup {
             .start_kubelet(NODE, &[("gpuslice.io/pool", "shared-a100")], runtime)
             .await
             .unwrap()?;
-        let client = cluster.client().await.unwrap();
-        gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-            .await
-            .unwrap();
+        let client = cluster.client_with_crds().await;
         if !cluster.install_chart_identities().await.unwrap() {
             return None;
         }
@@ -1095,21 +1093,12 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
         1,
         "asked to evict once: {log}"
     );
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(client.clone(), "default");
     let note = eventually("the trainer's Preempted event", || {
-        let events = events.clone();
+        let client = client.clone();
         async move {
-            events
-                .list(&ListParams::default())
+            event_note(&client, "Preempted", "trainer")
                 .await
                 .map_err(|e| e.to_string())?
-                .into_iter()
-                .find(|e| {
-                    e.reason.as_deref() == Some("Preempted")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("trainer")
-                })
-                .and_then(|e| e.note)
                 .ok_or_else(|| "no event".to_string())
         }
     })
@@ -1171,16 +1160,9 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
             "{name} is being deleted"
         );
     }
-    let ignorer_note = events
-        .list(&ListParams::default())
+    let ignorer_note = event_note(&client, "Preempted", "ignorer")
         .await
         .unwrap()
-        .into_iter()
-        .find(|e| {
-            e.reason.as_deref() == Some("Preempted")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("ignorer")
-        })
-        .and_then(|e| e.note)
         .unwrap_or_default();
     assert!(
         ignorer_note.ends_with("no checkpoint within the grace period of 3s"),
@@ -1450,22 +1432,12 @@ spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: quick}
     for app in &pair {
         assert_eq!(running_pod(&pods, app).await.as_ref(), Some(&jobs[app]));
     }
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(client.clone(), "default");
     let note = eventually("the moved pod's Compacted event", || {
-        let (events, old) = (events.clone(), jobs[&lone].clone());
+        let (client, old) = (client.clone(), jobs[&lone].clone());
         async move {
-            events
-                .list(&ListParams::default())
+            event_note(&client, "Compacted", &old)
                 .await
                 .map_err(|e| e.to_string())?
-                .into_iter()
-                .find(|e| {
-                    e.reason.as_deref() == Some("Compacted")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref())
-                            == Some(old.as_str())
-                })
-                .and_then(|e| e.note)
                 .ok_or_else(|| "no event".to_string())
         }
     })

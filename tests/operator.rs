@@ -93,10 +93,7 @@ fn condition(pool: &GpuPool, kind: &str) -> Option<(String, String, String)> {
 /// A control plane with our CRDs installed, and a client; `None` where none can run.
 async fn cluster_with_crds() -> Option<(ControlPlane, Client)> {
     let cluster = ControlPlane::start(Components::default()).await.unwrap()?;
-    let client = cluster.client().await.unwrap();
-    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-        .await
-        .unwrap();
+    let client = cluster.client_with_crds().await;
     // The operator and the agents run as the chart's identities.
     if !cluster.install_chart_identities().await.unwrap() {
         return None;
@@ -106,6 +103,27 @@ async fn cluster_with_crds() -> Option<(ControlPlane, Client)> {
 
 /// The operator's arguments that go with its chart identity: its lease in the chart's namespace.
 const LEASE: [&str; 2] = ["--lease-namespace", gpuslice_testcluster::CHART_NAMESPACE];
+
+/// `gpuslice operator` with `LEASE` and `extra` against the cluster (its log on stderr), on a
+/// clock started at `clock` where given.
+async fn start_operator(cluster: &ControlPlane, extra: &[&str], clock: Option<&str>) -> KillOnDrop {
+    let mut operator = Command::new(env!("CARGO_BIN_EXE_gpuslice"));
+    operator
+        .arg("operator")
+        .args(LEASE)
+        .args(extra)
+        .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap());
+    if let Some(clock) = clock {
+        operator.env("GPUSLICE_CLOCK_START", clock);
+    }
+    KillOnDrop(
+        operator
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    )
+}
 
 #[tokio::test]
 async fn pools_become_node_layouts_and_status() {
@@ -127,18 +145,8 @@ async fn pools_become_node_layouts_and_status() {
     cluster.create_node("h200-c", &[], &[]).await.unwrap();
     report_gpus(&client, "h200-c", "- {index: 0, model: NVIDIA H200}\n").await;
 
-    let _operator = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .arg("operator")
-            .args(LEASE)
-            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
-            // Mid-morning in Berlin on a Wednesday: the pool's default layout is in force.
-            .env("GPUSLICE_CLOCK_START", "2026-12-02T09:00:00Z")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
+    // Mid-morning in Berlin on a Wednesday: the pool's default layout is in force.
+    let _operator = start_operator(&cluster, &[], Some("2026-12-02T09:00:00Z")).await;
     let pool_text =
         std::fs::read_to_string(root().join("examples/gitops/pools/h200-mig.yaml")).unwrap();
     apply_yaml(&client, &pool_text).await;
@@ -358,20 +366,16 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
                 .unwrap(),
         ));
     }
-    processes.push(KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .arg("operator")
-            .args(LEASE)
-            .args(["--metrics-addr", &format!("127.0.0.1:{operator_port}")])
-            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
-            // 21:59 in Berlin on a Wednesday: the night window opens in 60 s, time for the day
-            // layout to be applied and the workload to start even on a loaded machine.
-            .env("GPUSLICE_CLOCK_START", "2026-12-02T20:59:00Z")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    ));
+    // 21:59 in Berlin on a Wednesday: the night window opens in 60 s, time for the day layout to
+    // be applied and the workload to start even on a loaded machine.
+    processes.push(
+        start_operator(
+            &cluster,
+            &["--metrics-addr", &format!("127.0.0.1:{operator_port}")],
+            Some("2026-12-02T20:59:00Z"),
+        )
+        .await,
+    );
     let pool_text =
         std::fs::read_to_string(root().join("examples/gitops/pools/h200-mig.yaml")).unwrap();
     let checkpoint =
@@ -963,15 +967,7 @@ async fn an_agent_has_only_its_own_nodes_pods_evicted() {
         }
     }
 
-    let _operator = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .args(["operator", LEASE[0], LEASE[1]])
-            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
+    let _operator = start_operator(&cluster, &[], None).await;
     let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
     eventually("the agent's GpuNode exists", || {
         let gpu_nodes = gpu_nodes.clone();

@@ -72,10 +72,7 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
     let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
         return;
     };
-    let client = cluster.client().await.unwrap();
-    gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-        .await
-        .unwrap();
+    let client = cluster.client_with_crds().await;
     // The chart, rendered with the alerts as a rule file and the dashboard; alerts fire at once.
     let rendered = Command::new(&helm)
         .args(["template", "gs", "--namespace", "gpuslice-system"])
@@ -159,34 +156,23 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
     );
     let bin = env!("CARGO_BIN_EXE_gpuslice");
     let agent = KillOnDrop(
-        Command::new(bin)
-            .args([
-                "agent",
-                "--kube",
-                "--apply",
-                "--interval",
-                "1s",
-                "--emulate",
-            ])
-            .arg(&node_file)
-            .arg("--state")
-            .arg(dir.path().join("state"))
-            // Pools' dataset caches, for /var/lib/gpuslice/cache.
-            .arg("--cache-root")
-            .arg(std::path::Path::new(&dir.path().join("state")).join("caches"))
-            .arg("--kubelet-dir")
-            .arg(dir.path().join("kubelet"))
-            .arg("--cdi-dir")
-            .arg(dir.path().join("cdi"))
-            .args(["--metrics-addr", &format!("127.0.0.1:{agent_port}")])
-            .env(
-                "KUBECONFIG",
-                cluster.agent_kubeconfig("a100-m").await.unwrap(),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
+        gpuslice_testcluster::agent_command(
+            bin,
+            "1s",
+            &node_file,
+            &dir.path().join("state"),
+            &dir.path().join("kubelet"),
+            &dir.path().join("cdi"),
+        )
+        .args(["--metrics-addr", &format!("127.0.0.1:{agent_port}")])
+        .env(
+            "KUBECONFIG",
+            cluster.agent_kubeconfig("a100-m").await.unwrap(),
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap(),
     );
     let _operator = KillOnDrop(
         Command::new(bin)

@@ -137,10 +137,7 @@ impl Harness {
         let operator_args: Vec<String> = operator_args.iter().map(|a| a.to_string()).collect();
         let helm = gpuslice_testcluster::built_tool("GPUSLICE_HELM", "helm", "")?;
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
-        let client = cluster.client().await.unwrap();
-        gpuslice_testcluster::install_crds(&client, &root().join("crds"))
-            .await
-            .unwrap();
+        let client = cluster.client_with_crds().await;
         // The chart's mutating admission policies: label → the policy's extended resource,
         // label → the queue's gate, and the queued pods' priority.
         let rendered = Command::new(&helm)
@@ -182,31 +179,20 @@ impl Harness {
         std::fs::write(&node_file, format!("name: {node}\ngpus:\n{gpu_lines}")).unwrap();
         let bin = env!("CARGO_BIN_EXE_gpuslice");
         let agent = KillOnDrop(
-            Command::new(bin)
-                .args([
-                    "agent",
-                    "--kube",
-                    "--apply",
-                    "--interval",
-                    "2s",
-                    "--emulate",
-                ])
-                .arg(&node_file)
-                .arg("--state")
-                .arg(dir.path().join("state"))
-                // Pools' dataset caches, for /var/lib/gpuslice/cache.
-                .arg("--cache-root")
-                .arg(std::path::Path::new(&dir.path().join("state")).join("caches"))
-                .arg("--kubelet-dir")
-                .arg(dir.path().join("kubelet"))
-                .arg("--cdi-dir")
-                .arg(dir.path().join("cdi"))
-                .env("KUBECONFIG", &agent_kubeconfig)
-                .env("GPUSLICE_CLOCK_START", clock)
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap(),
+            gpuslice_testcluster::agent_command(
+                bin,
+                "2s",
+                &node_file,
+                &dir.path().join("state"),
+                &dir.path().join("kubelet"),
+                &dir.path().join("cdi"),
+            )
+            .env("KUBECONFIG", &agent_kubeconfig)
+            .env("GPUSLICE_CLOCK_START", clock)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
         );
         let operator = spawn_operator(&cluster, clock, &operator_args).await;
         Some(Harness {
@@ -459,23 +445,12 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         },
     )
     .await;
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(client.clone(), "default");
     let note = eventually("notebook-3's Preempted event", || {
-        let events = events.clone();
+        let client = client.clone();
         async move {
-            events
-                .list(&ListParams::default())
+            gpuslice_testcluster::event_note(&client, "Preempted", "notebook-3")
                 .await
                 .map_err(|e| e.to_string())?
-                .items
-                .into_iter()
-                .find(|e| {
-                    e.reason.as_deref() == Some("Preempted")
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref())
-                            == Some("notebook-3")
-                })
-                .and_then(|e| e.note)
                 .ok_or_else(|| "no event yet".to_string())
         }
     })

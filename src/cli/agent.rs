@@ -32,11 +32,10 @@ pub struct Args {
     /// Sub-folder of the source to read.
     #[arg(long)]
     pub path: Option<String>,
-    /// This node's name and labels, as a NodeInventory YAML (name, labels); with --emulate the
-    /// emulated node's file gives them.
+    /// This node's name and labels, as a NodeInventory YAML (name, labels).
     #[arg(long)]
     pub node_file: Option<PathBuf>,
-    /// This node's name (default: from --node-file or --emulate, else the host name).
+    /// This node's name (default: from the node's file, else the host name).
     #[arg(long)]
     pub node_name: Option<String>,
     /// A node label pools select on, key=value; repeat for more. Added to the node file's.
@@ -49,7 +48,7 @@ pub struct Args {
     #[arg(long)]
     pub nvml: Option<PathBuf>,
     /// The agent's state directory (slice tables and configs, the last good source, drain
-    /// records; the emulated machine with --emulate).
+    /// records).
     #[arg(long, default_value = gpuslice_contract::paths::DEFAULT)]
     pub state: PathBuf,
     /// Change the GPUs; without it the agent only reports what it would do.
@@ -100,7 +99,8 @@ pub struct Args {
 #[cfg(feature = "dev")]
 #[derive(clap::Args)]
 pub struct Emulation {
-    /// Run against an emulated node described by this NodeInventory YAML instead of real GPUs.
+    /// Run against an emulated node described by this NodeInventory YAML instead of real GPUs
+    /// (its name and labels too; the emulated machine is kept in the state directory).
     #[arg(long, conflicts_with = "nvml")]
     pub emulate: Option<PathBuf>,
     /// With --emulate: where the emulated machine keeps its state (the emulated driver, which

@@ -650,6 +650,16 @@ impl ControlPlane {
         Self::client_from(&self.kubeconfig_path()).await
     }
 
+    /// A client with admin rights, our CRDs (the repository's `crds`) installed first; panics
+    /// where either fails.
+    pub async fn client_with_crds(&self) -> Client {
+        let client = self.client().await.unwrap();
+        install_crds(&client, &repo_root().join("crds"))
+            .await
+            .unwrap();
+        client
+    }
+
     /// A client that authenticates as a ServiceAccount (created if missing), with exactly the
     /// rights RBAC gives it.
     pub async fn service_account_client(
@@ -1074,6 +1084,40 @@ pub async fn apply_document(
     )
 }
 
+/// `gpuslice agent --kube --apply` (the binary `bin`) every `interval`, emulating the node in
+/// `node_file`, with its state in `state` (its pools' dataset caches in `state/caches`), its
+/// kubelet plugin under `kubelet_dir` and its CDI specs in `cdi_dir`.
+pub fn agent_command(
+    bin: &str,
+    interval: &str,
+    node_file: &Path,
+    state: &Path,
+    kubelet_dir: &Path,
+    cdi_dir: &Path,
+) -> Command {
+    let mut agent = Command::new(bin);
+    agent
+        .args([
+            "agent",
+            "--kube",
+            "--apply",
+            "--interval",
+            interval,
+            "--emulate",
+        ])
+        .arg(node_file)
+        .arg("--state")
+        .arg(state)
+        // Pools' dataset caches, for /var/lib/gpuslice/cache.
+        .arg("--cache-root")
+        .arg(state.join("caches"))
+        .arg("--kubelet-dir")
+        .arg(kubelet_dir)
+        .arg("--cdi-dir")
+        .arg(cdi_dir);
+    agent
+}
+
 /// Polls `check` every 200 ms until it returns `Ok`, for up to two minutes; then panics with
 /// `what` and the last `Err` it gave.
 pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
@@ -1089,6 +1133,27 @@ where
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
+}
+
+/// The note of the first Event in namespace `default` with `reason` about the object `name`
+/// (`None` while there is none).
+pub async fn event_note(
+    client: &Client,
+    reason: &str,
+    name: &str,
+) -> Result<Option<String>, kube::Error> {
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    Ok(events
+        .list(&kube::api::ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+        })
+        .and_then(|e| e.note))
 }
 
 /// Waits until the operator has written `classes` DeviceClasses (one per policy).

@@ -13,7 +13,8 @@ use gpuslice_api::{GpuAssignment, GpuNode, GpuNodeStatus, NodeInventory};
 use gpuslice_node::cluster::Publisher;
 pub use gpuslice_runtime::clock::Clock;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 
 use crate::{ControlPlane, KillOnDrop};
@@ -254,4 +255,97 @@ pub async fn remove(client: &kube::Client, label: &str) -> Result<(), kube::Erro
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+}
+
+/// A private control plane with every component (the scheduler and controller-manager at
+/// `api_qps`), its client, and the CRDs in `root/crds` installed.
+pub async fn start_cluster(
+    root: &Path,
+    api_qps: u32,
+) -> Result<(ControlPlane, kube::Client), Box<dyn std::error::Error>> {
+    let cluster = ControlPlane::start(crate::Components {
+        api_qps: Some(api_qps),
+        ..crate::Components::all()
+    })
+    .await?
+    .ok_or("no control-plane binaries: run tests/controlplane/build.sh")?;
+    let client = cluster.client().await?;
+    crate::install_crds(&client, &root.join("crds")).await?;
+    Ok((cluster, client))
+}
+
+/// `count` kwok nodes `a100-NNNN` with `labels` and extended resources `capacity`, each with the
+/// GpuNode and inventory its agent would report (32 nodes at once).
+pub async fn create_gpu_nodes(
+    cluster: &ControlPlane,
+    client: &kube::Client,
+    count: usize,
+    labels: &[(&str, &str)],
+    capacity: &[(&str, &str)],
+) {
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    let agent = PatchParams::apply("gpuslice-agent").force();
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let (gpu_nodes, agent) = (gpu_nodes.clone(), agent.clone());
+            async move {
+                let name = format!("a100-{i:04}");
+                cluster
+                    .create_node(&name, labels, capacity)
+                    .await
+                    .expect("a node");
+                let object = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": name}, "spec": {}});
+                gpu_nodes
+                    .patch(&name, &agent, &Patch::Apply(&object))
+                    .await
+                    .expect("a GpuNode");
+                let status = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": name}, "status": {"inventory": inventory(&name)}});
+                gpu_nodes
+                    .patch_status(&name, &agent, &Patch::Apply(&status))
+                    .await
+                    .expect("its inventory");
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<()>>()
+        .await;
+}
+
+/// Creates `pods` (32 at once), each asked again until it is created or already exists.
+pub async fn create_pods(api: &Api<Pod>, pods: impl Iterator<Item = Pod>) {
+    futures::stream::iter(pods)
+        .map(|pod| {
+            let api = api.clone();
+            async move {
+                while let Err(e) = api.create(&PostParams::default(), &pod).await {
+                    if matches!(&e, kube::Error::Api(s) if s.code == 409) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<()>>()
+        .await;
+}
+
+/// The (pool, device) of every allocation result of the ResourceClaims in `default`.
+pub async fn allocated_devices(
+    client: &kube::Client,
+) -> Result<Vec<(String, String)>, kube::Error> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    Ok(claims
+        .list(&ListParams::default())
+        .await?
+        .into_iter()
+        .flat_map(|c| {
+            c.status
+                .and_then(|s| s.allocation)
+                .and_then(|a| a.devices)
+                .and_then(|d| d.results)
+                .unwrap_or_default()
+        })
+        .map(|r| (r.pool, r.device))
+        .collect())
 }

@@ -29,15 +29,15 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use gpuslice_api::GpuNode;
+use gpuslice_testcluster::ControlPlane;
 use gpuslice_testcluster::scale::{
-    GPUS, arg, clock_at, cpu_seconds, inventory, operator, peak_memory_mib, remove,
-    simulated_agents,
+    GPUS, allocated_devices, arg, clock_at, cpu_seconds, create_gpu_nodes, create_pods, operator,
+    peak_memory_mib, remove, simulated_agents, start_cluster,
 };
-use gpuslice_testcluster::{Components, ControlPlane};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 
@@ -166,31 +166,19 @@ async fn place(
         })
     };
     let start = Instant::now();
-    futures::stream::iter(0..count)
-        .map(|i| {
-            let pods = pods.clone();
-            let pod: Pod = serde_json::from_value(serde_json::json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": format!("{label}-{i:05}"), "labels": {"bench": label}},
-                "spec": {
-                    "containers": [{"name": "main", "image": "example.com/notebook:1",
-                        "resources": {"limits": {resource: "1"}}}],
-                    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
-                }
-            }))
-            .expect("a pod");
-            async move {
-                while let Err(e) = pods.create(&PostParams::default(), &pod).await {
-                    if matches!(&e, kube::Error::Api(s) if s.code == 409) {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
+    let created = (0..count).map(|i| {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("{label}-{i:05}"), "labels": {"bench": label}},
+            "spec": {
+                "containers": [{"name": "main", "image": "example.com/notebook:1",
+                    "resources": {"limits": {resource: "1"}}}],
+                "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
             }
-        })
-        .buffer_unordered(32)
-        .collect::<Vec<()>>()
-        .await;
+        }))
+        .expect("a pod")
+    });
+    create_pods(&pods, created).await;
     let mut done = None;
     while start.elapsed() < limit {
         if bound.lock().expect("not poisoned").len() >= count {
@@ -212,47 +200,18 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let devices_by_day = nodes * GPUS as usize * 4;
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let qps: u32 = arg("--api-qps").map_or(Ok(500), |n| n.parse())?;
-    let cluster = ControlPlane::start(Components {
-        api_qps: Some(qps),
-        ..Components::all()
-    })
-    .await?
-    .ok_or("no control-plane binaries: run tests/controlplane/build.sh")?;
-    let client = cluster.client().await?;
-    gpuslice_testcluster::install_crds(&client, &root.join("crds")).await?;
+    let (cluster, client) = start_cluster(&root, qps).await?;
 
     // The nodes, with a plain extended resource for the baseline, and their agents' GpuNodes.
     let setup = Instant::now();
-    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
-    let agent = PatchParams::apply("gpuslice-agent").force();
-    futures::stream::iter(0..nodes)
-        .map(|i| {
-            let (cluster, gpu_nodes, agent) = (&cluster, gpu_nodes.clone(), agent.clone());
-            async move {
-                let name = format!("a100-{i:04}");
-                cluster
-                    .create_node(
-                        &name,
-                        &[("gpuslice.io/pool", "shared-a100")],
-                        &[("example.com/slice", "32")],
-                    )
-                    .await
-                    .expect("a node");
-                let object = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": name}, "spec": {}});
-                gpu_nodes
-                    .patch(&name, &agent, &Patch::Apply(&object))
-                    .await
-                    .expect("a GpuNode");
-                let status = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": name}, "status": {"inventory": inventory(&name)}});
-                gpu_nodes
-                    .patch_status(&name, &agent, &Patch::Apply(&status))
-                    .await
-                    .expect("its inventory");
-            }
-        })
-        .buffer_unordered(32)
-        .collect::<Vec<()>>()
-        .await;
+    create_gpu_nodes(
+        &cluster,
+        &client,
+        nodes,
+        &[("gpuslice.io/pool", "shared-a100")],
+        &[("example.com/slice", "32")],
+    )
+    .await;
     eprintln!(
         "{nodes} nodes with their GPUs in {:.1} s",
         setup.elapsed().as_secs_f64()
@@ -301,20 +260,9 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
     eprintln!("dra: {dra:?}");
     // No device given twice.
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let mut given = BTreeSet::new();
-    let mut results = 0;
-    for c in claims.list(&ListParams::default()).await? {
-        for r in c
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .unwrap_or_default()
-        {
-            results += 1;
-            given.insert((r.pool, r.device));
-        }
-    }
+    let allocated = allocated_devices(&client).await?;
+    let results = allocated.len();
+    let given: BTreeSet<_> = allocated.into_iter().collect();
     let apiserver_memory = cluster
         .pid("kube-apiserver")
         .map_or(f64::NAN, peak_memory_mib);

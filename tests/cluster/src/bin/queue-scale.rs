@@ -24,14 +24,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use gpuslice_api::GpuNode;
 use gpuslice_testcluster::scale::{
-    GPUS, arg, clock_at, inventory, operator, peak_memory_mib, remove, simulated_agents,
+    GPUS, allocated_devices, arg, clock_at, create_gpu_nodes, create_pods, operator,
+    peak_memory_mib, remove, simulated_agents, start_cluster,
 };
-use gpuslice_testcluster::{Components, ControlPlane};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use kube::api::{Api, ListParams};
 use kube::runtime::watcher;
 
 /// Whole GPUs (0–5) and GPUs cut into four slices (6–7) per node.
@@ -144,38 +143,26 @@ async fn place(
     };
     let start = Instant::now();
     let count = policies.len();
-    futures::stream::iter(policies.iter().enumerate())
-        .map(|(i, policy)| {
-            let pods = pods.clone();
-            let mut labels = serde_json::json!({"bench": label});
-            let mut container = serde_json::json!({"name": "main", "image": "example.com/job:1"});
-            if queued {
-                labels["gpuslice.io/policy"] = (*policy).into();
-            } else {
-                container["resources"] =
-                    serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): "1"}});
+    let created = policies.iter().enumerate().map(|(i, policy)| {
+        let mut labels = serde_json::json!({"bench": label});
+        let mut container = serde_json::json!({"name": "main", "image": "example.com/job:1"});
+        if queued {
+            labels["gpuslice.io/policy"] = (*policy).into();
+        } else {
+            container["resources"] =
+                serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): "1"}});
+        }
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("{label}-{i:05}"), "labels": labels},
+            "spec": {
+                "containers": [container],
+                "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
             }
-            let pod: Pod = serde_json::from_value(serde_json::json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": format!("{label}-{i:05}"), "labels": labels},
-                "spec": {
-                    "containers": [container],
-                    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
-                }
-            }))
-            .expect("a pod");
-            async move {
-                while let Err(e) = pods.create(&PostParams::default(), &pod).await {
-                    if matches!(&e, kube::Error::Api(s) if s.code == 409) {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-        })
-        .buffer_unordered(32)
-        .collect::<Vec<()>>()
-        .await;
+        }))
+        .expect("a pod")
+    });
+    create_pods(&pods, created).await;
     let (mut admitted, mut bound) = (None, None);
     while start.elapsed() < limit {
         let (a, b) = {
@@ -221,24 +208,12 @@ async fn landing(client: &kube::Client) -> Result<(usize, usize, usize, usize), 
     let mut used: BTreeSet<&(String, i64)> = BTreeSet::new();
     let mut given = BTreeSet::new();
     let mut results = 0;
-    for c in Api::<ResourceClaim>::namespaced(client.clone(), "default")
-        .list(&ListParams::default())
-        .await?
-    {
-        for r in c
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .unwrap_or_default()
-        {
-            results += 1;
-            let key = (r.pool, r.device);
-            if let Some(gpu) = gpu_of.get(&key) {
-                used.insert(gpu);
-            }
-            given.insert(key);
+    for key in allocated_devices(client).await? {
+        results += 1;
+        if let Some(gpu) = gpu_of.get(&key) {
+            used.insert(gpu);
         }
+        given.insert(key);
     }
     Ok((gpus.len() - used.len(), gpus.len(), given.len(), results))
 }
@@ -287,14 +262,7 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     }
 
-    let cluster = ControlPlane::start(Components {
-        api_qps: Some(500),
-        ..Components::all()
-    })
-    .await?
-    .ok_or("no control-plane binaries: run tests/controlplane/build.sh")?;
-    let client = cluster.client().await?;
-    gpuslice_testcluster::install_crds(&client, &root.join("crds")).await?;
+    let (cluster, client) = start_cluster(&root, 500).await?;
     let discovery = kube::discovery::Discovery::new(client.clone())
         .run()
         .await?;
@@ -316,32 +284,14 @@ async fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     }
 
-    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
-    let agent = PatchParams::apply("gpuslice-agent").force();
-    futures::stream::iter(0..nodes)
-        .map(|i| {
-            let (cluster, gpu_nodes, agent) = (&cluster, gpu_nodes.clone(), agent.clone());
-            async move {
-                let name = format!("a100-{i:04}");
-                cluster
-                    .create_node(&name, &[("gpuslice.io/pool", "bench")], &[])
-                    .await
-                    .expect("a node");
-                let object = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": name}, "spec": {}});
-                gpu_nodes
-                    .patch(&name, &agent, &Patch::Apply(&object))
-                    .await
-                    .expect("a GpuNode");
-                let status = serde_json::json!({"apiVersion": "gpuslice.io/v1alpha1", "kind": "GpuNode", "metadata": {"name": name}, "status": {"inventory": inventory(&name)}});
-                gpu_nodes
-                    .patch_status(&name, &agent, &Patch::Apply(&status))
-                    .await
-                    .expect("its inventory");
-            }
-        })
-        .buffer_unordered(32)
-        .collect::<Vec<()>>()
-        .await;
+    create_gpu_nodes(
+        &cluster,
+        &client,
+        nodes,
+        &[("gpuslice.io/pool", "bench")],
+        &[],
+    )
+    .await;
     let operator_process = operator(&gpuslice, &cluster, "2026-12-02T09:00:00Z")?;
     let (_agents_clock, clock) = tokio::sync::watch::channel(clock_at("2026-12-02T09:00:00Z"));
     let agents = simulated_agents(client.clone(), 64, clock);
