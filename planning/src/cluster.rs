@@ -229,7 +229,7 @@ fn plan_gpu(
     let layout = window.map_or(&pool.spec.layout, |w| &pool.spec.windows[w].layout);
     plan_assigned(
         gpu,
-        &Assignment {
+        Assignment {
             pool: timing.pool.clone(),
             window: timing.window.clone(),
             layout: layout.clone(),
@@ -240,12 +240,12 @@ fn plan_gpu(
 }
 
 /// Plans one GPU of a pool: the layout resolved for its model and the transition from its state.
-pub fn plan_assigned(gpu: &GpuInventory, assignment: &Assignment) -> GpuPlan {
+pub fn plan_assigned(gpu: &GpuInventory, assignment: Assignment) -> GpuPlan {
     let mut out = GpuPlan {
         index: gpu.index,
         uuid: gpu.uuid.clone(),
         model: gpu.model.clone(),
-        assigned: Some(assignment.clone()),
+        assigned: None,
         desired: None,
         ops: Vec::new(),
         blocked_by: Vec::new(),
@@ -254,9 +254,10 @@ pub fn plan_assigned(gpu: &GpuInventory, assignment: &Assignment) -> GpuPlan {
     let model = catalog::model(&gpu.model).ok();
     if let Some(message) = software_overflow(&assignment.layout, model, gpu) {
         out.error = Some(GpuPlanError::Layout {
-            pool: assignment.pool.to_string(),
+            pool: assignment.pool.clone(),
             message,
         });
+        out.assigned = Some(assignment);
         return out;
     }
     let result = Desired::of(&assignment.layout, model, &gpu.model).and_then(|desired| {
@@ -271,11 +272,12 @@ pub fn plan_assigned(gpu: &GpuInventory, assignment: &Assignment) -> GpuPlan {
         }
         Err(e) => {
             out.error = Some(GpuPlanError::Layout {
-                pool: assignment.pool.to_string(),
+                pool: assignment.pool.clone(),
                 message: e.to_string(),
             })
         }
     }
+    out.assigned = Some(assignment);
     out
 }
 
@@ -401,7 +403,7 @@ mod tests {
             time_slice: None,
             checkpoint_policy: None,
         };
-        let plan = plan_assigned(&gpu, &assignment);
+        let plan = plan_assigned(&gpu, assignment.clone());
         let error = plan.error.expect("an error").to_string();
         assert_eq!(
             error,
@@ -413,7 +415,7 @@ mod tests {
         assert!(
             plan_assigned(
                 &gpu,
-                &Assignment {
+                Assignment {
                     layout: fits,
                     ..assignment
                 }

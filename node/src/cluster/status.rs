@@ -38,7 +38,7 @@ pub(super) fn plan_spec(
             ));
             continue;
         }
-        let plan = plan_assigned(gpu, &assignment.assigned);
+        let plan = plan_assigned(gpu, assignment.assigned.clone());
         if let Some(e) = &plan.error {
             problems.push(format!("GPU {}: {e}", assignment.index));
         }
