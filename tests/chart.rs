@@ -12,7 +12,7 @@ use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, eventually};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 
 const NAMESPACE: &str = "gpuslice-system";
@@ -720,7 +720,7 @@ async fn admission_covers_every_route(
     unbound: &kube::Client,
     chart: &[serde_json::Value],
 ) {
-    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
+    use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
     let image = "example.com/app:1";
     let pod_of = |spec: serde_json::Value| -> Pod { serde_json::from_value(spec).unwrap() };
     let try_pod = |p: Pod| {
@@ -929,10 +929,21 @@ async fn admission_covers_every_route(
     try_claim("serving", "llm-inference.gpuslice.io", true)
         .await
         .unwrap();
-    try_claim("web", "notebook.gpuslice.io", false)
+    // Ours carry the label the claim binding selects by (admission's, not the tenant's); other
+    // drivers' claims are left as sent.
+    let uses_policy = |claim: &ResourceClaim| {
+        claim
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("gpuslice.io/uses-policy").cloned())
+    };
+    let ours = try_claim("web", "notebook.gpuslice.io", false)
         .await
         .unwrap();
-    try_claim("web", "gpu.example.com", false).await.unwrap();
+    assert_eq!(uses_policy(&ours).as_deref(), Some("true"));
+    let theirs = try_claim("web", "gpu.example.com", false).await.unwrap();
+    assert_eq!(uses_policy(&theirs), None);
 
     // 3. The visible-devices variables: never in a pod that names a policy, and
     // NVIDIA_VISIBLE_DEVICES in no other pod either (admission.denyVisibleDevicesEnv).
@@ -1217,4 +1228,25 @@ async fn admission_covers_every_route(
     ))
     .await
     .unwrap();
+    // The same for claims: one naming a policy's class is refused, another driver's is not.
+    let claim = |name: &str, class: &str| -> ResourceClaim {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "serving"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": class}}]}}
+        }))
+        .unwrap()
+    };
+    let claims = Api::<ResourceClaim>::namespaced(admin.clone(), "serving");
+    let (_, message) = policy_refusal(
+        claims
+            .create(&dry_post(), &claim("params-3", "llm-inference.gpuslice.io"))
+            .await,
+    )
+    .unwrap();
+    assert!(message.contains("no params found"), "{message}");
+    claims
+        .create(&dry_post(), &claim("params-4", "gpu.example.com"))
+        .await
+        .unwrap();
 }
