@@ -155,9 +155,86 @@ pub fn run(
         })?;
     // The agent drains the workload itself, not this process, when it needs the slice back.
     let _ = send(&Request::Running { pid: child.id() });
+    let (again, pid) = (
+        Want {
+            slice: Some(slice.clone()),
+            no_wait: false,
+            ..want.clone()
+        },
+        child.id(),
+    );
+    let state = state.clone();
+    std::thread::spawn(move || keep_claim(&state, &again, pid, replies));
     let status = child.wait().map_err(lost)?;
     use std::os::unix::process::ExitStatusExt as _;
     Ok(status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}
+
+/// How long a client waits between tries to reach an agent that went away.
+const RECONNECT: std::time::Duration = std::time::Duration::from_millis(250);
+/// How long it keeps trying while the agent refuses the slice (a restarted agent refuses
+/// policies until it has read its source).
+const REFUSALS_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Holds the claim while the workload runs: when the agent hangs up (it restarted under the
+/// workload), connects again and claims the workload's slice (`again`) once more, so that the
+/// workload never runs on a slice the agent thinks free (where its watchdog would stop it).
+fn keep_claim(state: &StateDir, again: &Want, pid: u32, mut replies: BufReader<UnixStream>) {
+    let slice = again.slice.clone().unwrap_or_default();
+    loop {
+        let mut line = String::new();
+        while matches!(replies.read_line(&mut line), Ok(n) if n > 0) {
+            line.clear();
+        }
+        eprintln!("gpuslice run: the agent hung up; claiming slice {slice} again once it is back");
+        let mut refused_since = None;
+        replies = loop {
+            std::thread::sleep(RECONNECT);
+            match claim_again(state, again, pid) {
+                Ok(replies) => break replies,
+                Err(Some(reason)) => {
+                    let since = *refused_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() > REFUSALS_FOR {
+                        eprintln!(
+                            "gpuslice run: slice {slice} not claimed again: {reason}; the workload runs without a claim"
+                        );
+                        return;
+                    }
+                }
+                Err(None) => {}
+            }
+        };
+        eprintln!("gpuslice run: slice {slice} held again");
+    }
+}
+
+/// One try at claiming a workload's slice again; `Err(Some(reason))` when the agent refused it.
+fn claim_again(
+    state: &StateDir,
+    again: &Want,
+    pid: u32,
+) -> Result<BufReader<UnixStream>, Option<String>> {
+    let stream = UnixStream::connect(state.socket()).map_err(|_| None)?;
+    (&stream)
+        .write_all(&socket::line(&Request::Want(again.clone())))
+        .map_err(|_| None)?;
+    let mut replies = BufReader::new(stream.try_clone().map_err(|_| None)?);
+    loop {
+        let mut line = String::new();
+        if replies.read_line(&mut line).map_err(|_| None)? == 0 {
+            return Err(None);
+        }
+        match serde_json::from_str(&line) {
+            Ok(Reply::Granted { .. }) => break,
+            Ok(Reply::Queued { .. }) => {}
+            Ok(Reply::Refused { reason }) => return Err(Some(reason)),
+            _ => return Err(None),
+        }
+    }
+    (&stream)
+        .write_all(&socket::line(&Request::Running { pid }))
+        .map_err(|_| None)?;
+    Ok(replies)
 }

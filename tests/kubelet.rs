@@ -1592,6 +1592,95 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
     wait_for_phases(&pods, &["eraser"], ["Succeeded"]).await;
 }
 
+/// A pod that gets the node's GPU past every slice (no claim; the GPU given to it by the
+/// container runtime, as the NVIDIA runtime does for an image or `envFrom` that sets
+/// `NVIDIA_VISIBLE_DEVICES=all`, which admission cannot see) is found by the agent through
+/// NVML, outside every slice of a pool's GPU: its process is stopped with SIGTERM, and the pod
+/// evicted (by the operator, which the agent asks: a restarted container would take the GPU
+/// again) and told why in an Event; the agent's metric counts it.
+#[tokio::test]
+async fn a_pod_given_a_gpu_past_its_slice_is_stopped_by_the_agent() {
+    let Some(setup) = Setup::start(CLOCK, &["--memory-watchdog-interval", "200ms"]).await else {
+        return;
+    };
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let configs: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(setup.client.clone(), "default");
+    configs
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "all-gpus"},
+                "data": {"NVIDIA_VISIBLE_DEVICES": "all"}
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let script = format!(
+        "{probe} link hold 1024; echo hold-ended=$?; sleep 600",
+        probe = setup.probe(),
+    );
+    let mut pod = setup.pod("stray", &["/bin/sh", "-c", &script]);
+    let spec = pod.spec.as_mut().unwrap();
+    spec.containers[0].resources = None;
+    spec.containers[0].env_from = Some(vec![
+        serde_json::from_value(serde_json::json!({"configMapRef": {"name": "all-gpus"}})).unwrap(),
+    ]);
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    wait_for_phases(&pods, &["stray"], ["Running"]).await;
+    let container = setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == "stray")
+        .unwrap();
+    let output = eventually("the agent stopped the stray process", || {
+        let output = setup.kubelet.output(&container);
+        async move {
+            output
+                .contains("hold-ended=")
+                .then_some(output.clone())
+                .ok_or(output)
+        }
+    })
+    .await;
+    assert!(output.contains(&format!("held={}", 1u64 << 30)), "{output}");
+    assert!(output.contains("hold-ended=143"), "{output}");
+    eventually("the pod is told why", || {
+        let client = setup.client.clone();
+        async move {
+            let notes = pod_event_notes(&client, "GpuProcessWithoutSlice", "stray").await?;
+            notes
+                .iter()
+                .any(|n| n.contains("holds no slice of it") && n.contains("SIGTERM"))
+                .then_some(())
+                .ok_or(format!("{notes:?}"))
+        }
+    })
+    .await;
+    let (_, metrics) = gpuslice_testcluster::local_get(setup.metrics_port, "/metrics").unwrap();
+    assert!(
+        metrics.lines().any(
+            |l| l.starts_with("gpuslice_agent_stray_gpu_processes_total{")
+                && l.contains("action=\"signalled\"")
+        ),
+        "{metrics}"
+    );
+    eventually("the pod is evicted", || {
+        let pods = pods.clone();
+        async move {
+            match pods.get_opt("stray").await.map_err(|e| e.to_string())? {
+                Some(p) if p.metadata.deletion_timestamp.is_none() => {
+                    Err(format!("{:?}", p.status.and_then(|s| s.phase)))
+                }
+                _ => Ok(()),
+            }
+        }
+    })
+    .await;
+}
+
 /// A pod's workload whose first kernel launch comes while the agent is away (a restart of the
 /// DaemonSet's pod, say) does not run ungoverned: its launches wait, and go on under the agent
 /// started again.

@@ -343,9 +343,12 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
             format!("name: {name}\ngpus:\n- {{index: 0, model: NVIDIA H200}}\n- {{index: 1, model: NVIDIA H200}}\n"),
         )
         .unwrap();
+        // The workload below is put on an instance directly, holding no claim: the watchdog
+        // only reports it, so that what is tested is how a re-cut drains it.
         let mut agent = Command::new(env!("CARGO_BIN_EXE_gpuslice"));
         agent
             .args(["agent", "--kube", "--interval", "2s", "--emulate"])
+            .args(["--stray-processes", "report"])
             .arg(&node_file);
         if name == "gpu-a" {
             agent.args(["--metrics-addr", &format!("127.0.0.1:{agent_port}")]);

@@ -753,6 +753,110 @@ fn a_workload_that_bypasses_the_shim_past_its_cap_is_stopped_by_the_agent() {
     );
 }
 
+/// The arbiter governs compute as the shim governs memory, from inside the workload; the
+/// agent's watchdog is the guarantee for both. A workload that launches kernels around the shim
+/// (it clears `LD_PRELOAD` before exec, as a static binary would never load the shim) uses far
+/// more than its policy's 25 % limit; NVML's per-process SM figures show it, and the agent stops
+/// it (SIGTERM: the run ends with 143), while a governed neighbour on the same GPU runs on.
+#[test]
+fn a_workload_that_launches_around_the_shim_past_its_compute_limit_is_stopped_by_the_agent() {
+    let (dir, state, agent) = agent_on(pool(4, "20Gi"), &["--memory-watchdog-interval", "300ms"]);
+    let mut children = Reaper(vec![agent]);
+    let (_, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
+    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
+    let start = |script: String| {
+        run(&state, &["--policy", "small", "--", "sh", "-c", &script])
+            .env("LD_LIBRARY_PATH", &lib)
+            .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    // 2 ms kernels, one after another, for a minute.
+    let worker = format!("{BIN} bench compute-worker --kernel-us 2000 --seconds 60");
+    let governed = children.keep(start(format!("exec {worker}")));
+    let governed = governed.id();
+    let mut around = start(format!("exec env -u LD_PRELOAD {worker}"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = around.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the workload past its compute limit still runs"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(status.code(), Some(128 + 15), "stopped by SIGTERM");
+    // The governed neighbour, within its limit, runs on.
+    std::thread::sleep(Duration::from_secs(3));
+    let neighbour = children.0.iter_mut().find(|c| c.id() == governed).unwrap();
+    assert_eq!(
+        neighbour.try_wait().unwrap(),
+        None,
+        "the governed workload runs on"
+    );
+}
+
+/// A process that uses a pool's GPU without holding a slice of it (here one started outside
+/// `gpuslice run` with the driver at hand, as a host user, or a pod whose image sets
+/// `NVIDIA_VISIBLE_DEVICES=all`, would) is found by the agent through NVML and stopped
+/// (SIGTERM: it ends with 143), while the workload of a slice on the same GPU runs on.
+#[test]
+fn a_process_on_a_pools_gpu_outside_every_slice_is_stopped_by_the_agent() {
+    let (dir, state, agent) = agent_on(pool(4, "20Gi"), &["--memory-watchdog-interval", "200ms"]);
+    let mut children = Reaper(vec![agent]);
+    let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
+    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
+    let held_line = |child: &mut Child| {
+        let mut held = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut held)
+            .unwrap();
+        held.trim().to_string()
+    };
+    let probe = probe.display().to_string();
+    let mut sliced = run(
+        &state,
+        &["--policy", "small", "--", &probe, "link", "hold", "1024"],
+    )
+    .env("LD_LIBRARY_PATH", &lib)
+    .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    assert_eq!(held_line(&mut sliced), format!("held={}", 1u64 << 30));
+    let sliced = children.keep(sliced);
+    let mut stray = Command::new(&probe)
+        .args(["link", "hold", "1024"])
+        .env("LD_LIBRARY_PATH", &lib)
+        .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
+        .env("CUDA_VISIBLE_DEVICES", "0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert_eq!(held_line(&mut stray), format!("held={}", 1u64 << 30));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = stray.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the stray process still runs");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    use std::os::unix::process::ExitStatusExt as _;
+    assert_eq!(status.signal(), Some(15), "stopped by SIGTERM");
+    assert_eq!(
+        sliced.try_wait().unwrap(),
+        None,
+        "the slice's workload runs on"
+    );
+}
+
 /// VmRSS of a process, in bytes.
 fn resident(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -884,6 +988,19 @@ fn launches_wait_while_the_agent_is_away_and_are_governed_again_when_it_is_back(
     eprintln!(
         "launches governed again {:.2} s after the agent was started again",
         restarted.elapsed().as_secs_f64()
+    );
+    // `gpuslice run` claimed its slice again, so the new agent's watchdog, which stops
+    // processes on a pool's GPU outside every slice, leaves the workload be.
+    eventually("the slice is claimed again", || {
+        std::fs::read_to_string(&stderr)
+            .unwrap()
+            .contains("gpuslice run: slice gpu0-s0 held again")
+    });
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        children.0[0].try_wait().unwrap(),
+        None,
+        "the workload runs on under the new agent"
     );
     let said = std::fs::read_to_string(&stderr).unwrap();
     assert!(

@@ -282,7 +282,9 @@ fn the_agent_switches_layouts_at_a_window_boundary_without_a_restart() {
 }
 
 /// A node whose GPU has one busy 3g instance, in a pool that wants the whole GPU, with a
-/// checkpoint policy; a real process (a shell) runs on the instance.
+/// checkpoint policy; a real process (a shell) runs on the instance. It holds no claim (it
+/// was put there directly, as work started before the agent was), so the agent runs with
+/// `--stray-processes report`: what is tested is how a re-cut drains it.
 struct Draining {
     dir: tempfile::TempDir,
     node: PathBuf,
@@ -329,7 +331,13 @@ impl Draining {
     }
 
     fn start(&self) -> Agent {
-        Agent::start(&[], &self.source, &self.node, self.dir.path(), &[])
+        Agent::start(
+            &["--stray-processes", "report"],
+            &self.source,
+            &self.node,
+            self.dir.path(),
+            &[],
+        )
     }
 
     fn alive(&mut self) -> bool {

@@ -226,12 +226,15 @@ pub struct GpuNodeStatus {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct EvictionRequest {
-    /// The pod (`namespace/name`).
+    /// The pod (`namespace/name`); empty when the agent knows only its UID (a process's
+    /// cgroup), and the operator finds it among the node's pods.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub pod: String,
     /// The pod's UID: a pod of the same name made again is not evicted for the old one.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub uid: String,
-    /// Why: `window`, `preemption`, `compaction` or `fault`.
+    /// Why: `window`, `preemption`, `compaction`, `fault`, or `stray` (a process of the pod
+    /// used a pool's GPU past every slice).
     pub cause: String,
     /// Whether it checkpointed: `taken`, `grace_over` or `none`.
     pub checkpoint: String,

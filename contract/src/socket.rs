@@ -4,6 +4,8 @@
 //! - **Claims** (`gpuslice run`): [`Request::Want`]; the agent answers [`Reply::Queued`] (again
 //!   whenever the place in line moves), then [`Reply::Granted`] or [`Reply::Refused`]. The claim
 //!   lasts as long as the connection; the client sends [`Request::Running`] once its workload runs.
+//!   A client whose connection is lost while its workload runs (the agent restarted) connects
+//!   again and wants the same slice ([`Want::slice`]), then says `Running` again.
 //! - **Compute** (the shim): [`Request::Compute`]; the agent answers [`Ready`] or
 //!   [`Reply::Refused`], then both sides exchange [`Compute`] messages.
 //!
@@ -28,6 +30,10 @@ pub struct Want {
     /// Refuse at once instead of waiting in line.
     #[serde(default)]
     pub no_wait: bool,
+    /// Only this slice: a `gpuslice run` whose agent restarted under its running workload
+    /// claims the slice the workload runs on again (granted only while nobody else holds it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slice: Option<String>,
 }
 
 /// The first line of a connection (and, for a claim, what follows it).

@@ -53,12 +53,12 @@ pub struct Intent {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Eviction {
-    /// `namespace/name`.
+    /// `namespace/name`; empty when only the UID is known (a stray process's pod).
     pub pod: String,
     pub uid: String,
     /// Why, and whether it checkpointed.
     pub note: String,
-    /// `window`, `preemption` or `fault`.
+    /// `window`, `preemption`, `compaction`, `fault` or `stray`.
     pub cause: &'static str,
     /// `taken`, `grace_over` or `none`.
     pub checkpoint: &'static str,
@@ -221,6 +221,7 @@ impl Agent {
             gpus,
             self.state.clone(),
             self.socket.claims.clone(),
+            self.socket.compute.clone(),
             settings,
             report,
         ) {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use gpuslice_api::{EvictionRequest, GpuNode};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::api::{Api, EvictParams};
+use kube::api::{Api, EvictParams, ListParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt as _};
@@ -61,6 +61,7 @@ fn reason(cause: &str) -> &'static str {
         "preemption" => "Preempted",
         "compaction" => "Compacted",
         "fault" => "GpuFault",
+        "stray" => "GpuProcessWithoutSlice",
         _ => "Resliced",
     }
 }
@@ -110,6 +111,28 @@ pub async fn run(client: Client, leadership: Leadership, gpu_nodes: Store<GpuNod
     }
 }
 
+/// The pod (`namespace/name`) with this UID among the pods bound to `node`: an agent names the
+/// pod of a stray process by its cgroup's UID only.
+async fn pod_by_uid(client: &Client, node: &str, uid: &str) -> Option<String> {
+    if uid.is_empty() {
+        return None;
+    }
+    let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));
+    let pods = Api::<Pod>::all(client.clone())
+        .list_metadata(&on_node)
+        .await
+        .inspect_err(|e| tracing::warn!("listing the pods of node {node}: {e}"))
+        .ok()?;
+    let pod = pods
+        .items
+        .into_iter()
+        .find(|p| p.metadata.uid.as_deref() == Some(uid))?;
+    Some(format!(
+        "{}/{}",
+        pod.metadata.namespace?, pod.metadata.name?
+    ))
+}
+
 /// Evicts one requested pod if it is the node's; says a refusal (once: `said`). Returns whether
 /// it was refused.
 async fn evict(
@@ -119,6 +142,17 @@ async fn evict(
     request: &EvictionRequest,
     said: bool,
 ) -> bool {
+    let named = match request.pod.as_str() {
+        "" => pod_by_uid(client, node, &request.uid).await,
+        pod => Some(pod.to_string()),
+    };
+    let Some(named) = named else {
+        return false;
+    };
+    let request = &EvictionRequest {
+        pod: named,
+        ..request.clone()
+    };
     let Some((namespace, name)) = request.pod.split_once('/') else {
         return false;
     };

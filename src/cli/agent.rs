@@ -88,11 +88,24 @@ pub struct Args {
     /// at once.
     #[arg(long, default_value = "5s")]
     pub memory_watchdog_grace: gpuslice_api::Duration,
+    /// What the watchdog does about a process on a pool's GPU that holds no slice of that GPU
+    /// (a workload given the GPU past its slice, e.g. by NVIDIA_VISIBLE_DEVICES in its image or
+    /// envFrom; a host user outside `gpuslice run`): stop it as it stops an overrun, or only
+    /// report it (log, metric, Event on its pod). GPUs in no pool are not watched.
+    #[arg(long, value_enum, default_value_t = StrayProcesses::Stop)]
+    pub stray_processes: StrayProcesses,
     /// The instant to plan for (RFC 3339), with --once; now by default.
     #[arg(long, requires = "once")]
     pub at: Option<chrono::DateTime<chrono::FixedOffset>>,
     #[arg(long, short, value_enum, default_value_t = Output::Text)]
     pub output: Output,
+}
+
+/// What the watchdog does about stray GPU processes.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum StrayProcesses {
+    Stop,
+    Report,
 }
 
 /// The developer build's emulated node.
@@ -134,6 +147,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         kernel_log,
         memory_watchdog_interval,
         memory_watchdog_grace,
+        stray_processes,
         at,
         output,
         ..
@@ -141,6 +155,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let watchdog = gpuslice_node::protections::watchdog::Settings {
         interval: memory_watchdog_interval.into(),
         grace: memory_watchdog_grace.into(),
+        strays: match stray_processes {
+            StrayProcesses::Stop => gpuslice_node::protections::watchdog::StrayAction::Stop,
+            StrayProcesses::Report => gpuslice_node::protections::watchdog::StrayAction::Report,
+        },
     };
     let clock = gpuslice_runtime::clock::Clock::from_env()?;
     #[cfg(feature = "dev")]

@@ -54,6 +54,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         memory_bytes,
         compute_percent: compute,
         no_wait,
+        slice: None,
     };
     let shim = match shim {
         Some(s) => s,

@@ -1,5 +1,6 @@
 //! The pods a pass asks the operator to evict besides those its drains name: preemption victims
-//! never prepared here, and pods whose claims were allocated on slices since re-cut.
+//! never prepared here, pods whose claims were allocated on slices since re-cut, and pods the
+//! watchdog found using a pool's GPU past every slice.
 
 use kube::Client;
 use kube::api::Api;
@@ -149,6 +150,51 @@ pub(super) async fn stale_allocations(
     out
 }
 
+/// Pods whose processes the watchdog stopped for using a pool's GPU past every slice (by UID,
+/// from their cgroups): asked to be evicted while any of their processes still runs here, so
+/// that a container restarted by its pod does not take the GPU again. The operator finds each
+/// among the node's pods by its UID (the agent may not read pods).
+#[derive(Clone, Default)]
+pub(super) struct StrayPods(
+    std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, Eviction>>>,
+);
+
+impl StrayPods {
+    /// Takes a watchdog report: a stray process of a pod that the watchdog stops.
+    pub(super) fn take(&self, report: &crate::protections::watchdog::Report) {
+        use crate::protections::watchdog::{Finding, Step};
+        let Finding::Stray(stray) = &report.finding else {
+            return;
+        };
+        let Some(uid) = &stray.pod else {
+            return;
+        };
+        if report.step == Step::Reported {
+            return;
+        }
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(uid.clone())
+            .or_insert_with(|| Eviction {
+                pod: String::new(),
+                uid: uid.clone(),
+                note: report.text(),
+                cause: "stray",
+                checkpoint: "none",
+            });
+    }
+
+    /// The pods still asked for: those with a process on the node.
+    pub(super) fn still_running(&self) -> Vec<Eviction> {
+        let mut strays = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        strays.retain(|uid, _| {
+            !crate::workloads::process::of_pods(std::slice::from_ref(uid)).is_empty()
+        });
+        strays.values().cloned().collect()
+    }
+}
+
 /// Counts and logs the pods this pass asks the operator to evict (in the GpuNode's status), each
 /// once while it is asked for.
 pub(super) fn ask_evictions(
@@ -156,12 +202,20 @@ pub(super) fn ask_evictions(
     evictions: &[Eviction],
     asked: &mut std::collections::BTreeSet<String>,
 ) {
-    asked.retain(|p| evictions.iter().any(|e| e.pod == *p));
+    // A stray's pod is known by its UID only.
+    let key = |e: &Eviction| {
+        if e.pod.is_empty() {
+            format!("with UID {}", e.uid)
+        } else {
+            e.pod.clone()
+        }
+    };
+    asked.retain(|p| evictions.iter().any(|e| key(e) == *p));
     for eviction in evictions {
-        if asked.insert(eviction.pod.clone()) {
+        if asked.insert(key(eviction)) {
             tracing::info!(
                 "asking the operator to evict pod {}: {}",
-                eviction.pod,
+                key(eviction),
                 eviction.note
             );
             metrics.count_eviction(eviction);

@@ -1,4 +1,4 @@
-//! Fault isolation and the memory watchdog, told to the cluster: quarantines acted on and kept,
+//! Fault isolation and the watchdog, told to the cluster: quarantines acted on and kept,
 //! the reset annotation taken, and Events on the GpuNode and on the pods concerned.
 
 use gpuslice_api::GpuNode;
@@ -148,26 +148,31 @@ fn pod_reference(namespace: &str, name: &str, uid: Option<String>) -> ObjectRefe
     }
 }
 
-/// An Event on each pod of a slice the memory watchdog acted on.
+/// An Event on each pod of a slice the watchdog found over its memory cap or compute limit.
 pub(super) async fn tell_overrun(
     recorder: &Recorder,
     report: &crate::protections::watchdog::Report,
 ) {
-    let holding = &report.overrun.holding;
+    use crate::protections::watchdog::Finding;
+    let (holding, reason, action) = match &report.finding {
+        Finding::Overrun(o) => (&o.holding, "GpuMemoryOverCap", "EnforceMemoryCap"),
+        Finding::Compute(c) => (&c.holding, "GpuComputeOverLimit", "EnforceComputeLimit"),
+        Finding::Stray(_) => return,
+    };
     for (i, pod) in holding.pods.iter().enumerate() {
         let Some((namespace, name)) = pod.split_once('/') else {
             continue;
         };
         let event = Event {
             type_: EventType::Warning,
-            reason: "GpuMemoryOverCap".into(),
+            reason: reason.into(),
             note: Some(report.text()),
-            action: "EnforceMemoryCap".into(),
+            action: action.into(),
             secondary: None,
         };
         let regarding = pod_reference(namespace, name, holding.pod_uids.get(i).cloned());
         if let Err(e) = recorder.publish(&event, &regarding).await {
-            tracing::warn!("recording a memory overrun event: {e}");
+            tracing::warn!("recording a watchdog event: {e}");
         }
     }
 }

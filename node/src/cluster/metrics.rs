@@ -34,6 +34,8 @@ pub struct Metrics {
     gpu_switches: Family<GpuLabel, Counter>,
     gpu_xids: Family<XidLabel, Counter>,
     memory_overruns: Family<OverrunLabel, Counter>,
+    compute_overruns: Family<OverrunLabel, Counter>,
+    stray_processes: Family<StrayLabel, Counter>,
     quarantined: Family<QuarantineLabel, Gauge>,
     cache_hits: Family<CacheLabel, Counter>,
     cache_misses: Family<CacheLabel, Counter>,
@@ -119,6 +121,13 @@ struct OverrunLabel {
     action: String,
 }
 
+/// A GPU and what the watchdog did about a process there that holds no slice of it.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StrayLabel {
+    gpu: String,
+    action: String,
+}
+
 /// A pool's dataset cache.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CacheLabel {
@@ -182,6 +191,8 @@ impl Metrics {
             blocked: Gauge::default(),
             gpu_memory_total: Family::default(),
             memory_overruns: Family::default(),
+            compute_overruns: Family::default(),
+            stray_processes: Family::default(),
             gpu_memory_used: Family::default(),
             gpu_utilization: Family::default(),
             gpu_temperature: Family::default(),
@@ -298,6 +309,16 @@ impl Metrics {
             "slice_memory_overruns",
             "Times the memory watchdog found a software slice holding more than its cap (NVML's per-process figures) and signalled (action=signalled), killed (killed) or failed to stop (failed) its biggest process",
             self.memory_overruns.clone(),
+        );
+        r.register(
+            "slice_compute_overruns",
+            "Times the watchdog found a software slice using more of its GPU's time than its compute limit (NVML's per-process SM use; kernels launched around the shim) and signalled (action=signalled), killed (killed) or failed to stop (failed) its busiest process",
+            self.compute_overruns.clone(),
+        );
+        r.register(
+            "stray_gpu_processes",
+            "Times the watchdog found a process on a pool's GPU that holds no slice of that GPU (a workload given the GPU past its slice) and signalled (action=signalled), killed (killed), only reported (reported, --stray-processes report) or failed to stop (failed) it",
+            self.stray_processes.clone(),
         );
         r.register(
             "slice_memory_bytes",
@@ -425,19 +446,28 @@ impl Metrics {
     }
 
     /// Counts an XID critical error NVML reported for a GPU.
-    pub fn count_overrun(&self, report: &crate::protections::watchdog::Report) {
-        let action = match report.step {
-            crate::protections::watchdog::Step::Signalled => "signalled",
-            crate::protections::watchdog::Step::Killed => "killed",
-            crate::protections::watchdog::Step::Failed(_) => "failed",
-        };
-        self.memory_overruns
-            .get_or_create(&OverrunLabel {
-                gpu: report.overrun.holding.gpu.to_string(),
-                slice: report.overrun.holding.slice.clone(),
-                action: action.into(),
-            })
-            .inc();
+    /// Counts what the watchdog did: a slice over its memory cap or compute limit, or a stray
+    /// process.
+    pub fn count_watchdog(&self, report: &crate::protections::watchdog::Report) {
+        use crate::protections::watchdog::Finding;
+        let action = report.step.label().to_string();
+        match &report.finding {
+            Finding::Overrun(o) => self.memory_overruns.get_or_create(&OverrunLabel {
+                gpu: o.holding.gpu.to_string(),
+                slice: o.holding.slice.clone(),
+                action,
+            }),
+            Finding::Compute(c) => self.compute_overruns.get_or_create(&OverrunLabel {
+                gpu: c.holding.gpu.to_string(),
+                slice: c.holding.slice.clone(),
+                action,
+            }),
+            Finding::Stray(s) => self.stray_processes.get_or_create(&StrayLabel {
+                gpu: s.gpu.to_string(),
+                action,
+            }),
+        }
+        .inc();
     }
 
     pub fn count_xid(&self, gpu: u32, xid: u64) {

@@ -34,6 +34,7 @@ mod metrics;
 mod publish;
 mod status;
 
+use evictions::StrayPods;
 use evictions::{ask_evictions, recut_devices, stale_allocations, unprepared_victims};
 use isolation::{isolate_faults, tell_faults, tell_overrun};
 use status::{driver_check, io_condition, plan_spec, quarantine_condition, status};
@@ -168,6 +169,8 @@ struct NodeLoop<'a> {
     /// The claims allocated on slices a pass re-cut before they were prepared (by UID), asked to
     /// be evicted until they are gone.
     stale_claims: BTreeSet<String>,
+    /// Pods the watchdog found using a pool's GPU past every slice.
+    strays: StrayPods,
 }
 
 /// What this pass reads of the pools besides the node's own GpuNode.
@@ -249,16 +252,19 @@ impl<'a> NodeLoop<'a> {
         );
         let quarantines = Quarantines::load(agent.state())?;
         agent.serve_socket()?;
-        // The memory watchdog's reports: counted, and told to the pods of the slice.
-        let (overruns, mut told) = tokio::sync::mpsc::unbounded_channel();
+        // The watchdog's reports: counted, and told to the pods concerned.
+        let (reports, mut told) = tokio::sync::mpsc::unbounded_channel();
         let counted = metrics.clone();
         agent.start_watchdog(move |report| {
-            counted.count_overrun(report);
-            let _ = overruns.send(report.clone());
+            counted.count_watchdog(report);
+            let _ = reports.send(report.clone());
         });
         let teller = recorder.clone();
+        let strays = StrayPods::default();
+        let found = strays.clone();
         tokio::spawn(async move {
             while let Some(report) = told.recv().await {
+                found.take(&report);
                 tell_overrun(&teller, &report).await;
             }
         });
@@ -295,6 +301,7 @@ impl<'a> NodeLoop<'a> {
             asked: BTreeSet::new(),
             last_slices: None,
             stale_claims: BTreeSet::new(),
+            strays,
         })
     }
 
@@ -435,6 +442,7 @@ impl<'a> NodeLoop<'a> {
             )
             .await,
         );
+        pass.evictions.extend(self.strays.still_running());
         ask_evictions(&self.metrics, &pass.evictions, &mut self.asked);
     }
 

@@ -394,6 +394,39 @@ impl NvmlGpus {
             .collect()
     }
 
+    /// Each process's SM use (%) on each GPU that reports it (`nvmlDeviceGetProcessUtilization`),
+    /// the mean of its samples since `since` (per GPU, the CPU timestamp in µs of the newest
+    /// sample read before; updated). GPUs that do not report it (MIG mode, older boards) are left
+    /// out, as is a read that fails.
+    pub fn process_utilization(&self, since: &mut BTreeMap<u32, u64>) -> Vec<ProcessUse> {
+        let count = self.nvml.device_count().unwrap_or(0);
+        let mut out = Vec::new();
+        for gpu in 0..count {
+            let Ok(device) = self.nvml.device_by_index(gpu) else {
+                continue;
+            };
+            let last = since.get(&gpu).copied().unwrap_or(0);
+            let Ok(samples) = device.process_utilization_stats(last) else {
+                continue;
+            };
+            let mut per_pid: BTreeMap<u32, (u64, u32)> = BTreeMap::new();
+            for s in &samples {
+                let (sum, n) = per_pid.entry(s.pid).or_default();
+                *sum += u64::from(s.sm_util);
+                *n += 1;
+            }
+            if let Some(newest) = samples.iter().map(|s| s.timestamp).max() {
+                since.insert(gpu, newest);
+            }
+            out.extend(per_pid.into_iter().map(|(pid, (sum, n))| ProcessUse {
+                gpu,
+                pid,
+                sm_percent: u32::try_from(sum / u64::from(n.max(1))).unwrap_or(u32::MAX),
+            }));
+        }
+        out
+    }
+
     /// The device memory of every compute process on every GPU, as the driver reports it (a
     /// GPU that does not answer, or a process whose figure is not available, is left out).
     pub fn compute_processes(&self) -> Vec<ProcessMemory> {
@@ -750,4 +783,12 @@ pub struct ProcessMemory {
     pub gpu: u32,
     pub pid: u32,
     pub bytes: u64,
+}
+
+/// A process's share of a GPU's SM time, as the driver measured it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessUse {
+    pub gpu: u32,
+    pub pid: u32,
+    pub sm_percent: u32,
 }

@@ -445,6 +445,14 @@ impl Arbiter {
         self.switches
     }
 
+    /// Each slice's cap (%).
+    pub fn limits(&self) -> BTreeMap<String, u32> {
+        self.slices
+            .iter()
+            .map(|(id, s)| (id.clone(), s.share.limit))
+            .collect()
+    }
+
     /// The cap of a client's slice (%).
     pub fn limit_of(&self, client: ClientId) -> Option<u32> {
         let slice = &self.clients.get(&client)?.slice;

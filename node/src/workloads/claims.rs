@@ -33,6 +33,8 @@ pub struct Need {
     pub pool: Option<String>,
     /// The policy's host CPU and memory (`spec.host`).
     pub host: crate::protections::hostlimit::HostLimit,
+    /// Only this slice ([`Want::slice`]: a workload's slice claimed again).
+    pub only: Option<String>,
 }
 
 impl Need {
@@ -40,6 +42,7 @@ impl Need {
     fn fits(&self, slice: &SliceConfig, pool_of_gpu: &BTreeMap<u32, String>) -> bool {
         slice.memory_bytes >= self.memory
             && slice.compute_percent >= self.compute
+            && self.only.as_ref().is_none_or(|id| *id == slice.id)
             && self
                 .pool
                 .as_ref()
@@ -145,6 +148,13 @@ impl Board {
                     );
                 }
                 None if !self.slices.iter().any(|s| need.fits(s, &self.pools)) => {
+                    if let Some(id) = &need.only {
+                        self.refused.insert(
+                            conn,
+                            format!("slice {id} is not on this node, or does not fit the request"),
+                        );
+                        continue;
+                    }
                     let of_pool = need
                         .pool
                         .as_ref()
@@ -389,7 +399,10 @@ impl Claims {
             }
         };
         let config = state.slice_config(&granted);
-        crate::gpu::slices::new_workload(state, &granted);
+        // A workload claiming its slice again keeps its memory high-water mark.
+        if want.slice.is_none() {
+            crate::gpu::slices::new_workload(state, &granted);
+        }
         let host = want
             .policy
             .as_ref()
@@ -454,6 +467,7 @@ fn resolve(want: &Want, policies: &BTreeMap<String, Need>) -> Result<Need, Strin
     if let Some(c) = want.compute_percent {
         need.compute = need.compute.max(c);
     }
+    need.only = want.slice.clone();
     Ok(need)
 }
 
@@ -491,6 +505,7 @@ pub fn needs(config: &Config) -> BTreeMap<String, Need> {
                     guarantee,
                     pool: Some(spec.pool.clone()),
                     host,
+                    only: None,
                 },
             )
         })
@@ -547,6 +562,39 @@ mod tests {
         board.claims.remove(&2);
         board.assign();
         assert_eq!(board.claims[&3].slice, "big", "3 gets the slice 2 left");
+    }
+
+    #[test]
+    fn a_slice_claimed_again_is_that_slice_only_and_waits_while_another_holds_it() {
+        let mut board = Board {
+            slices: vec![slice("gpu0-s0", 10, 25), slice("gpu0-s1", 10, 25)],
+            ..Board::default()
+        };
+        let again = |id: &str| Need {
+            memory: 5 << 30,
+            only: Some(id.into()),
+            ..Need::default()
+        };
+        board.queue = VecDeque::from([
+            (1, Need::default(), None),
+            (2, again("gpu0-s0"), None),
+            (3, again("gpu9-s0"), None),
+        ]);
+        board.assign();
+        assert_eq!(board.claims[&1].slice, "gpu0-s0");
+        assert!(!board.claims.contains_key(&2), "not gpu0-s1 instead");
+        assert_eq!(
+            board.queue.iter().map(|(c, _, _)| *c).collect::<Vec<_>>(),
+            [2]
+        );
+        assert!(
+            board.refused[&3].contains("slice gpu9-s0 is not on this node"),
+            "{}",
+            board.refused[&3]
+        );
+        board.claims.remove(&1);
+        board.assign();
+        assert_eq!(board.claims[&2].slice, "gpu0-s0");
     }
 
     #[test]

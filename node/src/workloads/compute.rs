@@ -137,6 +137,11 @@ impl Compute {
         self.changed.notify_all();
     }
 
+    /// Each software slice's cap (%), the arbiters' own: what the watchdog holds measured use to.
+    pub fn limits(&self) -> BTreeMap<String, u32> {
+        self.lock().gpus.values().flat_map(|a| a.limits()).collect()
+    }
+
     /// What each slice has had until now, per GPU, and how often each GPU changed hands.
     pub fn usage(&self) -> BTreeMap<u32, (BTreeMap<String, Usage>, u64)> {
         let now = now_ns();
