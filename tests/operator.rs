@@ -347,8 +347,8 @@ async fn the_operator_and_agents_converge_emulated_nodes() {
         // only reports it, so that what is tested is how a re-cut drains it.
         let mut agent = Command::new(env!("CARGO_BIN_EXE_gpuslice"));
         agent
-            .args(["agent", "--kube", "--interval", "2s", "--emulate"])
-            .args(["--stray-processes", "report"])
+            .args(["agent", "--kube", "--interval", "2s"])
+            .args(["--stray-processes", "report", "--emulate"])
             .arg(&node_file);
         if name == "gpu-a" {
             agent.args(["--metrics-addr", &format!("127.0.0.1:{agent_port}")]);

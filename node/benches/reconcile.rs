@@ -2,9 +2,9 @@
 //! nvml-wrapper code against the emulated libnvidia-ml (every NVML call reads the shared state
 //! file under its lock, as separate processes would). Three passes: nothing to do (the steady
 //! state a service repeats every interval), a fresh node to a 4-instance MIG layout per GPU, and
-//! a window change to whole GPUs. And the memory watchdog's read (every GPU's compute processes
-//! with their memory, as the agent takes it once per `--memory-watchdog-interval`, 1 s by default)
-//! with 16 processes holding memory on each GPU. Prints a table; exits non-zero on FAIL.
+//! a window change to whole GPUs. And the watchdog's read (every GPU's compute processes with
+//! their memory and their SM use, as the agent takes it once per `--memory-watchdog-interval`, 1 s
+//! by default) with 16 processes holding memory and running kernels on each GPU. Prints a table; exits non-zero on FAIL.
 //!
 //!     cargo bench -p gpuslice-node --bench reconcile
 //!
@@ -65,8 +65,9 @@ fn time(
 }
 
 /// Times the watchdog's NVML read with 16 live processes holding memory on every GPU (rows of
-/// the CUDA emulator's ledger, which the emulated NVML lists). Returns the median and how many
-/// processes one read saw.
+/// the CUDA emulator's ledger, which the emulated NVML lists) and each running 50 kernels of
+/// 1 ms there (records on the GPU's timeline, which its per-process utilisation is read from).
+/// Returns the median and how many processes one read saw.
 fn watchdog_read(state: &std::path::Path, gpus: &NvmlGpus) -> (Duration, usize) {
     use gpuslice_emulator::shm::{Ledger, Process, start_time};
     let ledger = Ledger::open(&gpuslice_emulator::cuda_ledger_path(state)).unwrap();
@@ -89,14 +90,27 @@ fn watchdog_read(state: &std::path::Path, gpus: &NvmlGpus) -> (Duration, usize) 
                 .row_for(process, gpuslice_emulator::device_key(gpu, None))
                 .unwrap();
             ledger.charge(row, 1 << 30);
+            let key = gpuslice_emulator::device_key(gpu, None);
+            let timeline = gpuslice_emulator::timeline::Timeline::open(
+                &gpuslice_emulator::timeline::timeline_path(state, key),
+            )
+            .unwrap();
+            let mut end = gpuslice_emulator::timeline::now_ns();
+            for _ in 0..50 {
+                end = timeline.run(child.id(), end, 1_000_000);
+            }
         }
     }
+    let mut since = std::collections::BTreeMap::new();
+    let mut used = 0;
     let mut samples = Vec::new();
     let mut seen = 0;
     for _ in 0..RUNS {
         let start = Instant::now();
         let processes = gpus.compute_processes();
+        let uses = gpus.process_utilization(&mut since);
         samples.push(start.elapsed());
+        used = used.max(uses.len());
         seen = processes.len();
     }
     for child in &mut children {
@@ -108,6 +122,10 @@ fn watchdog_read(state: &std::path::Path, gpus: &NvmlGpus) -> (Duration, usize) 
         seen,
         16 * GPUS as usize,
         "NVML lists every process on every GPU"
+    );
+    assert!(
+        used > 0,
+        "NVML reports the SM use of processes that ran kernels"
     );
     (median(samples), seen)
 }

@@ -198,6 +198,7 @@ pub struct Report {
 
 impl Report {
     pub fn text(&self) -> String {
+        // What was done to the process named after it.
         let what = match &self.step {
             Step::Signalled => "sent SIGTERM to".to_string(),
             Step::Killed => "killed".to_string(),
@@ -219,12 +220,12 @@ impl Report {
                 c.holding.slice, c.holding.holder, c.used, c.limit, c.pid, c.percent,
             ),
             Finding::Stray(s) => format!(
-                "process {} ({}) uses GPU {} ({} MiB) but holds no slice of it: {what} it; a workload gets a GPU through its slice only (do not set NVIDIA_VISIBLE_DEVICES in its image, env or envFrom)",
+                "GPU {} is used by a process that holds no slice of it: {what} pid {} ({}, {} MiB); a workload gets a GPU through its slice only (do not set NVIDIA_VISIBLE_DEVICES in its image, env or envFrom)",
+                s.gpu,
                 s.pid,
                 s.pod
                     .as_ref()
                     .map_or("not in a pod".to_string(), |uid| format!("pod {uid}")),
-                s.gpu,
                 s.bytes >> 20,
             ),
         }
