@@ -108,7 +108,7 @@ fn watchdog_read(state: &std::path::Path, gpus: &NvmlGpus) -> (Duration, usize) 
     for _ in 0..RUNS {
         let start = Instant::now();
         let processes = gpus.compute_processes();
-        let uses = gpus.process_utilization(&mut since);
+        let uses = gpus.process_utilization(&(0..GPUS).collect(), &mut since);
         samples.push(start.elapsed());
         used = used.max(uses.len());
         seen = processes.len();
@@ -139,13 +139,15 @@ fn main() {
     unsafe { std::env::set_var(gpuslice_contract::env::EMULATOR_STATE, &state) };
     let gpus = NvmlGpus::open(Some(&gpuslice_emulator::built_library("libnvidia_ml.so"))).unwrap();
 
+    // On whole GPUs, where software slices and so the compute watchdog's reads are (MIG mode
+    // reports no per-process use).
+    let watchdog = watchdog_read(&state, &gpus);
+
     let day = mig(&[("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]);
     let night = mig(&[("7g.141gb", 1)]);
     let reset = |m: &Machine| Store::create(&state, m).unwrap();
     converge(&gpus, "bench", &run, &day, &[], true).unwrap();
     let day_state = store.snapshot().unwrap();
-
-    let watchdog = watchdog_read(&state, &gpus);
     let mut rows = vec![
         (
             "steady (nothing to do)",

@@ -1,7 +1,7 @@
 //! GPUs through NVML: discovery with nvml-wrapper, and MIG instance changes through its raw
 //! bindings (`Nvml::lib()`), which the safe API does not wrap.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::path::Path;
 
@@ -16,9 +16,40 @@ use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
     NVML_GPU_INSTANCE_PROFILE_COUNT, nvmlComputeInstance_t, nvmlComputeInstanceProfileInfo_t,
     nvmlDevice_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
-    nvmlGpuInstanceProfileInfo_t, nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT,
-    nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED, nvmlReturn_t,
+    nvmlGpuInstanceProfileInfo_t, nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE,
+    nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT, nvmlReturn_enum_NVML_ERROR_NOT_FOUND,
+    nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED, nvmlReturn_enum_NVML_SUCCESS, nvmlReturn_t,
 };
+
+/// An NVML list query (`call(buffer, count)`, `count` the room in, the entries out) in one call
+/// while the list fits a buffer of [`LIST_ROOM`] entries, which the watchdog's reads every second
+/// almost always do, and once more with the size NVML asked for otherwise. (nvml-wrapper always
+/// asks for the size first: twice the calls.) NOT_FOUND is an empty list.
+fn list_in_one_call<T>(
+    mut call: impl FnMut(*mut T, &mut std::ffi::c_uint) -> nvmlReturn_t,
+) -> Result<Vec<T>, nvmlReturn_t> {
+    let mut room = LIST_ROOM;
+    for _ in 0..2 {
+        let mut buffer: Vec<T> = Vec::with_capacity(room);
+        let mut count = room as std::ffi::c_uint;
+        let rc = call(buffer.as_mut_ptr(), &mut count);
+        if rc == nvmlReturn_enum_NVML_SUCCESS {
+            // SAFETY: NVML wrote `count` entries (at most the room it was given).
+            unsafe { buffer.set_len((count as usize).min(room)) };
+            return Ok(buffer);
+        } else if rc == nvmlReturn_enum_NVML_ERROR_NOT_FOUND {
+            return Ok(Vec::new());
+        } else if rc == nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE {
+            room = count as usize + 8;
+        } else {
+            return Err(rc);
+        }
+    }
+    Err(nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE)
+}
+
+/// Entries a list query has room for on its first try.
+const LIST_ROOM: usize = 64;
 
 /// Why an NVML call failed, naming the call and the GPU.
 #[derive(Debug, thiserror::Error)]
@@ -394,62 +425,83 @@ impl NvmlGpus {
             .collect()
     }
 
-    /// Each process's SM use (%) on each GPU that reports it (`nvmlDeviceGetProcessUtilization`),
-    /// the mean of its samples since `since` (per GPU, the CPU timestamp in µs of the newest
-    /// sample read before; updated). GPUs that do not report it (MIG mode, older boards) are left
-    /// out, as is a read that fails.
-    pub fn process_utilization(&self, since: &mut BTreeMap<u32, u64>) -> Vec<ProcessUse> {
-        let count = self.nvml.device_count().unwrap_or(0);
+    /// Each process's SM use (%) on `gpus` where the GPU reports it
+    /// (`nvmlDeviceGetProcessUtilization`), the mean of its samples since `since` (per GPU, the
+    /// CPU timestamp in µs of the newest sample read before; updated). GPUs that do not report
+    /// it (MIG mode, older boards) are left out, as is a read that fails.
+    pub fn process_utilization(
+        &self,
+        gpus: &BTreeSet<u32>,
+        since: &mut BTreeMap<u32, u64>,
+    ) -> Vec<ProcessUse> {
+        let Ok(call) = self.nvml.lib().nvmlDeviceGetProcessUtilization.as_ref() else {
+            return Vec::new();
+        };
         let mut out = Vec::new();
-        for gpu in 0..count {
-            let Ok(device) = self.nvml.device_by_index(gpu) else {
+        for &gpu in gpus {
+            let Ok(device) = self.handle(gpu) else {
                 continue;
             };
             let last = since.get(&gpu).copied().unwrap_or(0);
-            let Ok(samples) = device.process_utilization_stats(last) else {
+            // SAFETY: `device` is live; `buffer` has room for `count` samples, as NVML is told.
+            let samples =
+                list_in_one_call(|buffer, count| unsafe { call(device, buffer, count, last) });
+            let Ok(samples) = samples else {
                 continue;
             };
-            let mut per_pid: BTreeMap<u32, (u64, u32)> = BTreeMap::new();
+            let mut per_pid: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
             for s in &samples {
                 let (sum, n) = per_pid.entry(s.pid).or_default();
-                *sum += u64::from(s.sm_util);
+                *sum += u64::from(s.smUtil);
                 *n += 1;
             }
-            if let Some(newest) = samples.iter().map(|s| s.timestamp).max() {
+            if let Some(newest) = samples.iter().map(|s| s.timeStamp).max() {
                 since.insert(gpu, newest);
             }
             out.extend(per_pid.into_iter().map(|(pid, (sum, n))| ProcessUse {
                 gpu,
                 pid,
-                sm_percent: u32::try_from(sum / u64::from(n.max(1))).unwrap_or(u32::MAX),
+                sm_percent: u32::try_from(sum / n.max(1)).unwrap_or(u32::MAX),
             }));
         }
         out
     }
 
     /// The device memory of every compute process on every GPU, as the driver reports it (a
-    /// GPU that does not answer, or a process whose figure is not available, is left out).
+    /// GPU that does not answer is left out; a process whose figure is not available holds 0).
     pub fn compute_processes(&self) -> Vec<ProcessMemory> {
+        let Ok(call) = self
+            .nvml
+            .lib()
+            .nvmlDeviceGetComputeRunningProcesses_v3
+            .as_ref()
+        else {
+            return Vec::new();
+        };
         let count = self.nvml.device_count().unwrap_or(0);
-        (0..count)
-            .filter_map(|gpu| Some((gpu, self.nvml.device_by_index(gpu).ok()?)))
-            .flat_map(|(gpu, device)| {
-                device
-                    .running_compute_processes()
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter_map(move |p| match p.used_gpu_memory {
-                        nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => {
-                            Some(ProcessMemory {
-                                gpu,
-                                pid: p.pid,
-                                bytes,
-                            })
-                        }
-                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
-                    })
-            })
-            .collect()
+        let mut out = Vec::new();
+        for gpu in 0..count {
+            let Ok(device) = self.handle(gpu) else {
+                continue;
+            };
+            // SAFETY: `device` is live; `buffer` has room for `count` entries, as NVML is told.
+            let Ok(processes) =
+                list_in_one_call(|buffer, count| unsafe { call(device, count, buffer) })
+            else {
+                continue;
+            };
+            out.extend(processes.into_iter().map(|p| ProcessMemory {
+                gpu,
+                pid: p.pid,
+                // NVML_VALUE_NOT_AVAILABLE (all ones) where the driver may not say.
+                bytes: if p.usedGpuMemory == u64::MAX {
+                    0
+                } else {
+                    p.usedGpuMemory
+                },
+            }));
+        }
+        out
     }
 
     /// What NVML says of GPU-instance profile `index` (`NVML_GPU_INSTANCE_PROFILE_*`) on this

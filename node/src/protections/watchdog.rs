@@ -519,7 +519,13 @@ fn find(
         .into_iter()
         .map(Finding::Overrun)
         .collect();
-    let uses = gpus.process_utilization(since);
+    // Per-process use matters only where a software slice is held.
+    let software: BTreeSet<u32> = watched
+        .iter()
+        .filter(|w| w.cap.is_some())
+        .map(|w| w.holding.gpu)
+        .collect();
+    let uses = gpus.process_utilization(&software, since);
     found.extend(
         compute_overruns(&watched, &uses, owner, &compute.limits())
             .into_iter()
