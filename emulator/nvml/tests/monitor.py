@@ -36,6 +36,21 @@ def processes(handle):
     ]
 
 
+def process_utilization(handle):
+    """Per-process SM and memory use over the last sample period, as `nvidia-smi pmon` shows it:
+    None where not supported, [] where no process ran (NVML says NOT_FOUND)."""
+    try:
+        samples = pynvml.nvmlDeviceGetProcessUtilization(handle, 0)
+    except pynvml.NVMLError_NotSupported:
+        return None
+    except pynvml.NVMLError_NotFound:
+        return []
+    return [
+        {"pid": s.pid, "sm": s.smUtil, "memory": s.memUtil, "stamped": s.timeStamp > 0}
+        for s in samples
+    ]
+
+
 def memory(handle):
     m = pynvml.nvmlDeviceGetMemoryInfo(handle)
     return {"total": m.total, "used": m.used, "free": m.free}
@@ -91,6 +106,7 @@ def device(index, handle):
         "mig_mode": mig,
         "mig_devices": mig_devices(handle) if mig and mig[0] else [],
         "processes": processes(handle),
+        "process_utilization": process_utilization(handle),
     }
 
 

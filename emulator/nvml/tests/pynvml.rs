@@ -157,6 +157,11 @@ fn a_pynvml_monitoring_tool_runs_unchanged_on_the_emulator() {
         h200["utilization"],
         serde_json::json!({"gpu": 100, "memory": 100})
     );
+    // Per process (`nvidia-smi pmon`): this process had all of the last second.
+    assert_eq!(
+        h200["process_utilization"],
+        serde_json::json!([{"pid": me.pid, "sm": 100, "memory": 100, "stamped": true}])
+    );
     assert_eq!(h200["temperature"], 70);
     assert_eq!(h200["power"], 700_000);
     assert_eq!(h200["power_limit"], 700_000);
@@ -178,6 +183,11 @@ fn a_pynvml_monitoring_tool_runs_unchanged_on_the_emulator() {
         a100["utilization"],
         serde_json::json!({"gpu": 0, "memory": 0})
     );
+    assert_eq!(
+        a100["process_utilization"],
+        serde_json::json!([]),
+        "no kernels ran there: NOT_FOUND"
+    );
     assert_eq!(a100["temperature"], 30);
     assert_eq!(a100["power"], 60_000);
     assert_eq!(a100["power_limit"], 400_000);
@@ -187,6 +197,7 @@ fn a_pynvml_monitoring_tool_runs_unchanged_on_the_emulator() {
     // MIG mode: no utilisation for the GPU or its MIG device; the MIG device has its memory.
     let migged = &gpus[2];
     assert_eq!(migged["utilization"], Value::Null);
+    assert_eq!(migged["process_utilization"], Value::Null);
     assert_eq!(migged["mig_mode"], serde_json::json!([1, 1]));
     let mig = &migged["mig_devices"][0];
     assert_eq!(mig["name"], "NVIDIA H200 MIG 3g.71gb");
