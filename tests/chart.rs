@@ -502,59 +502,44 @@ async fn admission_takes_policies_by_name(admin: &kube::Client) {
         "{requests:?}"
     );
 
-    let message = refusal(
-        create(pod(
+    // (pod, namespace, labels, limits, what the refusal says)
+    let refusals = [
+        (
             "llm-1",
             "web",
             label("llm-inference"),
             serde_json::json!({}),
-        ))
-        .await,
-    );
-    assert!(
-        message.contains(r#"namespace "web" may not use GpuSlicePolicy "llm-inference""#)
-            && message.contains("namespaceSelector"),
-        "{message}"
-    );
-    let message = refusal(
-        create(pod(
+            &[
+                r#"namespace "web" may not use GpuSlicePolicy "llm-inference""#,
+                "namespaceSelector",
+            ][..],
+        ),
+        (
             "nope-0",
             "serving",
             label("nope"),
             serde_json::json!({}),
-        ))
-        .await,
-    );
-    assert!(
-        message.contains(r#"GpuSlicePolicy "nope" (label gpuslice.io/policy) does not exist"#),
-        "{message}"
-    );
-    let message = refusal(
-        create(pod(
+            &[r#"GpuSlicePolicy "nope" (label gpuslice.io/policy) does not exist"#],
+        ),
+        (
             "nope-1",
             "serving",
             serde_json::json!({}),
             serde_json::json!({"gpuslice.io/nope": "1"}),
-        ))
-        .await,
-    );
-    assert!(
-        message.contains("gpuslice.io/nope: no such GpuSlicePolicy"),
-        "{message}"
-    );
-    let message = refusal(
-        create(pod(
+            &["gpuslice.io/nope: no such GpuSlicePolicy"],
+        ),
+        (
             "llm-2",
             "web",
             serde_json::json!({}),
             serde_json::json!({"gpuslice.io/llm-inference": "1"}),
-        ))
-        .await,
-    );
-    assert!(
-        message.contains(r#"namespace "web" may not use gpuslice.io/llm-inference"#),
-        "{message}"
-    );
+            &[r#"namespace "web" may not use gpuslice.io/llm-inference"#],
+        ),
+    ];
+    for (name, ns, labels, limits, says) in refusals {
+        let message = refusal(create(pod(name, ns, labels, limits)).await);
+        assert!(says.iter().all(|s| message.contains(s)), "{message}");
+    }
 
     // A pod that names no policy is stored exactly as sent.
     let plain = pod(
@@ -886,42 +871,55 @@ async fn admission_covers_every_route(
         let api = Api::<ResourceClaimTemplate>::namespaced(admin.clone(), ns);
         async move { api.create(&dry_post(), &template).await }
     };
-    assert_forbidden(
-        refused("a ResourceClaimTemplate of a forbidden policy", || {
-            try_template("web", "llm-inference.gpuslice.io", false)
-        })
-        .await,
-        &[
+    // (a template?, namespace, class, in firstAvailable?, what the refusal says)
+    let refusals = [
+        (
+            true,
+            "web",
+            "llm-inference.gpuslice.io",
+            false,
             r#"namespace "web" may not use GpuSlicePolicy "llm-inference" (spec.spec.devices.requests[gpu].exactly.deviceClassName llm-inference.gpuslice.io)"#,
-        ],
-    );
-    assert_forbidden(
-        refused("a ResourceClaimTemplate of an unknown policy", || {
-            try_template("serving", "nope.gpuslice.io", true)
-        })
-        .await,
-        &[
+        ),
+        (
+            true,
+            "serving",
+            "nope.gpuslice.io",
+            true,
             r#"spec.spec.devices.requests[gpu].firstAvailable[slice].deviceClassName nope.gpuslice.io (GpuSlicePolicy "nope"): no such GpuSlicePolicy"#,
-        ],
-    );
-    assert_forbidden(
-        refused("a ResourceClaim of a forbidden policy", || {
-            try_claim("web", "llm-inference.gpuslice.io", true)
-        })
-        .await,
-        &[
+        ),
+        (
+            false,
+            "web",
+            "llm-inference.gpuslice.io",
+            true,
             r#"namespace "web" may not use GpuSlicePolicy "llm-inference" (spec.devices.requests[gpu].firstAvailable[slice].deviceClassName llm-inference.gpuslice.io)"#,
-        ],
-    );
-    assert_forbidden(
-        refused("a ResourceClaim of an unknown policy", || {
-            try_claim("serving", "nope.gpuslice.io", false)
-        })
-        .await,
-        &[
+        ),
+        (
+            false,
+            "serving",
+            "nope.gpuslice.io",
+            false,
             r#"spec.devices.requests[gpu].exactly.deviceClassName nope.gpuslice.io (GpuSlicePolicy "nope"): no such GpuSlicePolicy"#,
-        ],
-    );
+        ),
+    ];
+    for (template, ns, class, first_available, says) in refusals {
+        let kind = if template {
+            "ResourceClaimTemplate"
+        } else {
+            "ResourceClaim"
+        };
+        let attempt = || async move {
+            if template {
+                try_template(ns, class, first_available).await.map(|_| ())
+            } else {
+                try_claim(ns, class, first_available).await.map(|_| ())
+            }
+        };
+        assert_forbidden(
+            refused(&format!("a {kind} of {class} in {ns}"), attempt).await,
+            &[says],
+        );
+    }
     // Policies the namespace may use, and other drivers' classes, are admitted.
     try_template("serving", "llm-inference.gpuslice.io", false)
         .await
@@ -1149,30 +1147,20 @@ async fn admission_covers_every_route(
         .unwrap()
     };
     let agent_slices = Api::<ResourceSlice>::all(agent.clone());
-    assert_forbidden(
-        policy_refusal(
-            agent_slices
-                .create(
-                    &dry_post(),
-                    &slice("gpu-0-other-0", "gpu.example.com", "gpu-0", "gpu-0"),
-                )
-                .await,
-        )
-        .unwrap(),
-        &["of driver gpu.example.com"],
-    );
-    assert_forbidden(
-        policy_refusal(
-            agent_slices
-                .create(
-                    &dry_post(),
-                    &slice("gpu-0-gpuslice.io-8", "gpuslice.io", "gpu-0", "gpu-1"),
-                )
-                .await,
-        )
-        .unwrap(),
-        &["pool gpu-1"],
-    );
+    // Another driver's slice; a slice of our driver for another pool.
+    for (refused, says) in [
+        (
+            slice("gpu-0-other-0", "gpu.example.com", "gpu-0", "gpu-0"),
+            "of driver gpu.example.com",
+        ),
+        (
+            slice("gpu-0-gpuslice.io-8", "gpuslice.io", "gpu-0", "gpu-1"),
+            "pool gpu-1",
+        ),
+    ] {
+        let created = agent_slices.create(&dry_post(), &refused).await;
+        assert_forbidden(policy_refusal(created).unwrap(), &[says]);
+    }
     // It updates its own (RBAC's update verb), as its Publisher does.
     eventually("the agent updates its own ResourceSlice", || {
         let (admin, agent_slices) = (admin.clone(), agent_slices.clone());

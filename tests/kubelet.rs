@@ -370,6 +370,48 @@ async fn pod_event_notes(client: &Client, reason: &str, pod: &str) -> Result<Vec
         .collect())
 }
 
+/// The container's output once it holds `marker`.
+async fn output_with(
+    setup: &Setup,
+    container: &gpuslice_testcluster::Container,
+    marker: &str,
+) -> String {
+    eventually(&format!("the container printed {marker}"), || {
+        let output = setup.kubelet.output(container);
+        async move {
+            output
+                .contains(marker)
+                .then_some(output.clone())
+                .ok_or(output)
+        }
+    })
+    .await
+}
+
+/// The watchdog told pod `pod` why it sent SIGTERM (an Event `reason` whose note holds `why`),
+/// and counted it in the agent's `series` with `action="signalled"`.
+async fn told_why(setup: &Setup, pod: &str, reason: &str, why: &str, series: &str) {
+    eventually("the pod is told why", || {
+        let client = setup.client.clone();
+        async move {
+            let notes = pod_event_notes(&client, reason, pod).await?;
+            notes
+                .iter()
+                .any(|n| n.contains(why) && n.contains("SIGTERM"))
+                .then_some(())
+                .ok_or(format!("{notes:?}"))
+        }
+    })
+    .await;
+    let (_, metrics) = gpuslice_testcluster::local_get(setup.metrics_port, "/metrics").unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with(series) && l.contains("action=\"signalled\"")),
+        "{metrics}"
+    );
+}
+
 /// The CDI device id the agent gives for a pod's claim: `gpuslice.io/slice=<claim uid>-<device>`.
 async fn cdi_id(client: &Client, pod: &str) -> String {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -1542,16 +1584,7 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
         stop = stop.display(),
     );
     let container = run_pod(&setup, &pods, "eraser", &script, "Running").await;
-    let output = eventually("the watchdog stopped the process past its cap", || {
-        let output = setup.kubelet.output(&container);
-        async move {
-            output
-                .contains("creep-ended=")
-                .then_some(output.clone())
-                .ok_or(output)
-        }
-    })
-    .await;
+    let output = output_with(&setup, &container, "creep-ended=").await;
     assert!(output.contains("creep-ended=143"), "{output}");
     assert!(
         output.contains("pods get slices through their ResourceClaims")
@@ -1568,26 +1601,14 @@ async fn a_tenant_that_erases_its_ledger_is_stopped_by_the_agents_watchdog() {
         .max()
         .unwrap_or(0);
     assert!(most >= 9 << 30, "{output}");
-    eventually("the pod is told why", || {
-        let client = setup.client.clone();
-        async move {
-            let notes = pod_event_notes(&client, "GpuMemoryOverCap", "eraser").await?;
-            notes
-                .iter()
-                .any(|n| n.contains("more than its cap of 9216 MiB") && n.contains("SIGTERM"))
-                .then_some(())
-                .ok_or(format!("{notes:?}"))
-        }
-    })
+    told_why(
+        &setup,
+        "eraser",
+        "GpuMemoryOverCap",
+        "more than its cap of 9216 MiB",
+        "gpuslice_agent_slice_memory_overruns_total{",
+    )
     .await;
-    let (_, metrics) = gpuslice_testcluster::local_get(setup.metrics_port, "/metrics").unwrap();
-    assert!(
-        metrics.lines().any(
-            |l| l.starts_with("gpuslice_agent_slice_memory_overruns_total{")
-                && l.contains("action=\"signalled\"")
-        ),
-        "{metrics}"
-    );
     std::fs::write(&stop, "").unwrap();
     wait_for_phases(&pods, &["eraser"], ["Succeeded"]).await;
 }
@@ -1635,38 +1656,17 @@ async fn a_pod_given_a_gpu_past_its_slice_is_stopped_by_the_agent() {
         .into_iter()
         .find(|c| c.pod == "stray")
         .unwrap();
-    let output = eventually("the agent stopped the stray process", || {
-        let output = setup.kubelet.output(&container);
-        async move {
-            output
-                .contains("hold-ended=")
-                .then_some(output.clone())
-                .ok_or(output)
-        }
-    })
-    .await;
+    let output = output_with(&setup, &container, "hold-ended=").await;
     assert!(output.contains(&format!("held={}", 1u64 << 30)), "{output}");
     assert!(output.contains("hold-ended=143"), "{output}");
-    eventually("the pod is told why", || {
-        let client = setup.client.clone();
-        async move {
-            let notes = pod_event_notes(&client, "GpuProcessWithoutSlice", "stray").await?;
-            notes
-                .iter()
-                .any(|n| n.contains("holds no slice of it") && n.contains("SIGTERM"))
-                .then_some(())
-                .ok_or(format!("{notes:?}"))
-        }
-    })
+    told_why(
+        &setup,
+        "stray",
+        "GpuProcessWithoutSlice",
+        "holds no slice of it",
+        "gpuslice_agent_stray_gpu_processes_total{",
+    )
     .await;
-    let (_, metrics) = gpuslice_testcluster::local_get(setup.metrics_port, "/metrics").unwrap();
-    assert!(
-        metrics.lines().any(
-            |l| l.starts_with("gpuslice_agent_stray_gpu_processes_total{")
-                && l.contains("action=\"signalled\"")
-        ),
-        "{metrics}"
-    );
     eventually("the pod is evicted", || {
         let pods = pods.clone();
         async move {

@@ -139,7 +139,7 @@ impl Harness {
         let cluster = ControlPlane::start(Components::all()).await.unwrap()?;
         let client = cluster.client_with_crds().await;
         // The chart's mutating admission policies: label → the policy's extended resource,
-        // label → the queue's gate, and the queued pods' priority.
+        // label → the queue's gate, the queued pods' priority, claims naming our classes → a label.
         let rendered = Command::new(&helm)
             .args(["template", "gs", "--namespace", "gpuslice-system"])
             .arg(root().join("charts/gpuslice"))
@@ -161,8 +161,8 @@ impl Harness {
                 .collect();
         assert_eq!(
             mutating.len(),
-            9,
-            "four policies, their bindings and the queued pods' PriorityClass"
+            11,
+            "five policies, their bindings and the queued pods' PriorityClass"
         );
         gpuslice_testcluster::apply_all(&client, &mutating).await;
         cluster.install_chart_identities().await.unwrap();
@@ -376,18 +376,21 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
     .await;
     // It may preempt a notebook (the pool allows it): the queue asks the node's agent for the
     // slice of the one that loses the least work (none checkpointed: the newest).
+    // (The scheduler writes a pod's claim into its status as it binds it.)
     let claim_of = |name: &'static str| {
         let default = default.clone();
         async move {
-            let claim = default
-                .get(name)
-                .await
-                .unwrap()
-                .status
-                .and_then(|s| s.extended_resource_claim_status)
-                .map(|s| s.resource_claim_name)
-                .unwrap();
-            format!("default/{claim}")
+            eventually(&format!("{name} shows its claim"), || {
+                let default = default.clone();
+                async move {
+                    let pod = default.get(name).await.map_err(|e| e.to_string())?;
+                    pod.status
+                        .and_then(|s| s.extended_resource_claim_status)
+                        .map(|s| format!("default/{}", s.resource_claim_name))
+                        .ok_or_else(|| format!("{name} has no claim in its status yet"))
+                }
+            })
+            .await
         }
     };
     let newest = claim_of("notebook-3").await;

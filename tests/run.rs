@@ -702,6 +702,69 @@ fn xid_errors_quarantine_a_runs_slice_or_take_the_gpu_out_until_root_resets_it()
     );
 }
 
+/// An agent on the lab pool (four 20 GiB slices of GPU 0) whose watchdog reads NVML every
+/// `interval`, and the emulated driver for workloads to run with.
+struct WatchedNode {
+    _dir: tempfile::TempDir,
+    state: std::path::PathBuf,
+    children: Reaper,
+    probe: String,
+    lib: std::path::PathBuf,
+    machine: std::path::PathBuf,
+}
+
+impl WatchedNode {
+    fn start(interval: &str) -> WatchedNode {
+        let (dir, state, agent) =
+            agent_on(pool(4, "20Gi"), &["--memory-watchdog-interval", interval]);
+        let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
+        let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
+        WatchedNode {
+            _dir: dir,
+            state,
+            children: Reaper(vec![agent]),
+            probe: probe.display().to_string(),
+            lib,
+            machine,
+        }
+    }
+
+    /// `command` with the emulated driver at hand.
+    fn with_driver<'c>(&self, command: &'c mut Command) -> &'c mut Command {
+        command
+            .env("LD_LIBRARY_PATH", &self.lib)
+            .env(gpuslice_contract::env::EMULATOR_STATE, &self.machine)
+            .stderr(Stdio::null())
+    }
+
+    /// Whether the child with this pid (one the node keeps) has not ended.
+    fn still_runs(&mut self, pid: u32) -> bool {
+        let child = self.children.0.iter_mut().find(|c| c.id() == pid);
+        child.is_some_and(|c| c.try_wait().unwrap().is_none())
+    }
+
+    /// `script` on a slice of policy `small` (`gpuslice run`), its output piped when asked.
+    fn run(&self, script: &str, piped: bool) -> Child {
+        let mut command = run(
+            &self.state,
+            &["--policy", "small", "--", "sh", "-c", script],
+        );
+        self.with_driver(&mut command)
+            .stdout(if piped { Stdio::piped() } else { Stdio::null() })
+            .spawn()
+            .unwrap()
+    }
+}
+
+/// The first line a child printed.
+fn first_line(child: &mut Child) -> String {
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    line.trim().to_string()
+}
+
 /// The memory watchdog is the guarantee behind the shim: a workload that bypasses the shim
 /// (here it clears `LD_PRELOAD` before exec, as a static binary calling the driver would never
 /// load it) and takes more than its slice's cap is found by the agent through NVML's
@@ -709,46 +772,21 @@ fn xid_errors_quarantine_a_runs_slice_or_take_the_gpu_out_until_root_resets_it()
 /// on the same GPU keeps running.
 #[test]
 fn a_workload_that_bypasses_the_shim_past_its_cap_is_stopped_by_the_agent() {
-    let (dir, state, agent) = agent_on(pool(4, "20Gi"), &["--memory-watchdog-interval", "200ms"]);
-    let mut children = Reaper(vec![agent]);
-    let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
-    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
-    let start = |script: String| {
-        let mut child = run(&state, &["--policy", "small", "--", "sh", "-c", &script])
-            .env("LD_LIBRARY_PATH", &lib)
-            .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut held = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut held)
-            .unwrap();
-        (child, held.trim().to_string())
-    };
-    let probe = probe.display();
-    let (within, held) = start(format!("exec {probe} link hold 8192"));
-    let within = children.keep(within);
-    assert_eq!(held, format!("held={}", 8u64 << 30));
-    let (mut over, held) = start(format!("exec env -u LD_PRELOAD {probe} link hold 24576"));
+    let mut node = WatchedNode::start("200ms");
+    let probe = node.probe.clone();
+    let mut within = node.run(&format!("exec {probe} link hold 8192"), true);
+    assert_eq!(first_line(&mut within), format!("held={}", 8u64 << 30));
+    let within = node.children.keep(within).id();
+    let mut over = node.run(
+        &format!("exec env -u LD_PRELOAD {probe} link hold 24576"),
+        true,
+    );
     // Without the shim the driver gave it all: 24 GiB on a 20 GiB slice.
-    assert_eq!(held, format!("held={}", 24u64 << 30));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = over.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the over-cap workload still runs"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    assert_eq!(first_line(&mut over), format!("held={}", 24u64 << 30));
+    let status = exit_of(&mut over, "the over-cap workload");
     assert_eq!(status.code(), Some(128 + 15), "stopped by SIGTERM");
-    assert_eq!(
-        within.try_wait().unwrap(),
-        None,
+    assert!(
+        node.still_runs(within),
         "the neighbour within its cap runs on"
     );
 }
@@ -760,44 +798,17 @@ fn a_workload_that_bypasses_the_shim_past_its_cap_is_stopped_by_the_agent() {
 /// it (SIGTERM: the run ends with 143), while a governed neighbour on the same GPU runs on.
 #[test]
 fn a_workload_that_launches_around_the_shim_past_its_compute_limit_is_stopped_by_the_agent() {
-    let (dir, state, agent) = agent_on(pool(4, "20Gi"), &["--memory-watchdog-interval", "300ms"]);
-    let mut children = Reaper(vec![agent]);
-    let (_, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
-    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
-    let start = |script: String| {
-        run(&state, &["--policy", "small", "--", "sh", "-c", &script])
-            .env("LD_LIBRARY_PATH", &lib)
-            .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let mut node = WatchedNode::start("300ms");
     // 2 ms kernels, one after another, for a minute.
     let worker = format!("{BIN} bench compute-worker --kernel-us 2000 --seconds 60");
-    let governed = children.keep(start(format!("exec {worker}")));
-    let governed = governed.id();
-    let mut around = start(format!("exec env -u LD_PRELOAD {worker}"));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = around.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the workload past its compute limit still runs"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let governed = node.run(&format!("exec {worker}"), false);
+    let governed = node.children.keep(governed).id();
+    let mut around = node.run(&format!("exec env -u LD_PRELOAD {worker}"), false);
+    let status = exit_of(&mut around, "the workload past its compute limit");
     assert_eq!(status.code(), Some(128 + 15), "stopped by SIGTERM");
     // The governed neighbour, within its limit, runs on.
     std::thread::sleep(Duration::from_secs(3));
-    let neighbour = children.0.iter_mut().find(|c| c.id() == governed).unwrap();
-    assert_eq!(
-        neighbour.try_wait().unwrap(),
-        None,
-        "the governed workload runs on"
-    );
+    assert!(node.still_runs(governed), "the governed workload runs on");
 }
 
 /// A process that uses a pool's GPU without holding a slice of it (here one started outside
@@ -806,55 +817,34 @@ fn a_workload_that_launches_around_the_shim_past_its_compute_limit_is_stopped_by
 /// (SIGTERM: it ends with 143), while the workload of a slice on the same GPU runs on.
 #[test]
 fn a_process_on_a_pools_gpu_outside_every_slice_is_stopped_by_the_agent() {
-    let (dir, state, agent) = agent_on(pool(4, "20Gi"), &["--memory-watchdog-interval", "200ms"]);
-    let mut children = Reaper(vec![agent]);
-    let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
-    let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
-    let held_line = |child: &mut Child| {
-        let mut held = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut held)
-            .unwrap();
-        held.trim().to_string()
-    };
-    let probe = probe.display().to_string();
-    let mut sliced = run(
-        &state,
-        &["--policy", "small", "--", &probe, "link", "hold", "1024"],
-    )
-    .env("LD_LIBRARY_PATH", &lib)
-    .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
-    .stdout(Stdio::piped())
-    .stderr(Stdio::null())
-    .spawn()
-    .unwrap();
-    assert_eq!(held_line(&mut sliced), format!("held={}", 1u64 << 30));
-    let sliced = children.keep(sliced);
-    let mut stray = Command::new(&probe)
-        .args(["link", "hold", "1024"])
-        .env("LD_LIBRARY_PATH", &lib)
-        .env(gpuslice_contract::env::EMULATOR_STATE, &machine)
+    let mut node = WatchedNode::start("200ms");
+    let probe = node.probe.clone();
+    let mut sliced = node.run(&format!("exec {probe} link hold 1024"), true);
+    assert_eq!(first_line(&mut sliced), format!("held={}", 1u64 << 30));
+    let sliced = node.children.keep(sliced).id();
+    let mut stray = node
+        .with_driver(Command::new(&probe).args(["link", "hold", "1024"]))
         .env("CUDA_VISIBLE_DEVICES", "0")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    assert_eq!(held_line(&mut stray), format!("held={}", 1u64 << 30));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = stray.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "the stray process still runs");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    assert_eq!(first_line(&mut stray), format!("held={}", 1u64 << 30));
+    let status = exit_of(&mut stray, "the stray process");
     use std::os::unix::process::ExitStatusExt as _;
     assert_eq!(status.signal(), Some(15), "stopped by SIGTERM");
-    assert_eq!(
-        sliced.try_wait().unwrap(),
-        None,
-        "the slice's workload runs on"
-    );
+    assert!(node.still_runs(sliced), "the slice's workload runs on");
+}
+
+/// How `child` ended, within a minute (else the test fails: `what` still runs).
+fn exit_of(child: &mut Child, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "{what} still runs");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// VmRSS of a process, in bytes.
