@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod compaction;
 pub mod diff;
 pub mod driver;
+pub mod elastic;
 pub mod fit;
 pub mod mig;
 pub mod placement;

@@ -1,0 +1,690 @@
+//! Elastic layouts: which of the shapes a pool allows (in Git) each GPU should have now, from
+//! the demand per policy (pods running and waiting, and what the [`Forecast`] expects within
+//! its horizon). Pure: the operator, `gpuslice bench elastic` and the tests call one [`decide`].
+//!
+//! The decision in steps: GPUs that must keep their shape (being re-cut, re-cut less than
+//! `min_dwell` ago, or holding work that may not be drained) serve what they can first. The
+//! others are shaped one at a time: first every GPU whose own shape still serves unserved demand
+//! about as well as any other keeps it; then each remaining GPU gets the shape serving the most
+//! unserved demand (weighted by priority), its own shape winning unless another serves
+//! `min_gain` more. Shapes below their `min_gpus` take idle GPUs nothing else wants; none goes
+//! past `max_gpus`. Only idle GPUs are re-cut for a forecast; work that may be drained is drained
+//! only for pods that already wait; at most `max_in_flight` GPUs are re-cut at once.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+/// A slice one GPU of a shape offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    /// Its memory, bytes.
+    pub memory: u64,
+    /// Its compute share in percent (100 for MIG instances and whole GPUs, whose compute no
+    /// policy's limit can exceed).
+    pub compute: u32,
+}
+
+/// One policy's demand on the pool.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Demand {
+    pub policy: String,
+    /// Memory a slice must have: the policy's memory plus the pool's headroom.
+    pub memory: u64,
+    /// Compute share a slice must give (its limit; 0 when it sets none).
+    pub compute: u32,
+    /// Priority weight: one pod of weight 2 counts as two of weight 1.
+    pub weight: f64,
+    /// Pods of the policy holding a slice.
+    pub running: u32,
+    /// Pods of the policy waiting for one.
+    pub waiting: u32,
+    /// The forecast's expected peak (running + waiting) within its horizon; 0 without one.
+    pub forecast: f64,
+}
+
+impl Demand {
+    fn fits(&self, slot: &Slot) -> bool {
+        slot.memory >= self.memory && slot.compute >= self.compute
+    }
+
+    /// What the pool should be shaped for: what is there now, or what is coming when more.
+    fn wanted(&self) -> f64 {
+        f64::from(self.running + self.waiting).max(self.forecast)
+    }
+}
+
+/// A shape of the elastic set and its bounds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shape {
+    pub name: String,
+    /// At least this many GPUs keep the shape (when enough GPUs are free to take it).
+    pub min_gpus: u32,
+    /// At most this many GPUs are given the shape.
+    pub max_gpus: Option<u32>,
+}
+
+/// One GPU of the pool as the decision sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuNow {
+    pub name: String,
+    /// Index into [`Input::models`].
+    pub model: usize,
+    /// Index into [`Input::shapes`]: the shape it has, or is being re-cut to; `None` while its
+    /// layout is none of the elastic set's.
+    pub shape: Option<usize>,
+    /// Slices held by workloads.
+    pub busy: u32,
+    /// Whether every workload on it may be drained (preemptible, with a CheckpointPolicy).
+    pub drainable: bool,
+    /// Seconds since its last re-cut; `None` when it never was.
+    pub since_recut: Option<f64>,
+    /// A re-cut is under way.
+    pub recutting: bool,
+}
+
+impl GpuNow {
+    fn idle(&self) -> bool {
+        self.busy == 0
+    }
+}
+
+/// The pool's elastic rules.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rules {
+    /// A GPU is not re-cut again sooner than this, seconds.
+    pub min_dwell: f64,
+    /// GPUs of the pool being re-cut at once, at most.
+    pub max_in_flight: u32,
+    /// Whether work that may be drained is drained for waiting pods (otherwise only idle GPUs
+    /// are re-cut).
+    pub drain: bool,
+    /// How much more weighted demand another shape must serve before a GPU leaves its own.
+    pub min_gain: f64,
+}
+
+/// What [`decide`] is given.
+#[derive(Clone, Copy, Debug)]
+pub struct Input<'a> {
+    pub shapes: &'a [Shape],
+    /// Per GPU model, per shape: the slots one GPU of that model has in that shape, or `None`
+    /// when the model cannot hold it.
+    pub models: &'a [Vec<Option<Vec<Slot>>>],
+    pub gpus: &'a [GpuNow],
+    pub demand: &'a [Demand],
+    pub rules: &'a Rules,
+}
+
+/// A GPU to re-cut.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recut {
+    /// Index into [`Input::gpus`].
+    pub gpu: usize,
+    pub from: Option<usize>,
+    pub to: usize,
+    /// Its workloads are drained first (their CheckpointPolicy's signal and grace).
+    pub drain: bool,
+    /// Weighted demand the new shape serves beyond the old.
+    pub gain: f64,
+}
+
+/// The decision and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The shape each GPU is to have (its own when kept).
+    pub shapes: Vec<Option<usize>>,
+    /// The re-cuts to start now, most gain first.
+    pub recuts: Vec<Recut>,
+    /// Demand per policy (index into [`Input::demand`]) no GPU serves after the decision.
+    pub unserved: Vec<f64>,
+    /// What the decision does and for whom, in words.
+    pub reason: String,
+    /// What holds further re-cuts back (dwell, in-flight limit, work that may not move).
+    pub waiting_for: Vec<String>,
+}
+
+/// Serves `left` with `slots`, smallest slot first, each to the fitting policy of the highest
+/// weight (the largest need among equals, so that small slots are left for small pods).
+/// Returns the weighted demand served and takes it from `left` when `take`.
+fn fill(slots: &[Slot], demand: &[Demand], left: &mut [f64], take: bool) -> f64 {
+    let mut sorted: Vec<&Slot> = slots.iter().collect();
+    sorted.sort_by_key(|s| (s.memory, s.compute));
+    let mut scratch;
+    let left: &mut [f64] = if take {
+        left
+    } else {
+        scratch = left.to_vec();
+        &mut scratch
+    };
+    let mut value = 0.0;
+    for slot in sorted {
+        let best = demand
+            .iter()
+            .enumerate()
+            .filter(|(p, d)| left[*p] > 1e-9 && d.fits(slot))
+            .max_by(|(_, a), (_, b)| {
+                a.weight
+                    .total_cmp(&b.weight)
+                    .then(a.memory.cmp(&b.memory))
+                    .then(a.compute.cmp(&b.compute))
+            });
+        if let Some((p, d)) = best {
+            let served = left[p].min(1.0);
+            left[p] -= served;
+            value += served * d.weight;
+        }
+    }
+    value
+}
+
+fn slots<'a>(input: &Input<'a>, gpu: &GpuNow, shape: usize) -> Option<&'a [Slot]> {
+    input.models[gpu.model].get(shape)?.as_deref()
+}
+
+/// Why a GPU keeps its shape whatever the demand, if it must.
+fn pinned(gpu: &GpuNow, rules: &Rules, pods_wait: bool) -> Option<&'static str> {
+    if gpu.recutting {
+        Some("being re-cut")
+    } else if gpu.since_recut.is_some_and(|s| s < rules.min_dwell) {
+        Some("re-cut less than minDwell ago")
+    } else if !gpu.idle() && !(rules.drain && gpu.drainable && pods_wait) {
+        Some("holding work that may not be drained")
+    } else {
+        None
+    }
+}
+
+/// Chooses each GPU's shape. See the module's documentation for the steps.
+pub fn decide(input: &Input) -> Decision {
+    let rules = input.rules;
+    let mut left: Vec<f64> = input.demand.iter().map(Demand::wanted).collect();
+    let pods_wait = input.demand.iter().any(|d| d.waiting > 0);
+    let mut shapes: Vec<Option<usize>> = input.gpus.iter().map(|g| g.shape).collect();
+    let mut count = vec![0u32; input.shapes.len()];
+    let mut held: BTreeMap<&'static str, u32> = BTreeMap::new();
+    let mut free = Vec::new();
+    for (i, gpu) in input.gpus.iter().enumerate() {
+        match pinned(gpu, rules, pods_wait) {
+            Some(why) => {
+                *held.entry(why).or_default() += 1;
+                if let Some(s) = gpu.shape {
+                    count[s] += 1;
+                    if let Some(slots) = slots(input, gpu, s) {
+                        fill(slots, input.demand, &mut left, true);
+                    }
+                }
+            }
+            None => free.push(i),
+        }
+    }
+    let under_max = |count: &[u32], s: usize| input.shapes[s].max_gpus.is_none_or(|m| count[s] < m);
+    let best_shape = |gpu: &GpuNow, left: &mut [f64], count: &[u32]| {
+        (0..input.shapes.len())
+            .filter(|&s| under_max(count, s) || gpu.shape == Some(s))
+            .filter_map(|s| Some((s, fill(slots(input, gpu, s)?, input.demand, left, false))))
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+    };
+    let own_value = |gpu: &GpuNow, left: &mut [f64]| {
+        gpu.shape
+            .and_then(|s| slots(input, gpu, s))
+            .map_or(0.0, |slots| fill(slots, input.demand, left, false))
+    };
+    // Keepers first, those whose own shape serves the most ahead, so that a GPU already shaped
+    // for the demand is not re-cut while another, shaped for nothing, is left alone.
+    // Busy GPUs come first: their work is on them.
+    let keys: Vec<(bool, f64)> = free
+        .iter()
+        .map(|&i| {
+            let gpu = &input.gpus[i];
+            (gpu.idle(), own_value(gpu, &mut left.clone()))
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..free.len()).collect();
+    order.sort_by(|&a, &b| {
+        keys[a]
+            .0
+            .cmp(&keys[b].0)
+            .then(keys[b].1.total_cmp(&keys[a].1))
+    });
+    let free: Vec<usize> = order.into_iter().map(|k| free[k]).collect();
+    let mut deferred = Vec::new();
+    for &i in &free {
+        let gpu = &input.gpus[i];
+        let own = own_value(gpu, &mut left);
+        let best = best_shape(gpu, &mut left, &count).map_or(0.0, |b| b.1);
+        match gpu.shape {
+            Some(s) if own > 1e-9 && own + rules.min_gain > best => {
+                count[s] += 1;
+                if let Some(slots) = slots(input, gpu, s) {
+                    fill(slots, input.demand, &mut left, true);
+                }
+            }
+            _ => deferred.push(i),
+        }
+    }
+    let mut wanted: Vec<Recut> = Vec::new();
+    let mut spare = Vec::new();
+    for &i in &deferred {
+        let gpu = &input.gpus[i];
+        let own = own_value(gpu, &mut left);
+        let Some((s, value)) = best_shape(gpu, &mut left, &count) else {
+            spare.push(i);
+            continue;
+        };
+        let moves = gpu.shape != Some(s) && value >= own + rules.min_gain && value > 1e-9;
+        // A forecast alone never drains work: busy GPUs move only for pods that wait.
+        if moves && (gpu.idle() || pods_wait) {
+            count[s] += 1;
+            fill(
+                slots(input, gpu, s).unwrap_or_default(),
+                input.demand,
+                &mut left,
+                true,
+            );
+            wanted.push(Recut {
+                gpu: i,
+                from: gpu.shape,
+                to: s,
+                drain: !gpu.idle(),
+                gain: value - own,
+            });
+        } else if own > 1e-9 {
+            if let Some(s) = gpu.shape {
+                count[s] += 1;
+                fill(
+                    slots(input, gpu, s).unwrap_or_default(),
+                    input.demand,
+                    &mut left,
+                    true,
+                );
+            }
+        } else {
+            spare.push(i);
+        }
+    }
+    // Spare GPUs (nothing wants them) fill shapes below their minimum, then keep their own.
+    for i in spare {
+        let gpu = &input.gpus[i];
+        let short = (0..input.shapes.len()).find(|&s| {
+            count[s] < input.shapes[s].min_gpus
+                && gpu.shape != Some(s)
+                && gpu.idle()
+                && slots(input, gpu, s).is_some()
+        });
+        match (short, gpu.shape) {
+            (Some(s), from) => {
+                count[s] += 1;
+                wanted.push(Recut {
+                    gpu: i,
+                    from,
+                    to: s,
+                    drain: false,
+                    gain: 0.0,
+                });
+            }
+            (None, Some(s)) => count[s] += 1,
+            (None, None) => {}
+        }
+    }
+    wanted.sort_by(|a, b| {
+        a.drain
+            .cmp(&b.drain)
+            .then(b.gain.total_cmp(&a.gain))
+            .then(a.gpu.cmp(&b.gpu))
+    });
+    let in_flight = input.gpus.iter().filter(|g| g.recutting).count() as u32;
+    let room = rules.max_in_flight.saturating_sub(in_flight) as usize;
+    let mut waiting_for: Vec<String> = held
+        .iter()
+        .map(|(why, n)| format!("{n} GPU(s) {why}"))
+        .collect();
+    if wanted.len() > room {
+        waiting_for.push(format!(
+            "maxInFlight: {} more re-cut(s) wait while {in_flight} of at most {} are under way",
+            wanted.len() - room,
+            rules.max_in_flight
+        ));
+        wanted.truncate(room);
+    }
+    for r in &wanted {
+        shapes[r.gpu] = Some(r.to);
+    }
+    let reason = explain(input, &wanted, &left);
+    Decision {
+        shapes,
+        recuts: wanted,
+        unserved: left,
+        reason,
+        waiting_for,
+    }
+}
+
+/// "3 GPUs quarter → whole, 1 GPU half → whole (drained): for training (5 waiting, 7.0
+/// expected)" or why nothing changes.
+fn explain(input: &Input, recuts: &[Recut], unserved: &[f64]) -> String {
+    let name = |s: Option<usize>| {
+        s.map_or("(outside the elastic set)", |s| {
+            input.shapes[s].name.as_str()
+        })
+    };
+    let mut moves: BTreeMap<(&str, &str, bool), u32> = BTreeMap::new();
+    for r in recuts {
+        *moves
+            .entry((name(r.from), name(Some(r.to)), r.drain))
+            .or_default() += 1;
+    }
+    let mut text = String::new();
+    for ((from, to, drain), n) in &moves {
+        if !text.is_empty() {
+            text.push_str(", ");
+        }
+        let _ = write!(text, "{n} GPU(s) {from} → {to}");
+        if *drain {
+            text.push_str(" (drained)");
+        }
+    }
+    let demand: Vec<String> = input
+        .demand
+        .iter()
+        .filter(|d| d.waiting > 0 || d.forecast > f64::from(d.running))
+        .map(|d| {
+            format!(
+                "{} ({} running, {} waiting, {:.1} expected)",
+                d.policy, d.running, d.waiting, d.forecast
+            )
+        })
+        .collect();
+    if text.is_empty() {
+        text.push_str("no re-cut");
+    }
+    if !demand.is_empty() {
+        let _ = write!(text, ": demand {}", demand.join(", "));
+    }
+    let short: Vec<String> = input
+        .demand
+        .iter()
+        .zip(unserved)
+        .filter(|(_, u)| **u >= 0.5)
+        .map(|(d, u)| format!("{} {u:.0}", d.policy))
+        .collect();
+    if !short.is_empty() {
+        let _ = write!(text, "; unserved after it: {}", short.join(", "));
+    }
+    text
+}
+
+/// Hours in a week: the forecast's buckets.
+pub const HOURS_PER_WEEK: usize = 168;
+
+/// The hour of the week (Monday 00:00 UTC is 0) of `at`.
+pub fn hour_of_week(at: DateTime<Utc>) -> usize {
+    // 1970-01-01 was a Thursday: Monday 00:00 came 72 hours before it.
+    (at.timestamp().div_euclid(3600) + 72).rem_euclid(HOURS_PER_WEEK as i64) as usize
+}
+
+/// Demand per policy learned per hour of the week from the pool's own history: each hour's
+/// peak (running + waiting) is folded into that hour's bucket, the newest week counting half.
+/// Serializable, so that the operator keeps it in the pool's status and a restarted operator
+/// carries on.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Forecast {
+    /// Policy → expected peak per hour of the week (`None` where the hour was never seen).
+    pub policies: BTreeMap<String, Vec<Option<f64>>>,
+    /// The hour being observed and each policy's peak in it so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current: Option<(usize, BTreeMap<String, f64>)>,
+}
+
+/// How much the newest week counts against what was learned before.
+const LEARNING_RATE: f64 = 0.5;
+
+impl Forecast {
+    /// Takes one observation of the demand per policy at `at`.
+    pub fn observe(&mut self, at: DateTime<Utc>, demand: &BTreeMap<String, f64>) {
+        let hour = hour_of_week(at);
+        if self.current.as_ref().is_some_and(|(h, _)| *h != hour) {
+            self.fold();
+        }
+        let (_, peaks) = self.current.get_or_insert_with(|| (hour, BTreeMap::new()));
+        for (policy, d) in demand {
+            let peak = peaks.entry(policy.clone()).or_insert(0.0);
+            *peak = peak.max(*d);
+        }
+    }
+
+    /// Folds the hour being observed into its bucket.
+    fn fold(&mut self) {
+        let Some((hour, peaks)) = self.current.take() else {
+            return;
+        };
+        for (policy, peak) in peaks {
+            let buckets = self
+                .policies
+                .entry(policy)
+                .or_insert_with(|| vec![None; HOURS_PER_WEEK]);
+            let bucket = &mut buckets[hour];
+            *bucket = Some(bucket.map_or(peak, |old| old + LEARNING_RATE * (peak - old)));
+        }
+    }
+
+    /// The most `policy` is expected to want from `at` to `at + horizon` (0 when nothing was
+    /// learned for those hours).
+    pub fn expected(&self, policy: &str, at: DateTime<Utc>, horizon: chrono::Duration) -> f64 {
+        let Some(buckets) = self.policies.get(policy) else {
+            return 0.0;
+        };
+        let hours = horizon.num_hours().max(0) as usize + 1;
+        let first = hour_of_week(at);
+        (0..hours.min(HOURS_PER_WEEK))
+            .filter_map(|k| buckets[(first + k) % HOURS_PER_WEEK])
+            .fold(0.0, f64::max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GI: u64 = 1 << 30;
+
+    fn quarter_half_whole() -> (Vec<Shape>, Vec<Vec<Option<Vec<Slot>>>>) {
+        let shape = |name: &str| Shape {
+            name: name.into(),
+            min_gpus: 0,
+            max_gpus: None,
+        };
+        let slot = |memory, compute| Slot {
+            memory: memory * GI,
+            compute,
+        };
+        (
+            vec![shape("quarter"), shape("half"), shape("whole")],
+            vec![vec![
+                Some(vec![slot(20, 25); 4]),
+                Some(vec![slot(40, 50); 2]),
+                Some(vec![slot(80, 100)]),
+            ]],
+        )
+    }
+
+    fn demand(policy: &str, memory: u64, compute: u32, running: u32, waiting: u32) -> Demand {
+        Demand {
+            policy: policy.into(),
+            memory: memory * GI,
+            compute,
+            weight: 1.0,
+            running,
+            waiting,
+            forecast: 0.0,
+        }
+    }
+
+    fn gpus(shapes: &[usize]) -> Vec<GpuNow> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| GpuNow {
+                name: format!("gpu{i}"),
+                model: 0,
+                shape: Some(*s),
+                busy: 0,
+                drainable: false,
+                since_recut: None,
+                recutting: false,
+            })
+            .collect()
+    }
+
+    fn rules() -> Rules {
+        Rules {
+            min_dwell: 1800.0,
+            max_in_flight: 8,
+            drain: false,
+            min_gain: 1.0,
+        }
+    }
+
+    fn decide_with(gpus: &[GpuNow], demand: &[Demand], rules: &Rules) -> Decision {
+        let (shapes, models) = quarter_half_whole();
+        decide(&Input {
+            shapes: &shapes,
+            models: &models,
+            gpus,
+            demand,
+            rules,
+        })
+    }
+
+    #[test]
+    fn idle_half_gpus_are_cut_in_four_for_waiting_notebooks() {
+        let notebooks = [demand("notebook", 18, 25, 0, 8)];
+        let d = decide_with(&gpus(&[1, 1, 1, 1]), &notebooks, &rules());
+        // Eight notebooks: two GPUs in four serve them; the other two are left as they are.
+        assert_eq!(d.shapes, vec![Some(0), Some(0), Some(1), Some(1)]);
+        assert_eq!(d.recuts.len(), 2, "{d:?}");
+        assert!(d.reason.contains("2 GPU(s) half → quarter"), "{}", d.reason);
+        assert!(d.unserved.iter().all(|u| *u < 1e-9));
+    }
+
+    #[test]
+    fn a_gpu_already_shaped_for_the_demand_keeps_its_shape() {
+        // Two GPUs in four and two whole: eight notebooks fit the quarter GPUs as they are.
+        let notebooks = [demand("notebook", 18, 25, 0, 8)];
+        let d = decide_with(&gpus(&[2, 2, 0, 0]), &notebooks, &rules());
+        assert!(d.recuts.is_empty(), "{d:?}");
+        assert_eq!(d.reason.split(':').next(), Some("no re-cut"));
+    }
+
+    #[test]
+    fn a_busy_gpu_is_not_drained_for_a_forecast_and_not_at_all_unless_allowed() {
+        let mut pool = gpus(&[0, 0]);
+        for g in &mut pool {
+            g.busy = 1;
+            g.drainable = true;
+        }
+        let mut training = demand("training", 70, 100, 0, 0);
+        training.forecast = 2.0;
+        let notebooks = demand("notebook", 18, 25, 2, 0);
+        let mut drain = rules();
+        drain.drain = true;
+        let d = decide_with(&pool, &[notebooks.clone(), training.clone()], &drain);
+        assert!(d.recuts.is_empty(), "a forecast drained work: {d:?}");
+        training.waiting = 2;
+        let d = decide_with(&pool, &[notebooks.clone(), training.clone()], &rules());
+        assert!(d.recuts.is_empty(), "drained without drain allowed: {d:?}");
+        assert!(
+            d.waiting_for
+                .iter()
+                .any(|w| w.contains("may not be drained"))
+        );
+        // Weight the training higher: with drains allowed, the notebooks' GPUs go to it.
+        training.weight = 3.0;
+        let d = decide_with(&pool, &[notebooks, training], &drain);
+        assert_eq!(d.recuts.len(), 2, "{d:?}");
+        assert!(d.recuts.iter().all(|r| r.drain && r.to == 2));
+    }
+
+    #[test]
+    fn min_dwell_and_max_in_flight_hold_re_cuts_back() {
+        let mut pool = gpus(&[1, 1, 1, 1]);
+        pool[0].since_recut = Some(60.0);
+        let notebooks = [demand("notebook", 18, 25, 0, 16)];
+        let mut few = rules();
+        few.max_in_flight = 2;
+        let d = decide_with(&pool, &notebooks, &few);
+        assert_eq!(d.recuts.len(), 2, "{d:?}");
+        assert!(d.recuts.iter().all(|r| r.gpu != 0));
+        assert!(
+            d.waiting_for.iter().any(|w| w.contains("minDwell"))
+                && d.waiting_for.iter().any(|w| w.contains("maxInFlight")),
+            "{:?}",
+            d.waiting_for
+        );
+    }
+
+    #[test]
+    fn the_forecast_shapes_idle_gpus_ahead_of_the_rise() {
+        let mut training = demand("training", 70, 100, 0, 0);
+        training.forecast = 3.0;
+        let d = decide_with(&gpus(&[0, 0, 0, 0]), &[training], &rules());
+        assert_eq!(d.recuts.len(), 3, "{d:?}");
+        assert!(d.reason.contains("3.0 expected"), "{}", d.reason);
+    }
+
+    #[test]
+    fn bounds_are_kept() {
+        let (mut shapes, models) = quarter_half_whole();
+        shapes[2].max_gpus = Some(1);
+        shapes[1].min_gpus = 1;
+        let training = [demand("training", 70, 100, 0, 4)];
+        let pool = gpus(&[0, 0, 0, 0]);
+        let d = decide(&Input {
+            shapes: &shapes,
+            models: &models,
+            gpus: &pool,
+            demand: &training,
+            rules: &rules(),
+        });
+        let whole = d.shapes.iter().filter(|s| **s == Some(2)).count();
+        let half = d.shapes.iter().filter(|s| **s == Some(1)).count();
+        assert_eq!((whole, half), (1, 1), "{d:?}");
+        assert!(d.unserved[0] > 2.9);
+    }
+
+    #[test]
+    fn the_forecast_learns_each_hour_of_the_week_and_survives_a_round_trip() {
+        let monday_nine = DateTime::parse_from_rfc3339("2026-12-07T09:10:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let mut f = Forecast::default();
+        for (minutes, d) in [(0, 2.0), (20, 6.0), (40, 4.0), (60, 1.0)] {
+            let at = monday_nine + chrono::Duration::minutes(minutes);
+            f.observe(at, &BTreeMap::from([("notebook".to_string(), d)]));
+        }
+        let hour = chrono::Duration::hours(1);
+        assert_eq!(hour_of_week(monday_nine), 9);
+        assert_eq!(
+            f.expected("notebook", monday_nine, chrono::Duration::zero()),
+            6.0
+        );
+        // Asked from 08:00 with an hour's horizon, 09:00's peak is ahead.
+        assert_eq!(f.expected("notebook", monday_nine - hour, hour), 6.0);
+        assert_eq!(f.expected("training", monday_nine, hour), 0.0);
+        // A week later the same hour peaks at 2: the bucket moves halfway.
+        let week = chrono::Duration::weeks(1);
+        f.observe(
+            monday_nine + week,
+            &BTreeMap::from([("notebook".to_string(), 2.0)]),
+        );
+        f.observe(monday_nine + week + hour, &BTreeMap::new());
+        assert_eq!(
+            f.expected("notebook", monday_nine, chrono::Duration::zero()),
+            4.0
+        );
+        let kept: Forecast = serde_json::from_str(&serde_json::to_string(&f).unwrap()).unwrap();
+        assert_eq!(kept, f);
+    }
+}
