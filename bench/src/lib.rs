@@ -7,4 +7,5 @@
 pub mod cache;
 pub mod compaction;
 pub mod compute;
+pub mod elastic;
 pub mod placement;

@@ -17,6 +17,10 @@ pub enum BenchError {
     Csv { path: String, source: csv::Error },
     #[error("{0}: no openb_pod_list_*.csv files (the folder of cluster-trace-gpu-v2023 CSVs)")]
     NoTraces(String),
+    #[error(
+        "{0}: the trace lacks pods of a class the elastic replay needs (a share of at most 250 milli-GPUs, at most 500, and more)"
+    )]
+    Thin(String),
 }
 
 #[derive(serde::Deserialize)]

@@ -15,7 +15,11 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use chrono::{DateTime, Utc};
+use gpuslice_api::layout::Layout;
 use serde::{Deserialize, Serialize};
+
+use crate::catalog::GpuModel;
+use crate::transition::Desired;
 
 /// A slice one GPU of a shape offers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +29,45 @@ pub struct Slot {
     /// Its compute share in percent (100 for MIG instances and whole GPUs, whose compute no
     /// policy's limit can exceed).
     pub compute: u32,
+}
+
+/// The slots one GPU has in `layout`: `None` when the GPU cannot hold it (a MIG layout on a
+/// model without MIG or that does not fit, software slices whose memory adds up to more than
+/// the GPU's).
+pub fn slots(
+    layout: &Layout,
+    model: Option<&GpuModel>,
+    model_name: &str,
+    gpu_memory: u64,
+) -> Option<Vec<Slot>> {
+    let whole = 100;
+    match Desired::of(layout, model, model_name).ok()? {
+        Desired::Software(t) => {
+            (u64::from(t.slices).saturating_mul(t.memory) <= gpu_memory).then(|| {
+                let slot = Slot {
+                    memory: t.memory,
+                    compute: t.compute,
+                };
+                vec![slot; t.slices as usize]
+            })
+        }
+        Desired::Mig(counts) => {
+            let model = model?;
+            let mut slots = Vec::new();
+            for (name, n) in counts {
+                let memory = model.profile(&name)?.memory_bytes();
+                slots.extend((0..n).map(|_| Slot {
+                    memory,
+                    compute: whole,
+                }));
+            }
+            Some(slots)
+        }
+        Desired::Exclusive => Some(vec![Slot {
+            memory: gpu_memory,
+            compute: whole,
+        }]),
+    }
 }
 
 /// One policy's demand on the pool.
@@ -48,11 +91,6 @@ pub struct Demand {
 impl Demand {
     fn fits(&self, slot: &Slot) -> bool {
         slot.memory >= self.memory && slot.compute >= self.compute
-    }
-
-    /// What the pool should be shaped for: what is there now, or what is coming when more.
-    fn wanted(&self) -> f64 {
-        f64::from(self.running + self.waiting).max(self.forecast)
     }
 }
 
@@ -105,13 +143,16 @@ pub struct Rules {
     pub min_gain: f64,
 }
 
+/// One GPU model's slots in each shape of the elastic set (`None` where it cannot hold it).
+pub type ModelSlots = Vec<Option<Vec<Slot>>>;
+
 /// What [`decide`] is given.
 #[derive(Clone, Copy, Debug)]
 pub struct Input<'a> {
     pub shapes: &'a [Shape],
     /// Per GPU model, per shape: the slots one GPU of that model has in that shape, or `None`
     /// when the model cannot hold it.
-    pub models: &'a [Vec<Option<Vec<Slot>>>],
+    pub models: &'a [ModelSlots],
     pub gpus: &'a [GpuNow],
     pub demand: &'a [Demand],
     pub rules: &'a Rules,
@@ -137,7 +178,8 @@ pub struct Decision {
     pub shapes: Vec<Option<usize>>,
     /// The re-cuts to start now, most gain first.
     pub recuts: Vec<Recut>,
-    /// Demand per policy (index into [`Input::demand`]) no GPU serves after the decision.
+    /// Demand here now per policy (index into [`Input::demand`]) no GPU serves after the
+    /// decision.
     pub unserved: Vec<f64>,
     /// What the decision does and for whom, in words.
     pub reason: String,
@@ -145,41 +187,97 @@ pub struct Decision {
     pub waiting_for: Vec<String>,
 }
 
+/// Demand not yet served: what is here now (running and waiting) and what the forecast expects
+/// beyond it.
+#[derive(Clone, Debug)]
+struct Left {
+    now: Vec<f64>,
+    ahead: Vec<f64>,
+}
+
+/// What one GPU in a shape would serve: demand here now first; the forecast's only with slots
+/// nothing here now fits.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Value {
+    now: f64,
+    ahead: f64,
+}
+
+const EPSILON: f64 = 1e-9;
+
+impl Value {
+    fn any(&self) -> bool {
+        self.now > EPSILON || self.ahead > EPSILON
+    }
+
+    fn order(&self, other: &Value) -> std::cmp::Ordering {
+        self.now
+            .total_cmp(&other.now)
+            .then(self.ahead.total_cmp(&other.ahead))
+    }
+}
+
+/// Why a GPU would leave its shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gain {
+    /// Pods here now are served better.
+    Now,
+    /// Pods here now are served as well, and the forecast's better.
+    Ahead,
+}
+
+fn gain(best: &Value, own: &Value, min_gain: f64) -> Option<Gain> {
+    if best.now >= own.now + min_gain && best.now > EPSILON {
+        Some(Gain::Now)
+    } else if best.now + EPSILON >= own.now && best.ahead >= own.ahead + min_gain {
+        Some(Gain::Ahead)
+    } else {
+        None
+    }
+}
+
 /// Serves `left` with `slots`, smallest slot first, each to the fitting policy of the highest
-/// weight (the largest need among equals, so that small slots are left for small pods).
-/// Returns the weighted demand served and takes it from `left` when `take`.
-fn fill(slots: &[Slot], demand: &[Demand], left: &mut [f64], take: bool) -> f64 {
+/// weight (the largest need among equals, so that small slots are left for small pods); a slot
+/// no demand here now fits serves the forecast's. Takes what it serves from `left` when `take`.
+fn fill(slots: &[Slot], demand: &[Demand], left: &mut Left, take: bool) -> Value {
     let mut sorted: Vec<&Slot> = slots.iter().collect();
     sorted.sort_by_key(|s| (s.memory, s.compute));
     let mut scratch;
-    let left: &mut [f64] = if take {
+    let left: &mut Left = if take {
         left
     } else {
-        scratch = left.to_vec();
+        scratch = left.clone();
         &mut scratch
     };
-    let mut value = 0.0;
-    for slot in sorted {
-        let best = demand
+    let best = |left: &[f64], slot: &Slot| {
+        demand
             .iter()
             .enumerate()
-            .filter(|(p, d)| left[*p] > 1e-9 && d.fits(slot))
+            .filter(|(p, d)| left[*p] > EPSILON && d.fits(slot))
             .max_by(|(_, a), (_, b)| {
                 a.weight
                     .total_cmp(&b.weight)
                     .then(a.memory.cmp(&b.memory))
                     .then(a.compute.cmp(&b.compute))
-            });
-        if let Some((p, d)) = best {
-            let served = left[p].min(1.0);
-            left[p] -= served;
-            value += served * d.weight;
+            })
+            .map(|(p, d)| (p, d.weight))
+    };
+    let mut value = Value::default();
+    for slot in sorted {
+        if let Some((p, weight)) = best(&left.now, slot) {
+            let served = left.now[p].min(1.0);
+            left.now[p] -= served;
+            value.now += served * weight;
+        } else if let Some((p, weight)) = best(&left.ahead, slot) {
+            let served = left.ahead[p].min(1.0);
+            left.ahead[p] -= served;
+            value.ahead += served * weight;
         }
     }
     value
 }
 
-fn slots<'a>(input: &Input<'a>, gpu: &GpuNow, shape: usize) -> Option<&'a [Slot]> {
+fn slots_on<'a>(input: &Input<'a>, gpu: &GpuNow, shape: usize) -> Option<&'a [Slot]> {
     input.models[gpu.model].get(shape)?.as_deref()
 }
 
@@ -189,143 +287,149 @@ fn pinned(gpu: &GpuNow, rules: &Rules, pods_wait: bool) -> Option<&'static str> 
         Some("being re-cut")
     } else if gpu.since_recut.is_some_and(|s| s < rules.min_dwell) {
         Some("re-cut less than minDwell ago")
-    } else if !gpu.idle() && !(rules.drain && gpu.drainable && pods_wait) {
+    } else if !(gpu.idle() || rules.drain && gpu.drainable && pods_wait) {
         Some("holding work that may not be drained")
     } else {
         None
     }
 }
 
+/// The decision's working state: demand left, GPUs per shape.
+struct Shaping<'i, 'a> {
+    input: &'i Input<'a>,
+    left: Left,
+    count: Vec<u32>,
+}
+
+impl Shaping<'_, '_> {
+    fn value(&mut self, gpu: &GpuNow, shape: Option<usize>, take: bool) -> Value {
+        let input = self.input;
+        match shape.and_then(|s| slots_on(input, gpu, s)) {
+            Some(slots) => fill(slots, input.demand, &mut self.left, take),
+            None => Value::default(),
+        }
+    }
+
+    fn best(&mut self, gpu: &GpuNow) -> Option<(usize, Value)> {
+        let shapes = self.input.shapes;
+        let open: Vec<usize> = (0..shapes.len())
+            .filter(|&s| {
+                gpu.shape == Some(s) || shapes[s].max_gpus.is_none_or(|m| self.count[s] < m)
+            })
+            .filter(|&s| slots_on(self.input, gpu, s).is_some())
+            .collect();
+        open.into_iter()
+            .map(|s| (s, self.value(gpu, Some(s), false)))
+            .max_by(|a, b| a.1.order(&b.1).then(b.0.cmp(&a.0)))
+    }
+
+    fn keep(&mut self, gpu: &GpuNow) {
+        if let Some(s) = gpu.shape {
+            self.count[s] += 1;
+            self.value(gpu, Some(s), true);
+        }
+    }
+}
+
 /// Chooses each GPU's shape. See the module's documentation for the steps.
 pub fn decide(input: &Input) -> Decision {
     let rules = input.rules;
-    let mut left: Vec<f64> = input.demand.iter().map(Demand::wanted).collect();
+    let now: Vec<f64> = input
+        .demand
+        .iter()
+        .map(|d| f64::from(d.running + d.waiting))
+        .collect();
+    let ahead = input
+        .demand
+        .iter()
+        .zip(&now)
+        .map(|(d, n)| (d.forecast - n).max(0.0))
+        .collect();
+    let mut shaping = Shaping {
+        input,
+        left: Left { now, ahead },
+        count: vec![0; input.shapes.len()],
+    };
     let pods_wait = input.demand.iter().any(|d| d.waiting > 0);
     let mut shapes: Vec<Option<usize>> = input.gpus.iter().map(|g| g.shape).collect();
-    let mut count = vec![0u32; input.shapes.len()];
     let mut held: BTreeMap<&'static str, u32> = BTreeMap::new();
     let mut free = Vec::new();
     for (i, gpu) in input.gpus.iter().enumerate() {
         match pinned(gpu, rules, pods_wait) {
             Some(why) => {
                 *held.entry(why).or_default() += 1;
-                if let Some(s) = gpu.shape {
-                    count[s] += 1;
-                    if let Some(slots) = slots(input, gpu, s) {
-                        fill(slots, input.demand, &mut left, true);
-                    }
-                }
+                shaping.keep(gpu);
             }
             None => free.push(i),
         }
     }
-    let under_max = |count: &[u32], s: usize| input.shapes[s].max_gpus.is_none_or(|m| count[s] < m);
-    let best_shape = |gpu: &GpuNow, left: &mut [f64], count: &[u32]| {
-        (0..input.shapes.len())
-            .filter(|&s| under_max(count, s) || gpu.shape == Some(s))
-            .filter_map(|s| Some((s, fill(slots(input, gpu, s)?, input.demand, left, false))))
-            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
-    };
-    let own_value = |gpu: &GpuNow, left: &mut [f64]| {
-        gpu.shape
-            .and_then(|s| slots(input, gpu, s))
-            .map_or(0.0, |slots| fill(slots, input.demand, left, false))
-    };
-    // Keepers first, those whose own shape serves the most ahead, so that a GPU already shaped
-    // for the demand is not re-cut while another, shaped for nothing, is left alone.
-    // Busy GPUs come first: their work is on them.
-    let keys: Vec<(bool, f64)> = free
+    // Keepers first, busy GPUs (their work is on them) and then those whose own shape serves
+    // the most, so that a GPU already shaped for the demand is not re-cut while another,
+    // shaped for nothing, is left alone.
+    let mut keys: Vec<(bool, Value, usize)> = free
         .iter()
         .map(|&i| {
             let gpu = &input.gpus[i];
-            (gpu.idle(), own_value(gpu, &mut left.clone()))
+            (gpu.idle(), shaping.value(gpu, gpu.shape, false), i)
         })
         .collect();
-    let mut order: Vec<usize> = (0..free.len()).collect();
-    order.sort_by(|&a, &b| {
-        keys[a]
-            .0
-            .cmp(&keys[b].0)
-            .then(keys[b].1.total_cmp(&keys[a].1))
-    });
-    let free: Vec<usize> = order.into_iter().map(|k| free[k]).collect();
+    keys.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.order(&a.1)).then(a.2.cmp(&b.2)));
     let mut deferred = Vec::new();
-    for &i in &free {
+    for (_, _, i) in keys {
         let gpu = &input.gpus[i];
-        let own = own_value(gpu, &mut left);
-        let best = best_shape(gpu, &mut left, &count).map_or(0.0, |b| b.1);
-        match gpu.shape {
-            Some(s) if own > 1e-9 && own + rules.min_gain > best => {
-                count[s] += 1;
-                if let Some(slots) = slots(input, gpu, s) {
-                    fill(slots, input.demand, &mut left, true);
-                }
-            }
-            _ => deferred.push(i),
+        let own = shaping.value(gpu, gpu.shape, false);
+        let best = shaping.best(gpu).map_or(Value::default(), |b| b.1);
+        if own.any() && gain(&best, &own, rules.min_gain).is_none() {
+            shaping.keep(gpu);
+        } else {
+            deferred.push(i);
         }
     }
     let mut wanted: Vec<Recut> = Vec::new();
     let mut spare = Vec::new();
-    for &i in &deferred {
+    for i in deferred {
         let gpu = &input.gpus[i];
-        let own = own_value(gpu, &mut left);
-        let Some((s, value)) = best_shape(gpu, &mut left, &count) else {
-            spare.push(i);
-            continue;
-        };
-        let moves = gpu.shape != Some(s) && value >= own + rules.min_gain && value > 1e-9;
+        let own = shaping.value(gpu, gpu.shape, false);
+        let best = shaping.best(gpu);
+        let why = best.and_then(|(_, value)| gain(&value, &own, rules.min_gain));
         // A forecast alone never drains work: busy GPUs move only for pods that wait.
-        if moves && (gpu.idle() || pods_wait) {
-            count[s] += 1;
-            fill(
-                slots(input, gpu, s).unwrap_or_default(),
-                input.demand,
-                &mut left,
-                true,
-            );
-            wanted.push(Recut {
-                gpu: i,
-                from: gpu.shape,
-                to: s,
-                drain: !gpu.idle(),
-                gain: value - own,
-            });
-        } else if own > 1e-9 {
-            if let Some(s) = gpu.shape {
-                count[s] += 1;
-                fill(
-                    slots(input, gpu, s).unwrap_or_default(),
-                    input.demand,
-                    &mut left,
-                    true,
-                );
+        let allowed = gpu.idle() || (why == Some(Gain::Now) && pods_wait);
+        match (best, why) {
+            (Some((s, value)), Some(_)) if allowed && gpu.shape != Some(s) => {
+                shaping.count[s] += 1;
+                shaping.value(gpu, Some(s), true);
+                wanted.push(Recut {
+                    gpu: i,
+                    from: gpu.shape,
+                    to: s,
+                    drain: !gpu.idle(),
+                    gain: value.now - own.now + value.ahead - own.ahead,
+                });
             }
-        } else {
-            spare.push(i);
+            _ if own.any() || !gpu.idle() => shaping.keep(gpu),
+            _ => spare.push(i),
         }
     }
     // Spare GPUs (nothing wants them) fill shapes below their minimum, then keep their own.
     for i in spare {
         let gpu = &input.gpus[i];
         let short = (0..input.shapes.len()).find(|&s| {
-            count[s] < input.shapes[s].min_gpus
+            shaping.count[s] < input.shapes[s].min_gpus
                 && gpu.shape != Some(s)
-                && gpu.idle()
-                && slots(input, gpu, s).is_some()
+                && slots_on(input, gpu, s).is_some()
         });
-        match (short, gpu.shape) {
-            (Some(s), from) => {
-                count[s] += 1;
+        match short {
+            Some(s) => {
+                shaping.count[s] += 1;
                 wanted.push(Recut {
                     gpu: i,
-                    from,
+                    from: gpu.shape,
                     to: s,
                     drain: false,
                     gain: 0.0,
                 });
             }
-            (None, Some(s)) => count[s] += 1,
-            (None, None) => {}
+            None => shaping.keep(gpu),
         }
     }
     wanted.sort_by(|a, b| {
@@ -351,11 +455,12 @@ pub fn decide(input: &Input) -> Decision {
     for r in &wanted {
         shapes[r.gpu] = Some(r.to);
     }
-    let reason = explain(input, &wanted, &left);
+    let unserved = shaping.left.now;
+    let reason = explain(input, &wanted, &unserved);
     Decision {
         shapes,
         recuts: wanted,
-        unserved: left,
+        unserved,
         reason,
         waiting_for,
     }
@@ -490,7 +595,7 @@ mod tests {
 
     const GI: u64 = 1 << 30;
 
-    fn quarter_half_whole() -> (Vec<Shape>, Vec<Vec<Option<Vec<Slot>>>>) {
+    fn quarter_half_whole() -> (Vec<Shape>, Vec<ModelSlots>) {
         let shape = |name: &str| Shape {
             name: name.into(),
             min_gpus: 0,
@@ -635,6 +740,17 @@ mod tests {
     }
 
     #[test]
+    fn the_forecast_never_takes_a_gpu_from_pods_waiting_now() {
+        // Training (weight 2) is expected on four GPUs; eight notebooks (weight 1) wait now.
+        let mut training = demand("training", 70, 100, 0, 0);
+        training.weight = 2.0;
+        training.forecast = 4.0;
+        let notebooks = demand("notebook", 18, 25, 0, 8);
+        let d = decide_with(&gpus(&[1, 1, 1]), &[training, notebooks], &rules());
+        assert_eq!(d.shapes, vec![Some(0), Some(0), Some(2)], "{d:?}");
+    }
+
+    #[test]
     fn bounds_are_kept() {
         let (mut shapes, models) = quarter_half_whole();
         shapes[2].max_gpus = Some(1);
@@ -652,6 +768,31 @@ mod tests {
         let half = d.shapes.iter().filter(|s| **s == Some(1)).count();
         assert_eq!((whole, half), (1, 1), "{d:?}");
         assert!(d.unserved[0] > 2.9);
+    }
+
+    #[test]
+    fn slots_follow_the_layout_and_the_gpu() {
+        let a100 = crate::catalog::model("NVIDIA A100-SXM4-80GB").unwrap();
+        let memory = a100.memory_bytes();
+        let quarter = Layout::software(4, "20Gi", 25);
+        let four = slots(&quarter, Some(a100), a100.name, memory).unwrap();
+        assert_eq!(
+            four,
+            vec![
+                Slot {
+                    memory: 20 * GI,
+                    compute: 25
+                };
+                4
+            ]
+        );
+        let too_big = Layout::software(4, "30Gi", 25);
+        assert_eq!(slots(&too_big, Some(a100), a100.name, memory), None);
+        let mig = Layout::mig_profiles([("3g.40gb", 1), ("1g.10gb", 2)]);
+        let instances = slots(&mig, Some(a100), a100.name, memory).unwrap();
+        assert_eq!(instances.len(), 3);
+        assert!(instances.iter().all(|s| s.compute == 100));
+        assert_eq!(slots(&mig, None, "Tesla T4", 16 * GI), None);
     }
 
     #[test]

@@ -62,6 +62,26 @@ pub enum Bench {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Elastic layouts: two weeks of arrivals (the Alibaba trace's sizes and run times, a
+    /// diurnal notebook/inference/training mix) on an A100/H100/H200 pool under the best static
+    /// layout, day/night windows, and the elastic decision without and with its forecast.
+    Elastic {
+        /// The folder of cluster-trace-gpu-v2023 CSVs.
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// GPUs of each of the three models.
+        #[arg(long, default_value_t = 16)]
+        gpus_per_model: u32,
+        /// Scales the arrival rates (1.0: each class's busiest hours ask for its peak share; the
+        /// three peaks add up to 1.6 pools, at different hours).
+        #[arg(long, default_value_t = 0.75)]
+        load: f64,
+        /// How much the mix swings over the day: 0 flat (nothing to adapt to), 1 in full.
+        #[arg(long, default_value_t = 1.0)]
+        swing: f64,
+    },
     /// The dataset cache: two epochs over shards from an HTTP source held to a rate; the second,
     /// from the cache, against the local disk's direct-I/O read speed.
     Cache {
@@ -191,6 +211,24 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
                 },
             )?;
             Ok(print_table(&report, ok))
+        }
+        Bench::Elastic {
+            data,
+            seed,
+            gpus_per_model,
+            load,
+            swing,
+        } => {
+            let (table, ok) = gpuslice_bench::elastic::run(
+                &data,
+                gpuslice_bench::elastic::Plan {
+                    seed,
+                    gpus_per_model,
+                    load,
+                    swing,
+                },
+            )?;
+            Ok(print_table(&table, ok))
         }
         Bench::Cache {
             shards,
