@@ -274,3 +274,50 @@ fn reads_a_ref_and_sub_folder_of_a_git_repository_locally_and_by_url() {
     assert_eq!(no_ref.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&no_ref.stderr).contains("ref \"v9\" not found"));
 }
+
+#[test]
+fn a_policy_that_only_an_elastic_shape_holds_is_a_warning_not_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tmp.path().join("pool.yaml"),
+        r#"apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata:
+  name: elastic-a100
+spec:
+  nodeSelector:
+    matchLabels: {gpuslice.io/pool: elastic-a100}
+  gpuSelector: {models: ["NVIDIA A100-SXM4-80GB"]}
+  layout:
+    software: {slices: 4, memory: 20Gi, compute: 25}
+  elastic:
+    shapes:
+    - name: quarters
+      layout:
+        software: {slices: 4, memory: 20Gi, compute: 25}
+    - name: whole
+      layout: {exclusive: {}}
+    drain: Checkpointable
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata:
+  name: training
+spec:
+  pool: elastic-a100
+  memory: 70Gi
+"#,
+    )
+    .unwrap();
+    let out = validate(&[tmp.path().to_str().unwrap()]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("spec.memory: warning: cannot run during the default layout"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spec.elastic: warning: declared but not enforced yet"),
+        "{text}"
+    );
+}

@@ -39,8 +39,13 @@ pub struct GpuPoolSpec {
     /// Which GPUs of the selected nodes belong to the pool; all of them when omitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_selector: Option<GpuSelector>,
-    /// The layout of each GPU outside every window.
+    /// The layout of each GPU outside every window (with `elastic`, the shape GPUs start in).
     pub layout: Layout,
+    /// Elastic layouts: each GPU's shape chosen among those listed here by the demand (pods
+    /// waiting and running per policy, and a forecast learned per hour of the week), within the
+    /// bounds set here. Git declares what is allowed; the operator never writes the pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<Elastic>,
     /// Time-of-day windows with a different layout (elastic slicing). Windows of one pool must not overlap.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
@@ -157,12 +162,84 @@ pub struct TimeWindow {
     pub end: ClockTime,
     /// The layout in force while the window is open.
     pub layout: Layout,
+    /// The elastic set while the window is open, in place of the pool's `elastic` (for example
+    /// only whole GPUs and halves at night).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<Elastic>,
     /// Priorities of the pool's policies while the window is open (policy name → `low`,
     /// `normal`, `high` or a PriorityClass name), for example training first at night; a policy
     /// not named keeps its own `priority`. The queue and preemption use the window in force.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(extend("maxProperties" = 64, "additionalProperties" = {"type": "string", "maxLength": 253, "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"}))]
     pub priorities: BTreeMap<String, String>,
+}
+
+/// Elastic layouts: the shapes a GPU of the pool may be given and the rules for changing them.
+/// The operator gives each GPU the shape that serves the most demand (pods waiting and running
+/// per policy, weighted by priority; then what the forecast expects within its horizon), keeps
+/// a GPU's shape unless another serves clearly more, re-cuts idle GPUs first, drains work only
+/// as `drain` allows and only for pods that already wait, never a GPU sooner than `minDwell`
+/// after its last re-cut, and never more than `maxInFlight` at once. A re-cut goes the way a
+/// window change goes (staged layout, device taints ahead, drains by the CheckpointPolicy).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Elastic {
+    /// The shapes a GPU may be given (1–8), each a named layout; every GPU of the pool must be
+    /// able to hold at least one, and every policy of the pool must fit at least one.
+    #[schemars(length(min = 1, max = 8), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub shapes: Vec<ElasticShape>,
+    /// No GPU is re-cut again sooner than this after its last re-cut (Go duration, at least 1m;
+    /// default 30m).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1m')").message("minDwell must be at least 1m"))]
+    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
+    pub min_dwell: Option<Duration>,
+    /// Most of the pool's GPUs being re-cut at once, in percent (1–100; default 10, and at
+    /// least one GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_in_flight: Option<u32>,
+    /// Which GPUs may be re-cut: `IdleOnly` (default) only those nothing runs on;
+    /// `Checkpointable` also those whose workloads are all preemptible with a CheckpointPolicy,
+    /// drained for pods that wait (never for a forecast).
+    #[serde(default)]
+    pub drain: ElasticDrain,
+    /// How far ahead the forecast looks (Go duration, 0s–24h; default 1h; `0s` turns it off):
+    /// idle GPUs are shaped for the most demand it expects within this time, learned per hour
+    /// of the week from the pool's own history.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('0s') && duration(self) <= duration('24h')").message("forecastHorizon must be between 0s and 24h"))]
+    #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
+    pub forecast_horizon: Option<Duration>,
+}
+
+/// A shape of an elastic set.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.minGpus) || !has(self.maxGpus) || self.minGpus <= self.maxGpus").message("minGpus must not exceed maxGpus"))]
+pub struct ElasticShape {
+    /// Name of the shape, unique in the set; shown in status, Events and metrics.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// The layout of a GPU in this shape.
+    pub layout: Layout,
+    /// At least this many GPUs keep the shape, when enough idle GPUs are there to take it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_gpus: Option<u32>,
+    /// At most this many GPUs are given the shape.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_gpus: Option<u32>,
+}
+
+/// Which GPUs an elastic pool may re-cut.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ElasticDrain {
+    /// Only GPUs nothing runs on.
+    #[default]
+    IdleOnly,
+    /// Also GPUs whose workloads may all be drained (preemptible, with a CheckpointPolicy),
+    /// for pods that wait.
+    Checkpointable,
 }
 
 fn every_day() -> Vec<Weekday> {

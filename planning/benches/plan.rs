@@ -32,6 +32,7 @@ fn pool(name: &str, layout: Layout, night: Layout) -> GpuPool {
             },
             gpu_selector: None,
             layout,
+            elastic: None,
             windows: vec![TimeWindow {
                 name: "night".into(),
                 time_zone: "Asia/Shanghai".into(),
@@ -39,6 +40,7 @@ fn pool(name: &str, layout: Layout, night: Layout) -> GpuPool {
                 start: ClockTime::from("20:00"),
                 end: ClockTime::from("08:00"),
                 layout: night,
+                elastic: None,
                 priorities: Default::default(),
             }],
             time_slice: None,

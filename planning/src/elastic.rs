@@ -88,9 +88,16 @@ pub struct Demand {
     pub forecast: f64,
 }
 
+impl Slot {
+    /// Whether a workload needing `memory` bytes and `compute` percent fits it.
+    pub fn holds(&self, memory: u64, compute: u32) -> bool {
+        self.memory >= memory && self.compute >= compute
+    }
+}
+
 impl Demand {
     fn fits(&self, slot: &Slot) -> bool {
-        slot.memory >= self.memory && slot.compute >= self.compute
+        slot.holds(self.memory, self.compute)
     }
 }
 

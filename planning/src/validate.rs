@@ -6,13 +6,14 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use gpuslice_api::pool::Elastic;
 use gpuslice_api::quantity::format_bytes;
 use gpuslice_api::{CheckpointPolicy, GpuPool, GpuSlicePolicy, Kind, Layout, LayoutKind};
 use serde::Serialize;
 
 use crate::catalog::{self, GpuModel};
-use crate::mig;
 use crate::windows::{Recurrence, first_overlap};
+use crate::{elastic, mig};
 
 /// How bad a finding is: errors fail `gpuslice validate`, warnings do not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -233,6 +234,91 @@ fn layouts(pool: &GpuPool) -> Vec<(String, String, &Layout)> {
     out
 }
 
+/// The pool's elastic sets (its own and its windows') with their field paths.
+fn elastic_sets(pool: &GpuPool) -> Vec<(String, &Elastic)> {
+    let windows = pool.spec.windows.iter().enumerate();
+    pool.spec
+        .elastic
+        .iter()
+        .map(|e| ("spec.elastic".to_string(), e))
+        .chain(windows.filter_map(|(i, w)| {
+            let set = w.elastic.as_ref()?;
+            Some((format!("spec.windows[{i}].elastic"), set))
+        }))
+        .collect()
+}
+
+/// The models an elastic shape is tried on: those selected, or every model in the catalog.
+fn elastic_candidates(pool: &GpuPool) -> (Vec<&'static GpuModel>, bool) {
+    let named = selected_models(pool).known;
+    if named.is_empty() {
+        (catalog::models().iter().collect(), false)
+    } else {
+        (named, true)
+    }
+}
+
+/// Each shape of each elastic set must fit a GPU of the pool.
+fn check_elastic(pool: &Located<GpuPool>, out: &mut Findings) {
+    let (candidates, named) = elastic_candidates(&pool.object);
+    for (path, set) in elastic_sets(&pool.object) {
+        for (k, shape) in set.shapes.iter().enumerate() {
+            let held: Vec<&str> = candidates
+                .iter()
+                .filter(|m| {
+                    elastic::slots(&shape.layout, Some(m), m.name, m.memory_bytes()).is_some()
+                })
+                .map(|m| m.name)
+                .collect();
+            let at = format!("{path}.shapes[{k}].layout");
+            let tried: Vec<&str> = candidates.iter().map(|m| m.name).collect();
+            if held.is_empty() {
+                out.error(pool.doc, &at, format!(
+                    "elastic shape {:?} fits no GPU of the pool ({}): its slices do not fit the GPU's memory or its MIG profiles do not exist there; change the layout or remove the shape",
+                    shape.name,
+                    if named { tried.join(", ") } else { "no model in the catalog".to_string() }
+                ));
+            } else if named && held.len() < candidates.len() {
+                out.warn(
+                    pool.doc,
+                    &at,
+                    format!(
+                        "elastic shape {:?} fits only {}: the pool's other GPUs never take it",
+                        shape.name,
+                        held.join(", ")
+                    ),
+                );
+            }
+        }
+        out.inert(
+            pool.doc,
+            &path,
+            "the operator does not choose shapes by demand yet (`gpuslice bench elastic` measures the decision it will take)",
+        );
+    }
+}
+
+/// The names of the elastic shapes of `pool` that hold `need` bytes at `compute` percent on
+/// some GPU of the pool, and the names of all its shapes.
+fn elastic_fits(pool: &GpuPool, need: u64, compute: u32) -> (Vec<String>, Vec<String>) {
+    let (candidates, _) = elastic_candidates(pool);
+    let mut fits = Vec::new();
+    let mut all = Vec::new();
+    for (_, set) in elastic_sets(pool) {
+        for shape in &set.shapes {
+            all.push(shape.name.clone());
+            let holds = candidates.iter().any(|m| {
+                elastic::slots(&shape.layout, Some(m), m.name, m.memory_bytes())
+                    .is_some_and(|slots| slots.iter().any(|s| s.holds(need, compute)))
+            });
+            if holds {
+                fits.push(shape.name.clone());
+            }
+        }
+    }
+    (fits, all)
+}
+
 /// The GPU models a pool's selector names: those in the catalog, and (by index) those not.
 struct SelectedModels {
     known: Vec<&'static GpuModel>,
@@ -354,6 +440,7 @@ fn check_pool(
         }
     }
     check_windows(pool, now, out);
+    check_elastic(pool, out);
     check_checkpoint_reference(doc, spec.checkpoint_policy.as_deref(), checkpoints, out);
     if let Some(Err(e)) = spec
         .compaction
@@ -536,7 +623,21 @@ fn check_policy(
             Some(reason) => misfits.push((what, reason)),
         }
     }
-    if fits.is_empty() {
+    let (elastic_fit, shapes) = elastic_fits(&pool.object, need, limit.unwrap_or(0));
+    if !shapes.is_empty() && elastic_fit.is_empty() {
+        out.error(
+            doc,
+            "spec.memory",
+            format!(
+                "no shape of pool {:?}'s elastic set ({}) holds {} (memory + memoryHeadroom){}: add a shape with a larger slice or lower the policy's memory",
+                spec.pool,
+                shapes.join(", "),
+                format_bytes(need),
+                limit.map(|l| format!(" at a {l}% compute limit")).unwrap_or_default()
+            ),
+        );
+    }
+    if fits.is_empty() && elastic_fit.is_empty() {
         for (_, (path, message)) in misfits {
             out.error(
                 doc,
