@@ -2,7 +2,8 @@
 //! against its target. [`placement`] replays the Alibaba GPU-sharing traces under each placement
 //! policy; [`compute`] runs real processes under the shim on the emulated (or a real) GPU and
 //! measures the shares the agent's arbiter gives them; [`cache`] reads a dataset twice through
-//! the node's dataset cache from a rate-limited source.
+//! the node's dataset cache from a rate-limited source; [`elastic`] replays two weeks of arrivals
+//! under static, windowed and elastic layouts.
 
 pub mod cache;
 pub mod compaction;
