@@ -3,27 +3,9 @@
 //! chosen in hindsight and than day/night windows, and re-cut within its bounds. The full table is
 //! `gpuslice bench elastic --data <folder>`.
 
-use std::path::PathBuf;
-
-fn data() -> Option<PathBuf> {
-    let dir = std::env::var_os("GPUSLICE_TRACE_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/alibaba-gpu-v2023")
-        });
-    dir.join("openb_pod_list_default.csv")
-        .exists()
-        .then_some(dir)
-}
-
 #[test]
 fn elastic_layouts_wait_less_than_the_best_static_layout_and_re_cut_within_bounds() {
-    let Some(dir) = data() else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "the trace data is missing; set GPUSLICE_TRACE_DATA"
-        );
-        eprintln!("SKIPPED: no trace data (set GPUSLICE_TRACE_DATA)");
+    let Some(dir) = gpuslice_testcluster::trace_data("openb_pod_list_default.csv") else {
         return;
     };
     let plan = gpuslice_bench::elastic::Plan {

@@ -4,29 +4,9 @@
 //! and at most 4.0% on this trace.
 //! The full comparison is `gpuslice bench placement --data <folder>`.
 
-use std::path::PathBuf;
-
-fn data() -> Option<PathBuf> {
-    let dir = std::env::var_os("GPUSLICE_TRACE_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/alibaba-gpu-v2023")
-        });
-    dir.join("openb_node_list_gpu_node.csv")
-        .exists()
-        .then_some(dir)
-}
-
 #[test]
 fn one_seed_of_the_default_trace_ranks_the_policies_as_the_paper_does() {
-    let Some(dir) = data() else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "the trace data is missing; set GPUSLICE_TRACE_DATA"
-        );
-        eprintln!(
-            "SKIPPED: no trace data (set GPUSLICE_TRACE_DATA to cluster-trace-gpu-v2023/csv)"
-        );
+    let Some(dir) = gpuslice_testcluster::trace_data("openb_node_list_gpu_node.csv") else {
         return;
     };
     let nodes = gpuslice_bench::placement::cluster(&dir).unwrap();

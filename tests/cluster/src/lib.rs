@@ -178,6 +178,26 @@ pub fn commit_all(repo: &git2::Repository, message: &str) -> String {
     .to_string()
 }
 
+/// The folder of Alibaba trace CSVs (`GPUSLICE_TRACE_DATA`, else the workspace's
+/// `../shared/data/alibaba-gpu-v2023`) when it holds `file`. Without it a test is skipped, except
+/// in CI, where `.ci/run` finds the data and its absence fails the test.
+pub fn trace_data(file: &str) -> Option<PathBuf> {
+    let dir = std::env::var_os("GPUSLICE_TRACE_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/alibaba-gpu-v2023")
+        });
+    if dir.join(file).exists() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "the trace data is missing; set GPUSLICE_TRACE_DATA"
+    );
+    eprintln!("SKIPPED: no trace data (set GPUSLICE_TRACE_DATA to cluster-trace-gpu-v2023/csv)");
+    None
+}
+
 /// Copies a folder tree (a test's own copy of the examples).
 pub fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
