@@ -44,21 +44,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
         "{}",
         String::from_utf8_lossy(&lint.stdout)
     );
-    let rendered = Command::new(&helm)
-        .args(["template", "gs", "--namespace", NAMESPACE])
-        .arg(&chart)
-        .output()
-        .unwrap();
-    assert!(
-        rendered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rendered.stderr)
-    );
-    let text = String::from_utf8(rendered.stdout).unwrap();
-    let docs: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&text)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .filter(|v: &serde_json::Value| !v.is_null())
-        .collect();
+    let docs = gpuslice_testcluster::render_chart(&helm, NAMESPACE, &[]);
     let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
     for kind in [
         "Deployment",
@@ -73,12 +59,13 @@ async fn the_chart_installs_and_its_roles_are_enough() {
             "the chart renders a {kind}: {kinds:?}"
         );
     }
+    let text = serde_json::to_string(&docs).unwrap();
     assert!(!text.contains("\"*\""), "no wildcards in the roles");
     assert!(
         !kinds.contains(&"ServiceMonitor"),
         "ServiceMonitors are opt-in: {kinds:?}"
     );
-    service_monitors_select_the_pods(&helm, &chart);
+    service_monitors_select_the_pods(&helm);
 
     let Some(cluster) = ControlPlane::start(Components::default()).await.unwrap() else {
         return;
@@ -296,24 +283,15 @@ async fn the_chart_installs_and_its_roles_are_enough() {
 
 /// With `metrics.serviceMonitor.enabled`, each component gets a ServiceMonitor whose selector
 /// picks its metrics Service, and that Service selects the component's pods on their `metrics` port.
-fn service_monitors_select_the_pods(helm: &Path, chart: &Path) {
-    let rendered = Command::new(helm)
-        .args(["template", "gs", "--namespace", NAMESPACE])
-        .args(["--set", "metrics.serviceMonitor.enabled=true"])
-        .args(["--set", "metrics.serviceMonitor.labels.release=prometheus"])
-        .arg(chart)
-        .output()
-        .unwrap();
-    assert!(
-        rendered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rendered.stderr)
+fn service_monitors_select_the_pods(helm: &Path) {
+    let docs = gpuslice_testcluster::render_chart(
+        helm,
+        NAMESPACE,
+        &[
+            "metrics.serviceMonitor.enabled=true",
+            "metrics.serviceMonitor.labels.release=prometheus",
+        ],
     );
-    let docs: Vec<serde_json::Value> =
-        serde_yaml::Deserializer::from_str(&String::from_utf8(rendered.stdout).unwrap())
-            .map(|d| serde::Deserialize::deserialize(d).unwrap())
-            .filter(|v: &serde_json::Value| !v.is_null())
-            .collect();
     let of_kind = |kind: &str| -> Vec<&serde_json::Value> {
         docs.iter().filter(|d| d["kind"] == kind).collect()
     };

@@ -384,24 +384,16 @@ async fn pods_naming_a_policy_get_their_own_fitting_slice() {
     // The inference Deployment (30 GiB): the 2g and 3g instances hold it, the 1g ones do not;
     // its third replica waits.
     let serving: Api<Deployment> = Api::namespaced(client.clone(), "default");
-    let deployment: Deployment = serde_json::from_value(serde_json::json!({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "llm"},
-        "spec": {
-            "replicas": 3,
-            "selector": {"matchLabels": {"app": "llm"}},
-            "template": {
-                "metadata": {"labels": {"app": "llm"}},
-                "spec": {
-                    "containers": [{"name": "server", "image": "example.com/llm:2",
-                        "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}],
-                    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
-                }
-            }
-        }
-    }))
-    .unwrap();
+    let deployment = gpuslice_testcluster::deployment(
+        "llm",
+        3,
+        &[],
+        serde_json::json!({
+            "containers": [{"name": "server", "image": "example.com/llm:2",
+                "resources": {"limits": {"gpuslice.io/llm-inference": "1"}}}],
+            "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+        }),
+    );
     serving
         .create(&PostParams::default(), &deployment)
         .await

@@ -773,20 +773,12 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
         "{} link cap; trap 'echo checkpointing; touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"' USR1; while :; do sleep 0.2; done",
         setup.probe()
     );
-    let deployment: Deployment = serde_json::from_value(serde_json::json!({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "trainer"},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": "trainer"}},
-            "template": {
-                "metadata": {"labels": {"app": "trainer"}},
-                "spec": setup.pod_spec(&["/bin/sh", "-c", &script]),
-            }
-        }
-    }))
-    .unwrap();
+    let deployment = gpuslice_testcluster::deployment(
+        "trainer",
+        1,
+        &[],
+        setup.pod_spec(&["/bin/sh", "-c", &script]),
+    );
     Api::<Deployment>::namespaced(client.clone(), "default")
         .create(&PostParams::default(), &deployment)
         .await
@@ -1225,20 +1217,7 @@ fn queued_deployment(setup: &Setup, name: &str, policy: &str, script: &str) -> D
     spec["containers"][0]["resources"] =
         serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): "1"}});
     spec["schedulingGates"] = serde_json::json!([{"name": "gpuslice.io/queue"}]);
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": name}},
-            "template": {
-                "metadata": {"labels": {"app": name, "gpuslice.io/policy": policy}},
-                "spec": spec,
-            }
-        }
-    }))
-    .unwrap()
+    gpuslice_testcluster::deployment(name, 1, &[("gpuslice.io/policy", policy)], spec)
 }
 
 /// The running pod of Deployment `app` (not being deleted), if one runs.

@@ -11,7 +11,6 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{
     Components, ControlPlane, KillOnDrop, built_tool, eventually, free_port, local_get,
 };
@@ -74,21 +73,16 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
     };
     let client = cluster.client_with_crds().await;
     // The chart, rendered with the alerts as a rule file and the dashboard; alerts fire at once.
-    let rendered = Command::new(&helm)
-        .args(["template", "gs", "--namespace", "gpuslice-system"])
-        .args(["--set", "metrics.alertsConfigMap=true"])
-        .args(["--set", "metrics.dashboard.enabled=true"])
-        .args(["--set", "metrics.prometheusRule.degradedFor=0s"])
-        .args(["--set", "metrics.prometheusRule.agentDownFor=0s"])
-        .arg(root().join("charts/gpuslice"))
-        .output()
-        .unwrap();
-    assert!(
-        rendered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rendered.stderr)
+    let chart = gpuslice_testcluster::render_chart(
+        &helm,
+        "gpuslice-system",
+        &[
+            "metrics.alertsConfigMap=true",
+            "metrics.dashboard.enabled=true",
+            "metrics.prometheusRule.degradedFor=0s",
+            "metrics.prometheusRule.agentDownFor=0s",
+        ],
     );
-    let chart = gpuslice_testcluster::documents(&String::from_utf8(rendered.stdout).unwrap());
     let config_map = |name: &str| {
         chart
             .iter()
@@ -325,9 +319,10 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
             .arg(dir.path().join("state"))
             .args(["--policy", "inference", "--", "sh", "-c"])
             .arg(format!(
-                "{probe} link cap && for i in $(seq 40); do {probe} link count launch 2000; sleep 0.2; done; until [ -e {stop} ]; do sleep 0.2; done",
+                "{probe} link cap && for i in $(seq 40); do {probe} link count launch 2000; sleep 0.2; done; until [ -e {stop} ] || [ ! -d {dir} ]; do sleep 0.2; done",
                 probe = probe.display(),
-                stop = stop.display()
+                stop = stop.display(),
+                dir = dir.path().display()
             ))
             .env("LD_LIBRARY_PATH", &lib)
             .env("GPUSLICE_EMULATOR_STATE", &machine)
@@ -336,7 +331,8 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
             .spawn()
             .unwrap(),
     );
-    // However the test ends, the workload's shell ends too (killing `gpuslice run` leaves it).
+    // However the test ends, the workload's shell ends too (killing `gpuslice run` leaves it):
+    // by the stop file, or by its folder gone when the stop file was removed with it unseen.
     struct Touch(std::path::PathBuf);
     impl Drop for Touch {
         fn drop(&mut self) {

@@ -140,18 +140,8 @@ impl Harness {
         let client = cluster.client_with_crds().await;
         // The chart's mutating admission policies: label → the policy's extended resource,
         // label → the queue's gate, the queued pods' priority, claims naming our classes → a label.
-        let rendered = Command::new(&helm)
-            .args(["template", "gs", "--namespace", "gpuslice-system"])
-            .arg(root().join("charts/gpuslice"))
-            .output()
-            .unwrap();
-        assert!(
-            rendered.status.success(),
-            "{}",
-            String::from_utf8_lossy(&rendered.stderr)
-        );
         let mutating: Vec<serde_json::Value> =
-            gpuslice_testcluster::documents(&String::from_utf8(rendered.stdout).unwrap())
+            gpuslice_testcluster::render_chart(&helm, "gpuslice-system", &[])
                 .into_iter()
                 .filter(|d| {
                     d["kind"].as_str().is_some_and(|k| {

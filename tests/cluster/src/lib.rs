@@ -1023,6 +1023,26 @@ pub fn documents(text: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The chart (`charts/gpuslice`) as `helm template gs --namespace NAMESPACE --set S…` renders
+/// it, document by document; panics with Helm's complaint when it does not render.
+pub fn render_chart(helm: &Path, namespace: &str, sets: &[&str]) -> Vec<serde_json::Value> {
+    let mut command = std::process::Command::new(helm);
+    command.args(["template", "gs", "--namespace", namespace]);
+    for set in sets {
+        command.args(["--set", set]);
+    }
+    let rendered = command
+        .arg(repo_root().join("charts/gpuslice"))
+        .output()
+        .expect("helm runs");
+    assert!(
+        rendered.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&rendered.stderr)
+    );
+    documents(&String::from_utf8(rendered.stdout).expect("UTF-8 YAML"))
+}
+
 /// The examples a notebook on pool shared-a100 needs: the CheckpointPolicy, the pool, the policy.
 pub const NOTEBOOK_EXAMPLES: [&str; 3] = [
     "examples/gitops/policies/checkpoint-standard.yaml",
@@ -1219,6 +1239,31 @@ pub fn local_get(port: u16, path: &str) -> std::io::Result<(String, String)> {
         head.lines().next().unwrap_or_default().to_string(),
         body.to_string(),
     ))
+}
+
+/// A Deployment of `replicas` pods running `pod_spec`, labelled `app: NAME` (its selector) and
+/// `labels`.
+pub fn deployment(
+    name: &str,
+    replicas: i32,
+    labels: &[(&str, &str)],
+    pod_spec: serde_json::Value,
+) -> k8s_openapi::api::apps::v1::Deployment {
+    let mut template_labels = serde_json::json!({"app": name});
+    for (key, value) in labels {
+        template_labels[*key] = serde_json::json!(value);
+    }
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": template_labels}, "spec": pod_spec},
+        }
+    }))
+    .expect("a Deployment")
 }
 
 /// Creates a pod labelled `gpuslice.io/policy`, again until the API server (which loads new
