@@ -195,19 +195,11 @@ async fn start_with_driver(
         .unwrap();
         processes.push(spawn_agent(&cluster, dir.path(), name, clock, agent_args).await);
     }
-    processes.push(KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .args([
-                "operator",
-                "--lease-namespace",
-                gpuslice_testcluster::CHART_NAMESPACE,
-            ])
-            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
-            .env("GPUSLICE_CLOCK_START", clock)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
+    processes.push(gpuslice_testcluster::spawn_operator(
+        env!("CARGO_BIN_EXE_gpuslice"),
+        &cluster.operator_kubeconfig().await.unwrap(),
+        Some(clock),
+        &[],
     ));
     gpuslice_testcluster::apply_repo_files(
         &client,

@@ -238,19 +238,11 @@ fn spawn_agent(
 
 /// The operator, as the chart's operator identity (its lease in the chart's namespace).
 fn spawn_operator(kubeconfig: &Path, clock: &str) -> KillOnDrop {
-    KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .args([
-                "operator",
-                "--lease-namespace",
-                gpuslice_testcluster::CHART_NAMESPACE,
-            ])
-            .env("KUBECONFIG", kubeconfig)
-            .env("GPUSLICE_CLOCK_START", clock)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
+    gpuslice_testcluster::spawn_operator(
+        env!("CARGO_BIN_EXE_gpuslice"),
+        kubeconfig,
+        Some(clock),
+        &[],
     )
 }
 

@@ -168,19 +168,11 @@ async fn dashboards_and_alerts_evaluate_against_a_real_prometheus() {
         .spawn()
         .unwrap(),
     );
-    let _operator = KillOnDrop(
-        Command::new(bin)
-            .args([
-                "operator",
-                "--lease-namespace",
-                gpuslice_testcluster::CHART_NAMESPACE,
-            ])
-            .args(["--metrics-addr", &format!("127.0.0.1:{operator_port}")])
-            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
+    let _operator = gpuslice_testcluster::spawn_operator(
+        bin,
+        &cluster.operator_kubeconfig().await.unwrap(),
+        None,
+        &["--metrics-addr", &format!("127.0.0.1:{operator_port}")],
     );
     gpuslice_testcluster::apply_all(&client, &gpuslice_testcluster::documents(POOL)).await;
     // Five pods for four slices: four are admitted, one waits in the queue.

@@ -5,7 +5,7 @@
 //! free slices, in the pool's order (priority first), each onto the node its placement engine
 //! picks, and tells the others their place and why they wait.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, eventually};
@@ -103,20 +103,12 @@ struct Harness {
 
 /// The operator, as the chart's operator identity.
 async fn spawn_operator(cluster: &ControlPlane, clock: &str, args: &[String]) -> KillOnDrop {
-    KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_gpuslice"))
-            .args([
-                "operator",
-                "--lease-namespace",
-                gpuslice_testcluster::CHART_NAMESPACE,
-            ])
-            .args(args)
-            .env("KUBECONFIG", cluster.operator_kubeconfig().await.unwrap())
-            .env("GPUSLICE_CLOCK_START", clock)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    gpuslice_testcluster::spawn_operator(
+        env!("CARGO_BIN_EXE_gpuslice"),
+        &cluster.operator_kubeconfig().await.unwrap(),
+        Some(clock),
+        &args,
     )
 }
 

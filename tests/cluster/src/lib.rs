@@ -1158,6 +1158,28 @@ pub fn agent_command(
     agent
 }
 
+/// The operator (`bin operator`) as the identity of `kubeconfig` (the chart's operator, in
+/// these tests), its lease in the chart's namespace, with `args` and its clock starting at
+/// `clock` when given; its log goes to the test's stderr.
+pub fn spawn_operator(
+    bin: &str,
+    kubeconfig: &Path,
+    clock: Option<&str>,
+    args: &[&str],
+) -> KillOnDrop {
+    let mut operator = Command::new(bin);
+    operator
+        .args(["operator", "--lease-namespace", CHART_NAMESPACE])
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit());
+    if let Some(clock) = clock {
+        operator.env("GPUSLICE_CLOCK_START", clock);
+    }
+    KillOnDrop(operator.spawn().expect("the operator starts"))
+}
+
 /// Polls `check` every 200 ms until it returns `Ok`, for up to two minutes; then panics with
 /// `what` and the last `Err` it gave.
 pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
