@@ -1,6 +1,7 @@
 //! Elastic layouts: which of the shapes a pool allows (in Git) each GPU should have now, from
 //! the demand per policy (pods running and waiting, and what the [`Forecast`] expects within
-//! its horizon). Pure: the operator, `gpuslice bench elastic` and the tests call one [`decide`].
+//! its horizon). Pure, so that what `gpuslice bench elastic` measures is what the operator will
+//! run (it does not act on `elastic` yet): the benchmark and the tests call [`decide`].
 //!
 //! The decision in steps: GPUs that must keep their shape (being re-cut, re-cut less than
 //! `min_dwell` ago, or holding work that may not be drained) serve what they can first. The
@@ -285,7 +286,7 @@ fn fill(slots: &[Slot], demand: &[Demand], left: &mut Left, take: bool) -> Value
 }
 
 fn slots_on<'a>(input: &Input<'a>, gpu: &GpuNow, shape: usize) -> Option<&'a [Slot]> {
-    input.models[gpu.model].get(shape)?.as_deref()
+    input.models.get(gpu.model)?.get(shape)?.as_deref()
 }
 
 /// Why a GPU keeps its shape whatever the demand, if it must.
