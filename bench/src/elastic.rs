@@ -522,7 +522,6 @@ impl Replay<'_> {
             .iter()
             .enumerate()
             .map(|(i, g)| GpuNow {
-                name: format!("gpu{i}"),
                 model: g.model,
                 shape: Some(g.shape),
                 busy: self.busy(i),
@@ -737,7 +736,6 @@ pub fn decision_time(layouts: &[ModelSlots], shapes: &[Shape]) -> f64 {
     let mut rng = StdRng::seed_from_u64(7);
     let gpus: Vec<GpuNow> = (0..8000)
         .map(|i| GpuNow {
-            name: format!("node{}/gpu{}", i / 8, i % 8),
             model: (i / 8) % MODELS.len(),
             shape: Some(rng.random_range(0..shapes.len())),
             busy: if rng.random::<f64>() < 0.6 { 1 } else { 0 },

@@ -115,7 +115,6 @@ pub struct Shape {
 /// One GPU of the pool as the decision sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GpuNow {
-    pub name: String,
     /// Index into [`Input::models`].
     pub model: usize,
     /// Index into [`Input::shapes`]: the shape it has, or is being re-cut to; `None` while its
@@ -638,9 +637,7 @@ mod tests {
     fn gpus(shapes: &[usize]) -> Vec<GpuNow> {
         shapes
             .iter()
-            .enumerate()
-            .map(|(i, s)| GpuNow {
-                name: format!("gpu{i}"),
+            .map(|s| GpuNow {
                 model: 0,
                 shape: Some(*s),
                 busy: 0,
