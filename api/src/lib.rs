@@ -25,18 +25,19 @@ pub use checkpoint::{
 };
 pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
 pub use node::{
-    Assignment, DriverVersions, EvictionRequest, GpuAssignment, GpuInventory, GpuNode, GpuNodeSpec,
-    GpuNodeStatus, GpuProcess, MigInstance, MigState, NextAssignment, NodeInventory, Placement,
-    Preemption, SliceClaim, SoftwareSliceState,
+    AssignedShape, Assignment, DriverVersions, EvictionRequest, GpuAssignment, GpuInventory,
+    GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess, MigInstance, MigState, NextAssignment,
+    NodeInventory, Placement, Preemption, SliceClaim, SoftwareSliceState,
 };
 pub use policy::{
     ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus, HostResources,
     WorkloadClass,
 };
 pub use pool::{
-    CACHE_ROOT, Compaction, CompactionMove, CompactionStatus, DriverMinimum, FairShareStatus,
-    FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits, LocalCache,
-    NamespaceUsage, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow, cache_folder,
+    CACHE_ROOT, Compaction, CompactionMove, CompactionStatus, DriverMinimum, Elastic, ElasticDrain,
+    ElasticForecast, ElasticRecut, ElasticShape, ElasticStatus, FairShareStatus, FaultIsolation,
+    GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits, LocalCache, NamespaceUsage,
+    Scheduling, SchedulingPolicy, SliceCounts, TimeWindow, cache_folder,
 };
 pub use quantity::{QuantityError, Size, bytes_of, format_bytes, millicores_of};
 pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};

@@ -97,6 +97,23 @@ pub struct Assignment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub checkpoint_policy: Option<String>,
+    /// The shape of the pool's elastic set this layout is, and since when; absent outside
+    /// elastic pools. The operator reads it back to keep each GPU in its shape for `minDwell`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<AssignedShape>,
+}
+
+/// The elastic shape a GPU is given.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AssignedShape {
+    /// Name of the shape in the elastic set in force.
+    #[schemars(length(max = 63))]
+    pub name: String,
+    /// When the GPU was re-cut to it; absent when it had the shape's layout already as the
+    /// elastic set came into force.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
 }
 
 /// The desired layout of one GPU.

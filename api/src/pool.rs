@@ -442,6 +442,63 @@ pub struct GpuPoolStatus {
     /// the admission queue, which carries the moves out through the preemption path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compaction: Option<CompactionStatus>,
+    /// Where the elastic set in force stands: GPUs per shape, the last decision and why, and
+    /// the forecast learned so far. Absent while no elastic set is in force.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<ElasticStatus>,
+}
+
+/// The elastic set at work on a pool.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ElasticStatus {
+    /// GPUs given each shape now (shape name → GPUs); GPUs whose layout is none of the set's
+    /// yet are not counted.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub shapes: BTreeMap<String, u32>,
+    /// GPUs staged to be re-cut to another shape.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub recutting: u32,
+    /// The decision of the last pass, in words: what it re-cuts and for whom, or why nothing
+    /// changes.
+    #[serde(default)]
+    pub decision: String,
+    /// What holds further re-cuts back: GPUs within `minDwell`, `maxInFlight`, work that may
+    /// not be drained.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waiting_for: Vec<String>,
+    /// The last decision that re-cut GPUs (also said in an `ElasticRecut` Event).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_recut: Option<ElasticRecut>,
+    /// Demand per policy learned per hour of the week from this pool's history; a restarted
+    /// operator carries on from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forecast: Option<ElasticForecast>,
+}
+
+/// A decision that re-cut GPUs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ElasticRecut {
+    pub at: Time,
+    /// What was re-cut and for whom.
+    pub reason: String,
+}
+
+/// The forecast of an elastic pool: per policy, the peak demand (pods running plus waiting)
+/// expected in each hour of the week, the newest week counting half.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ElasticForecast {
+    /// Policy → 168 values, Monday 00:00 UTC first; `null` for an hour never observed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub policies: BTreeMap<String, Vec<Option<f64>>>,
+    /// The hour of the week being observed now (0–167).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hour: Option<u32>,
+    /// Each policy's peak so far in that hour, folded into `policies` when the hour ends.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub peaks: BTreeMap<String, f64>,
 }
 
 /// A workload a compaction round moves.

@@ -13,6 +13,8 @@ use gpuslice_api::{
 use gpuslice_planning::cluster::{ClusterPlan, GpuPlan, NodePlan, PoolTiming, plan_cluster};
 use gpuslice_planning::transition::Desired;
 use gpuslice_runtime::conditions::condition;
+
+use crate::elastic::{Shaped, ShapedGpu};
 use k8s_openapi::api::resource::v1::DeviceClass;
 
 /// What the agent of a node reported, and what it has applied.
@@ -38,6 +40,10 @@ pub struct Allocated {
     pub pool: Option<String>,
     /// The policy whose DeviceClass the request named.
     pub policy: Option<String>,
+    /// The node (the ResourceSlice pool the agent publishes under its node's name) and the GPU
+    /// index of the device (its `gpuIndex` attribute), where published.
+    pub node: String,
+    pub gpu: Option<u32>,
 }
 
 /// The cluster as the operator read it.
@@ -115,9 +121,15 @@ fn switch_pending(report: &NodeReport, at: DateTime<Utc>) -> bool {
 pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
     let inventories: Vec<NodeInventory> =
         observed.nodes.iter().map(|n| n.inventory.clone()).collect();
-    let plan = plan_cluster(&observed.pools, &inventories, at);
+    let mut plan = plan_cluster(&observed.pools, &inventories, at);
+    let shaped = crate::elastic::shape(observed, &mut plan, at);
     let mut out = DesiredState {
-        next_change: plan.pools.iter().filter_map(|p| p.next_change).min(),
+        next_change: plan
+            .pools
+            .iter()
+            .filter_map(|p| p.next_change)
+            .chain(shaped.next_look)
+            .min(),
         device_classes: crate::classes::device_classes(
             &observed.policies,
             &observed.pools,
@@ -130,7 +142,7 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
         out.node_specs.insert(
             node.node.clone(),
             GpuNodeSpec {
-                gpus: node_gpus(observed, &later, position, node, at),
+                gpus: node_gpus(observed, &later, &shaped, position, node, at),
                 source_revision: None,
                 // The queue's, under its own field manager.
                 preemptions: Vec::new(),
@@ -140,7 +152,8 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
     }
     for (pool, timing) in observed.pools.iter().zip(&plan.pools) {
         let name = pool.metadata.name.clone().unwrap_or_default();
-        let status = pool_status(observed, &plan, &out.node_specs, pool, timing, at);
+        let mut status = pool_status(observed, &plan, &out.node_specs, pool, timing, at);
+        status.elastic = shaped.status.get(&name).cloned();
         out.pool_status.insert(name, status);
     }
     for policy in &observed.policies {
@@ -209,6 +222,7 @@ impl<'a> Later<'a> {
 fn node_gpus(
     observed: &Observed,
     later: &Later,
+    shaped: &Shaped,
     position: usize,
     node: &NodePlan,
     at: DateTime<Utc>,
@@ -232,7 +246,12 @@ fn node_gpus(
                     .map(|a| a.in_force(at));
             }
             let (next_at, then) = later.gpu(position, node, g);
-            gpu_assignment(g, next_at, then)
+            match shaped.gpus.get(&(node.node.clone(), g.index)) {
+                Some(s) if s.next.is_some() || elastic_then(observed, then) => {
+                    Some(elastic_assignment(g, s))
+                }
+                _ => gpu_assignment(g, next_at, then),
+            }
         })
         .collect()
 }
@@ -263,6 +282,30 @@ fn gpu_assignment(
             .and_then(|t| gpuslice_api::time_of(*t)),
         next,
     })
+}
+
+/// Whether the GPU as planned `then` (at its pool's next window change) is under an elastic
+/// set: that set shapes it after the change, so nothing is staged for the change itself.
+fn elastic_then(observed: &Observed, then: Option<&GpuPlan>) -> bool {
+    let Some(assigned) = then.and_then(|t| t.assigned.as_ref()) else {
+        return false;
+    };
+    observed
+        .pools
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some(assigned.pool.as_str()))
+        .is_some_and(|p| crate::elastic::set_in_force(p, assigned.window.as_deref()).is_some())
+}
+
+/// The assignment of a GPU an elastic set shapes: its shape now, and a re-cut staged.
+fn elastic_assignment(g: &GpuPlan, s: &ShapedGpu) -> GpuAssignment {
+    GpuAssignment {
+        index: g.index,
+        uuid: g.uuid.clone(),
+        assigned: s.now.clone(),
+        recut_at: s.next.as_ref().map(|n| n.at.clone()),
+        next: s.next.clone(),
+    }
 }
 
 /// The layout a planned GPU is given, and its pool (none outside every pool).
@@ -311,6 +354,7 @@ fn pool_status(
         driver_outdated: outdated.len() as u32,
         fair_share: None,
         compaction: None,
+        elastic: None,
     }
 }
 
@@ -952,6 +996,16 @@ pub fn events(old: Option<&GpuPoolStatus>, new: &GpuPoolStatus) -> Vec<PoolEvent
                 "InvalidConfiguration"
             },
             note: c.message.clone(),
+        });
+    }
+    let last_recut = |s: &GpuPoolStatus| s.elastic.as_ref().and_then(|e| e.last_recut.clone());
+    if let Some(recut) = last_recut(new)
+        && old.and_then(last_recut).as_ref() != Some(&recut)
+    {
+        out.push(PoolEvent {
+            warning: false,
+            reason: "ElasticRecut",
+            note: recut.reason,
         });
     }
     if let Some(c) = find(new, "Progressing")

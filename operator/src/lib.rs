@@ -7,6 +7,7 @@ pub mod classes;
 pub mod compaction;
 pub mod controller;
 pub mod desired;
+pub mod elastic;
 pub mod election;
 pub mod evictions;
 pub mod published;

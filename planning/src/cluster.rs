@@ -235,6 +235,7 @@ fn plan_gpu(
             layout: layout.clone(),
             time_slice: pool.spec.time_slice,
             checkpoint_policy: pool.spec.checkpoint_policy.clone(),
+            shape: None,
         },
     )
 }
@@ -402,6 +403,7 @@ mod tests {
             layout,
             time_slice: None,
             checkpoint_policy: None,
+            shape: None,
         };
         let plan = plan_assigned(&gpu, assignment.clone());
         let error = plan.error.expect("an error").to_string();

@@ -596,6 +596,40 @@ impl Forecast {
     }
 }
 
+/// As a pool's status keeps it.
+impl From<&Forecast> for gpuslice_api::ElasticForecast {
+    fn from(f: &Forecast) -> Self {
+        let (hour, peaks) = f
+            .current
+            .clone()
+            .map_or((None, BTreeMap::new()), |(h, p)| (Some(h as u32), p));
+        gpuslice_api::ElasticForecast {
+            policies: f.policies.clone(),
+            hour,
+            peaks,
+        }
+    }
+}
+
+/// From a pool's status; a policy's buckets of another length than a week's are dropped (not
+/// learned from), never trusted.
+impl From<&gpuslice_api::ElasticForecast> for Forecast {
+    fn from(f: &gpuslice_api::ElasticForecast) -> Self {
+        Forecast {
+            policies: f
+                .policies
+                .iter()
+                .filter(|(_, buckets)| buckets.len() == HOURS_PER_WEEK)
+                .map(|(p, b)| (p.clone(), b.clone()))
+                .collect(),
+            current: f
+                .hour
+                .filter(|&h| (h as usize) < HOURS_PER_WEEK)
+                .map(|h| (h as usize, f.peaks.clone())),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

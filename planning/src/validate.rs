@@ -290,11 +290,6 @@ fn check_elastic(pool: &Located<GpuPool>, out: &mut Findings) {
                 );
             }
         }
-        out.inert(
-            pool.doc,
-            &path,
-            "the operator does not choose shapes by demand yet (`gpuslice bench elastic` measures the decision it will take)",
-        );
     }
 }
 

@@ -299,14 +299,17 @@ pub(super) fn allocated(
     slices: &Store<PublishedSlice>,
     claims: &Store<ResourceClaim>,
 ) -> Vec<Allocated> {
-    let mut pool_of: std::collections::HashMap<(&str, &str), Option<&str>> =
+    // (ResourceSlice pool, device) → the device's GpuPool and GPU index.
+    type PoolAndGpu<'a> = (Option<&'a str>, Option<u32>);
+    let mut published: std::collections::HashMap<(&str, &str), PoolAndGpu> =
         std::collections::HashMap::new();
     let slices = slices.state();
     for slice in &slices {
         for device in &slice.spec.devices {
-            pool_of.insert(
+            let gpu = device.gpu_index().and_then(|i| u32::try_from(i).ok());
+            published.insert(
                 (slice.spec.pool.name.as_str(), device.name.as_str()),
-                device.pool(),
+                (device.pool(), gpu),
             );
         }
     }
@@ -345,13 +348,15 @@ pub(super) fn allocated(
             let policy = class
                 .and_then(|c| c.strip_suffix(&format!(".{}", dra::DRIVER)))
                 .map(str::to_string);
+            let (pool, gpu) = published
+                .get(&(result.pool.as_str(), result.device.as_str()))
+                .copied()
+                .unwrap_or_default();
             out.push(Allocated {
-                pool: pool_of
-                    .get(&(result.pool.as_str(), result.device.as_str()))
-                    .copied()
-                    .flatten()
-                    .map(str::to_string),
+                pool: pool.map(str::to_string),
                 policy,
+                node: result.pool.clone(),
+                gpu,
             });
         }
     }

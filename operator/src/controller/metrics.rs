@@ -23,6 +23,8 @@ pub struct Metrics {
     pool_window: Family<WindowLabel, Gauge>,
     policy_allocated: Family<PolicyLabel, Gauge>,
     policy_waiting: Family<PolicyLabel, Gauge>,
+    pool_elastic_gpus: Family<ShapeLabel, Gauge>,
+    pool_elastic_recutting: Family<PoolLabel, Gauge>,
     pub(super) queue: crate::queue::QueueMetrics,
 }
 
@@ -43,6 +45,13 @@ struct WindowLabel {
     pool: String,
     /// The window in force, `default` outside every window.
     window: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShapeLabel {
+    pool: String,
+    /// A shape of the pool's elastic set in force.
+    shape: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -68,6 +77,8 @@ impl Metrics {
             pool_window: Family::default(),
             policy_allocated: Family::default(),
             policy_waiting: Family::default(),
+            pool_elastic_gpus: Family::default(),
+            pool_elastic_recutting: Family::default(),
             queue: crate::queue::QueueMetrics::register(registry),
         };
         let r = registry.sub_registry_with_prefix("gpuslice");
@@ -114,6 +125,16 @@ impl Metrics {
             "Pods naming a policy that wait at the queue's gate",
             m.policy_waiting.clone(),
         );
+        r.register(
+            "pool_elastic_gpus",
+            "GPUs of an elastic pool given each shape of the set in force",
+            m.pool_elastic_gpus.clone(),
+        );
+        r.register(
+            "pool_elastic_recutting",
+            "GPUs of an elastic pool staged to be re-cut to another shape",
+            m.pool_elastic_recutting.clone(),
+        );
         m
     }
 
@@ -135,7 +156,22 @@ impl Metrics {
         self.pool_window.clear();
         self.policy_allocated.clear();
         self.policy_waiting.clear();
+        self.pool_elastic_gpus.clear();
+        self.pool_elastic_recutting.clear();
         for (pool, status) in &want.pool_status {
+            if let Some(elastic) = &status.elastic {
+                for (shape, gpus) in &elastic.shapes {
+                    self.pool_elastic_gpus
+                        .get_or_create(&ShapeLabel {
+                            pool: pool.clone(),
+                            shape: shape.clone(),
+                        })
+                        .set(i64::from(*gpus));
+                }
+                self.pool_elastic_recutting
+                    .get_or_create(&PoolLabel { pool: pool.clone() })
+                    .set(i64::from(elastic.recutting));
+            }
             let label = PoolLabel { pool: pool.clone() };
             for (family, value) in [
                 (&self.pool_nodes, status.nodes),

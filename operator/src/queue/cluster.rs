@@ -31,10 +31,21 @@ fn published(
     // When a window change next re-cuts each GPU (the operator's desired layout says; past a
     // staged switch, not known until the operator catches the spec up).
     let mut recut_at: BTreeMap<(String, i64), chrono::DateTime<chrono::Utc>> = BTreeMap::new();
+    // GPUs the elastic set re-cuts shortly: nothing new is admitted onto them (their agent
+    // taints their devices too, but the queue must not race it).
+    let mut reshaping: BTreeSet<(String, i64)> = BTreeSet::new();
     for node in gpu_nodes.state() {
         for gpu in node.spec.gpus.iter().map(|g| g.in_force(now)) {
+            let key = (node.name_any(), i64::from(gpu.index));
+            if gpu
+                .next
+                .as_ref()
+                .is_some_and(|n| n.assigned.shape.is_some())
+            {
+                reshaping.insert(key.clone());
+            }
             if let Some(at) = gpu.recut_at.as_ref().and_then(gpuslice_api::chrono_of) {
-                recut_at.insert((node.name_any(), i64::from(gpu.index)), at);
+                recut_at.insert(key, at);
             }
         }
     }
@@ -65,7 +76,7 @@ fn published(
                             slices_on_gpu: 0,
                             recut_at: recut_at.get(&(node.clone(), gpu)).copied(),
                         },
-                        tainted: device.is_tainted(),
+                        tainted: device.is_tainted() || reshaping.contains(&(node.clone(), gpu)),
                         software,
                     },
                     gpu,
