@@ -1003,3 +1003,158 @@ async fn a_preemption_its_agent_never_reads_is_reported_then_given_up() {
         "reported once"
     );
 }
+
+/// The pool's elastic status, once it has one.
+async fn elastic_status(
+    client: &Client,
+    pool: &str,
+) -> Result<gpuslice_api::ElasticStatus, String> {
+    Api::<gpuslice_api::GpuPool>::all(client.clone())
+        .get(pool)
+        .await
+        .map_err(|e| e.to_string())?
+        .status
+        .and_then(|s| s.elastic)
+        .ok_or_else(|| format!("GpuPool {pool} has no elastic status yet"))
+}
+
+#[tokio::test]
+async fn an_elastic_pool_re_cuts_an_idle_gpu_for_a_waiting_pod_and_leaves_busy_ones_alone() {
+    // Two A100s in quarters; the elastic set may also cut halves. A pod that needs a half waits
+    // until the operator re-cuts the idle GPU; the GPU holding a quarter's pod keeps its shape.
+    let Some(mut h) = Harness::start(CLOCK, "a100-e", "elastic", "64", 2).await else {
+        return;
+    };
+    let client = h.client.clone();
+    let docs = gpuslice_testcluster::documents(
+        "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: elastic}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: elastic}}
+  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}
+  elastic:
+    minDwell: 1m
+    shapes:
+    - {name: quarters, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}
+    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: small}
+spec: {pool: elastic, memory: 8Gi}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: big}
+spec: {pool: elastic, memory: 30Gi}
+",
+    );
+    h.apply_and_wait(&docs, 2).await;
+    eventually("both GPUs are quarters", || async {
+        let s = elastic_status(&client, "elastic").await?;
+        (s.shapes.get("quarters") == Some(&2))
+            .then_some(())
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+    h.create_gated(&pod("small-0", "default", "small")).await;
+    eventually("the small pod is bound", || {
+        let client = client.clone();
+        async move {
+            let b = bound(&client, &["default"]).await;
+            (b.len() == 1).then_some(()).ok_or(format!("{b:?}"))
+        }
+    })
+    .await;
+    h.create_gated(&pod("big-0", "default", "big")).await;
+    // The operator stages the idle GPU to halves; the agent switches it, the queue admits the pod.
+    eventually("the big pod is bound on a half", || {
+        let client = client.clone();
+        async move {
+            let b = bound(&client, &["default"]).await;
+            (b.len() == 2).then_some(()).ok_or(format!(
+                "{b:?}; {:?}",
+                elastic_status(&client, "elastic").await
+            ))
+        }
+    })
+    .await;
+    let status = eventually("one GPU in each shape", || async {
+        let s = elastic_status(&client, "elastic").await?;
+        (s.shapes.get("quarters") == Some(&1) && s.shapes.get("halves") == Some(&1))
+            .then_some(s.clone())
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+    let recut = status.last_recut.expect("the re-cut recorded");
+    assert!(
+        recut.reason.contains("quarters → halves") && recut.reason.contains("big"),
+        "{}",
+        recut.reason
+    );
+    let events = pool_events(&client, "elastic", "ElasticRecut").await;
+    assert!(events.iter().any(|e| e.contains("halves")), "{events:?}");
+    // The small pod was never drained: the same pod still runs.
+    let small = Api::<Pod>::namespaced(client.clone(), "default")
+        .get("small-0")
+        .await
+        .unwrap();
+    assert!(small.metadata.deletion_timestamp.is_none());
+    // The GpuNode says which GPU has which shape, and since when.
+    let node = Api::<gpuslice_api::GpuNode>::all(client.clone())
+        .get("a100-e")
+        .await
+        .unwrap();
+    let shapes: Vec<(String, bool)> = node
+        .spec
+        .in_force(gpuslice_api::chrono_of(&recut.at).unwrap() + chrono::TimeDelta::minutes(1))
+        .gpus
+        .iter()
+        .map(|g| {
+            let s = g.assigned.shape.as_ref().expect("a shape");
+            (s.name.clone(), s.since.is_some())
+        })
+        .collect();
+    let mut sorted = shapes.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [
+            ("halves".to_string(), true),
+            ("quarters".to_string(), false)
+        ],
+        "{shapes:?}"
+    );
+
+    // A new operator carries the forecast on from the pool's status: once the small pod is
+    // gone, this hour's peak for it stays 1 (a fresh operator would have learned 0).
+    let learned = status.forecast.expect("a forecast");
+    assert_eq!(learned.peaks.get("small"), Some(&1.0), "{learned:?}");
+    h.restart_operator().await;
+    Api::<Pod>::namespaced(client.clone(), "default")
+        .delete("small-0", &DeleteParams::default())
+        .await
+        .unwrap();
+    let policies: Api<gpuslice_api::GpuSlicePolicy> = Api::all(client.clone());
+    eventually("the new operator sees the small pod gone", || async {
+        let s = policies
+            .get("small")
+            .await
+            .map_err(|e| e.to_string())?
+            .status
+            .unwrap_or_default();
+        (s.allocated == 0 && s.observed_generation.is_some())
+            .then_some(())
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+    let forecast = elastic_status(&client, "elastic")
+        .await
+        .unwrap()
+        .forecast
+        .unwrap_or_default();
+    assert_eq!(forecast.hour, learned.hour);
+    assert_eq!(forecast.peaks.get("small"), Some(&1.0), "{forecast:?}");
+}
