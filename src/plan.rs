@@ -28,6 +28,8 @@ pub struct Inventory {
     pub nodes: Vec<NodeInventory>,
     /// Node name → the slices held there (`GpuNode.status.claims`).
     pub claims: BTreeMap<String, Vec<SliceClaim>>,
+    /// Node name → what the operator last gave its GPUs (`GpuNode.spec.gpus`).
+    pub assigned: BTreeMap<String, Vec<gpuslice_api::GpuAssignment>>,
 }
 
 /// Reads a node (NodeInventory), a YAML list of them, or GpuNodes as
@@ -76,6 +78,7 @@ pub fn parse_inventory(file: &str, text: &str) -> Result<Inventory, InventoryErr
                 ));
             };
             inventory.name = name.clone();
+            out.assigned.insert(name.clone(), node.spec.gpus);
             out.claims.insert(name, status.claims);
             out.nodes.push(inventory);
         } else {
@@ -552,6 +555,146 @@ pub fn render_compaction(plans: &[PoolCompaction]) -> String {
         }
         for k in &p.kept {
             out.push_str(&format!("  keep {k}\n"));
+        }
+    }
+    out
+}
+
+/// What the elastic sets in force would do now: each pool's decision (and the re-cuts it
+/// stages) from the GPUs as the inventory has them (their shapes from the GpuNodes' spec, their
+/// work from the GpuNodes' claims) and the pods said to wait per policy. Pools read from Git
+/// carry no learned forecast: only the demand given counts.
+pub fn elastic(
+    pools: &[gpuslice_api::GpuPool],
+    policies: &[gpuslice_api::GpuSlicePolicy],
+    inventory: &Inventory,
+    waiting: &BTreeMap<String, u32>,
+    at: chrono::DateTime<chrono::Utc>,
+) -> ElasticPlan {
+    use gpuslice_operator::desired::{Allocated, NodeReport, Observed};
+    let plan = gpuslice_planning::cluster::plan_cluster(pools, &inventory.nodes, at);
+    let pool_of = |node: &str, gpu: u32| {
+        plan.nodes
+            .iter()
+            .find(|n| n.node == node)
+            .and_then(|n| n.gpus.iter().find(|g| g.index == gpu))
+            .and_then(|g| g.pool().map(str::to_string))
+    };
+    let mut allocated = Vec::new();
+    for (node, claims) in &inventory.claims {
+        for claim in claims {
+            let gpu = gpu_of_slice(&claim.slice);
+            allocated.push(Allocated {
+                pool: gpu.and_then(|g| pool_of(node, g)),
+                policy: claim.policy.clone(),
+                node: node.clone(),
+                gpu,
+            });
+        }
+    }
+    let observed = Observed {
+        pools: pools.to_vec(),
+        policies: policies.to_vec(),
+        allocated,
+        nodes: inventory
+            .nodes
+            .iter()
+            .map(|n| NodeReport {
+                inventory: n.clone(),
+                assigned: inventory.assigned.get(&n.name).cloned().unwrap_or_default(),
+                ..NodeReport::default()
+            })
+            .collect(),
+        waiting: waiting.clone(),
+        ..Observed::default()
+    };
+    let state = gpuslice_operator::desired::desired(&observed, at);
+    let mut out = ElasticPlan::default();
+    for (pool, status) in state.pool_status {
+        if let Some(mut e) = status.elastic {
+            // Nothing learned from Git: the empty forecast would only be noise.
+            e.forecast = None;
+            out.pools.insert(pool, e);
+        }
+    }
+    for (node, spec) in state.node_specs {
+        for g in spec.gpus {
+            let Some(next) = g.next.filter(|n| n.assigned.shape.is_some()) else {
+                continue;
+            };
+            out.recuts.push(ElasticRecut {
+                pool: next.assigned.pool.clone(),
+                gpu: format!("{node}/gpu{}", g.index),
+                from: g.assigned.shape.map(|s| s.name),
+                to: next.assigned.shape.map(|s| s.name).unwrap_or_default(),
+                at: gpuslice_api::chrono_of(&next.at),
+            });
+        }
+    }
+    out
+}
+
+/// The GPU index a slice id names (`gpu2`, `gpu2-s1`, `gpu2-mig4-1g.18gb`).
+fn gpu_of_slice(slice: &str) -> Option<u32> {
+    let rest = slice.strip_prefix("gpu")?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// What `gpuslice plan --elastic` shows.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct ElasticPlan {
+    /// Pool → where its elastic set stands and what it decides.
+    pub pools: BTreeMap<String, gpuslice_api::ElasticStatus>,
+    /// The re-cuts it would stage now.
+    pub recuts: Vec<ElasticRecut>,
+}
+
+/// A GPU the elastic decision re-cuts.
+#[derive(Debug, serde::Serialize)]
+pub struct ElasticRecut {
+    pub pool: String,
+    /// `node/gpuN`.
+    pub gpu: String,
+    /// Its shape now (none while its layout is none of the set's).
+    pub from: Option<String>,
+    pub to: String,
+    /// When it switches.
+    pub at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// The elastic plan for people.
+pub fn render_elastic(plan: &ElasticPlan) -> String {
+    let mut out = String::new();
+    if plan.pools.is_empty() {
+        out.push_str("no pool has an elastic set in force at this time\n");
+    }
+    for (pool, e) in &plan.pools {
+        let shapes: Vec<String> = e.shapes.iter().map(|(s, n)| format!("{s} {n}")).collect();
+        let _ = writeln!(
+            out,
+            "pool {pool}: GPUs per shape: {}",
+            if shapes.is_empty() {
+                "none yet".to_string()
+            } else {
+                shapes.join(", ")
+            }
+        );
+        let _ = writeln!(out, "  decision: {}", e.decision);
+        for w in &e.waiting_for {
+            let _ = writeln!(out, "  waiting for: {w}");
+        }
+        for r in plan.recuts.iter().filter(|r| &r.pool == pool) {
+            let _ = writeln!(
+                out,
+                "  {}: {} → {} at {}",
+                r.gpu,
+                r.from.as_deref().unwrap_or("(outside the set)"),
+                r.to,
+                r.at.map_or_else(String::new, |t| t
+                    .format("%Y-%m-%d %H:%M:%S UTC")
+                    .to_string())
+            );
         }
     }
     out

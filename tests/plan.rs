@@ -370,3 +370,79 @@ fn the_compaction_plan_empties_the_least_used_gpu_into_one_in_use() {
         "{text}"
     );
 }
+
+#[test]
+fn the_elastic_plan_re_cuts_the_idle_gpu_for_waiting_pods_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    std::fs::create_dir(&repo).unwrap();
+    std::fs::write(
+        repo.join("pool.yaml"),
+        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: elastic}\nspec:\n  nodeSelector: {matchLabels: {gpuslice.io/pool: elastic}}\n  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}\n  elastic:\n    shapes:\n    - {name: quarters, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}\n    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: small}\nspec: {pool: elastic, memory: 8Gi}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: big}\nspec: {pool: elastic, memory: 30Gi}\n",
+    )
+    .unwrap();
+    // GPU 0 holds a small pod's quarter; GPU 1 is idle.
+    let quarters = |gpu: u32| -> String {
+        (0..4)
+            .map(|s| format!("{{id: gpu{gpu}-s{s}, memory: 20Gi, compute: 25}}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let nodes = dir.path().join("gpunodes.yaml");
+    std::fs::write(
+        &nodes,
+        format!(
+            "apiVersion: v1\nkind: List\nitems:\n- apiVersion: gpuslice.io/v1alpha1\n  kind: GpuNode\n  metadata: {{name: a100-e}}\n  spec: {{}}\n  status:\n    inventory:\n      name: a100-e\n      labels: {{gpuslice.io/pool: elastic}}\n      gpus:\n      - {{index: 0, model: NVIDIA A100-SXM4-80GB, slices: [{}]}}\n      - {{index: 1, model: NVIDIA A100-SXM4-80GB, slices: [{}]}}\n    claims:\n    - {{slice: gpu0-s2, resourceClaim: ml/small-0, pods: [ml/small-0], policy: small}}\n",
+            quarters(0),
+            quarters(1)
+        ),
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let out = Command::new(BIN)
+            .args(["plan", repo.to_str().unwrap(), "--nodes"])
+            .arg(&nodes)
+            .args(["--at", "2026-12-07T10:00:00Z", "--elastic"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    // Nothing waits: both GPUs keep their quarters.
+    let quiet = run(&[]);
+    assert!(
+        quiet.contains("pool elastic: GPUs per shape: quarters 2"),
+        "{quiet}"
+    );
+    assert!(quiet.contains("decision: no re-cut"), "{quiet}");
+    // Two pods wait for halves: the idle GPU is re-cut, the busy one is not.
+    let busy = run(&["--waiting", "big=2"]);
+    assert!(
+        busy.contains("a100-e/gpu1: quarters → halves at 2026-12-07 10:00:15 UTC"),
+        "{busy}"
+    );
+    assert!(!busy.contains("a100-e/gpu0:"), "{busy}");
+    assert!(busy.contains("demand big (0 running, 2 waiting"), "{busy}");
+    assert!(
+        busy.contains("waiting for: 1 GPU(s) holding work that may not be drained"),
+        "{busy}"
+    );
+    // A count that is not one is refused by name.
+    let out = Command::new(BIN)
+        .args(["plan", repo.to_str().unwrap(), "--nodes"])
+        .arg(&nodes)
+        .args(["--elastic", "--waiting", "big=two"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("\"two\" is not a whole number"),
+        "{err}"
+    );
+}

@@ -45,6 +45,26 @@ pub struct Args {
     /// GpuNodes' claims: who holds which software slice), instead of the layouts.
     #[arg(long, conflicts_with = "against")]
     pub compaction: bool,
+    /// Show what the elastic set of each pool that has one in force would decide now (the
+    /// shapes it would re-cut GPUs to, and why), from the GpuNodes' spec and claims and the
+    /// pods `--waiting` names, instead of the layouts. The forecast a cluster has learned lives
+    /// in its pools' status and is not read here.
+    #[arg(long, conflicts_with_all = ["against", "compaction"])]
+    pub elastic: bool,
+    /// With --elastic: pods waiting for a policy, `POLICY=COUNT` (repeat for several).
+    #[arg(long, value_parser = parse_waiting, requires = "elastic")]
+    pub waiting: Vec<(String, u32)>,
+}
+
+/// `POLICY=COUNT`.
+fn parse_waiting(text: &str) -> Result<(String, u32), String> {
+    let (policy, count) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?}: expected POLICY=COUNT, e.g. training=3"))?;
+    let count = count
+        .parse()
+        .map_err(|_| format!("{text:?}: the count {count:?} is not a whole number"))?;
+    Ok((policy.to_string(), count))
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -57,6 +77,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         path,
         output,
         compaction,
+        elastic,
+        waiting,
     } = args;
     let at = at.map_or_else(chrono::Utc::now, |t| t.with_timezone(&chrono::Utc));
     let text =
@@ -66,6 +88,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let Some((head, policies)) = config_of(&source, git_ref, path.clone(), at, &head_name)? else {
         return Ok(ExitCode::FAILURE);
     };
+    if elastic {
+        let waiting = waiting.into_iter().collect();
+        let plan = gpuslice::plan::elastic(&head, &policies, &inventory, &waiting, at);
+        match output {
+            PlanOutput::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
+            _ => print!("{}", gpuslice::plan::render_elastic(&plan)),
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     if compaction {
         let plan = gpuslice_planning::cluster::plan_cluster(&head, &inventory.nodes, at);
         let plans = gpuslice::plan::compaction(&head, &policies, &plan, &inventory);
