@@ -14,7 +14,7 @@ use gpuslice_planning::cluster::{ClusterPlan, GpuPlan, NodePlan, PoolTiming, pla
 use gpuslice_planning::transition::Desired;
 use gpuslice_runtime::conditions::condition;
 
-use crate::elastic::{Shaped, ShapedGpu};
+use gpuslice_planning::shaping::{Shaped, ShapedGpu};
 use k8s_openapi::api::resource::v1::DeviceClass;
 
 /// What the agent of a node reported, and what it has applied.
@@ -34,17 +34,7 @@ pub struct NodeReport {
 }
 
 /// One device allocated to a workload, from a ResourceClaim's allocation.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Allocated {
-    /// The GpuPool of the device (its `pool` attribute as published).
-    pub pool: Option<String>,
-    /// The policy whose DeviceClass the request named.
-    pub policy: Option<String>,
-    /// The node (the ResourceSlice pool the agent publishes under its node's name) and the GPU
-    /// index of the device (its `gpuIndex` attribute), where published.
-    pub node: String,
-    pub gpu: Option<u32>,
-}
+pub use gpuslice_planning::shaping::Allocated;
 
 /// The cluster as the operator read it.
 #[derive(Clone, Debug, Default)]
@@ -294,7 +284,9 @@ fn elastic_then(observed: &Observed, then: Option<&GpuPlan>) -> bool {
         .pools
         .iter()
         .find(|p| p.metadata.name.as_deref() == Some(assigned.pool.as_str()))
-        .is_some_and(|p| crate::elastic::set_in_force(p, assigned.window.as_deref()).is_some())
+        .is_some_and(|p| {
+            gpuslice_planning::shaping::set_in_force(p, assigned.window.as_deref()).is_some()
+        })
 }
 
 /// The assignment of a GPU an elastic set shapes: its shape now, and a re-cut staged.

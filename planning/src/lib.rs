@@ -11,6 +11,7 @@ pub mod fit;
 pub mod mig;
 pub mod placement;
 pub mod queue;
+pub mod shaping;
 pub mod transition;
 pub mod validate;
 pub mod windows;
