@@ -50,12 +50,20 @@ fn agent(dir: &Path, source: &Path, passes: Stdio) -> Child {
 
 /// [`agent`] with more arguments.
 fn agent_with(dir: &Path, source: &Path, passes: Stdio, extra: &[&str]) -> Child {
-    let node = dir.join("node.yaml");
-    std::fs::write(
-        &node,
+    agent_on_node(
+        dir,
         "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB, uuid: GPU-a100-0}\n",
+        source,
+        passes,
+        extra,
     )
-    .unwrap();
+}
+
+/// [`agent_with`] on the node `node` (a NodeInventory's YAML).
+fn agent_on_node(dir: &Path, node: &str, source: &Path, passes: Stdio, extra: &[&str]) -> Child {
+    let node_file = dir.join("node.yaml");
+    std::fs::write(&node_file, node).unwrap();
+    let node = node_file;
     Command::new(BIN)
         .args([
             "agent",
@@ -1018,4 +1026,100 @@ fn the_agent_replaces_a_link_planted_in_a_slice_directory_without_following_it()
         std::fs::metadata(&ledger).unwrap().len(),
         gpuslice_emulator::shm::FILE_SIZE as u64
     );
+}
+
+#[test]
+fn an_elastic_pool_re_cuts_an_idle_gpu_for_a_waiting_command_and_keeps_the_busy_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(
+        source.join("pool.yaml"),
+        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: lab}\nspec:\n  nodeSelector: {matchLabels: {lab: \"yes\"}}\n  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}\n  elastic:\n    minDwell: 1m\n    shapes:\n    - {name: quarters, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}\n    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: small}\nspec: {pool: lab, memory: 8Gi}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: big}\nspec: {pool: lab, memory: 30Gi}\n",
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let log = dir.path().join("agent.jsonl");
+    let mut children = Reaper(Vec::new());
+    children.keep(agent_on_node(
+        dir.path(),
+        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB, uuid: GPU-a100-0}\n- {index: 1, model: NVIDIA A100-SXM4-80GB, uuid: GPU-a100-1}\n",
+        &source,
+        std::fs::File::create(&log).unwrap().into(),
+        &[],
+    ));
+    eventually("both GPUs in quarters", || {
+        state.join("slices/gpu1-s3/config").exists()
+    });
+    // A small command holds a quarter of GPU 0.
+    let marker = dir.path().join("release");
+    let hold = format!("while [ ! -e {} ]; do sleep 0.1; done", marker.display());
+    let holder = children.keep(
+        run(&state, &["--policy", "small", "--", "sh", "-c", &hold])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let holder_pid = holder.id();
+    eventually("the small command holds gpu0-s0", || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .last()
+            .is_some_and(|l| l.contains("\"slice\":\"gpu0-s0\""))
+    });
+    // A command that needs a half waits (no slice fits now, but a re-cut would give one), then
+    // runs on GPU 1, re-cut to halves; GPU 0 keeps its quarters and its command.
+    let big = run(
+        &state,
+        &[
+            "--policy",
+            "big",
+            "--",
+            "sh",
+            "-c",
+            "echo $GPUSLICE_SLICE_CONFIG",
+        ],
+    )
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&big.stderr);
+    assert!(big.status.success(), "{stderr}");
+    assert!(stderr.contains("waiting, 1 in line"), "{stderr}");
+    let config = String::from_utf8_lossy(&big.stdout);
+    assert!(config.trim().ends_with("slices/gpu1-s0/config"), "{config}");
+    let slice: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(config.trim()).unwrap()).unwrap();
+    assert_eq!(slice["memoryBytes"], 40u64 << 30, "{slice}");
+    assert!(state.join("slices/gpu0-s3/config").exists());
+    assert!(!state.join("slices/gpu1-s2/config").exists());
+    assert!(
+        std::path::Path::new(&format!("/proc/{holder_pid}")).exists(),
+        "the small command was never stopped"
+    );
+    // The shapes are kept for a restarted agent: GPU 1 halves since the re-cut, GPU 0 quarters.
+    let kept: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(state.join("elastic.json")).unwrap())
+            .unwrap();
+    let shape = |gpu: u64| -> serde_json::Value {
+        kept["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["index"] == gpu)
+            .map(|g| g["shape"].clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(shape(1)["name"], "halves", "{kept}");
+    assert!(shape(1)["since"].is_string(), "{kept}");
+    assert_eq!(shape(0)["name"], "quarters", "{kept}");
+    let reason = kept["pools"]["lab"]["lastRecut"]["reason"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        reason.contains("quarters → halves") && reason.contains("big"),
+        "{kept}"
+    );
+    std::fs::write(&marker, "").unwrap();
 }

@@ -95,6 +95,11 @@ impl StateDir {
         self.root.join("drains.json")
     }
 
+    /// The standalone agent's elastic shapes: each GPU's shape, staged re-cuts, the forecast.
+    pub fn elastic(&self) -> PathBuf {
+        self.root.join("elastic.json")
+    }
+
     /// Slices and GPUs taken out of service after XID errors.
     pub fn quarantines(&self) -> PathBuf {
         self.root.join("quarantine.json")

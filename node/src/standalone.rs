@@ -4,15 +4,20 @@
 //! sooner while a transition waits for busy processes, and at once when an XID error or a GPU
 //! reset comes in: pools with `faultIsolation` get the in-cluster agent's XID handling
 //! (`crate::protections::faults`), told in the log, with resets said by root through the socket
-//! (`gpuslice gpu-reset`).
+//! (`gpuslice gpu-reset`). Pools with an elastic set in force have their GPUs shaped by the
+//! demand of the `gpuslice run` line (see [`Shapes`]).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use std::collections::BTreeMap;
+
 use chrono::{DateTime, Utc};
-use gpuslice_api::NodeInventory;
+use gpuslice_api::{ElasticStatus, GpuAssignment, GpuPool, GpuSlicePolicy, NodeInventory};
 use gpuslice_contract::StateDir;
-use gpuslice_planning::cluster::plan_cluster;
+use gpuslice_contract::slice::{SliceConfig, SliceKind};
+use gpuslice_planning::cluster::{ClusterPlan, plan_cluster};
+use gpuslice_planning::shaping::{Allocated, NodeNow, Seen, set_in_force};
 use gpuslice_runtime::clock::Clock;
 use gpuslice_source::SourceSpec;
 use gpuslice_source::last_good::Source;
@@ -75,6 +80,7 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
     }
     let mut source = Source::new(options.source.clone(), &options.state.source());
     let mut quarantines = Quarantines::load(&options.state)?;
+    let mut shapes = Shapes::load(&options.state);
     if !options.once {
         agent.serve_socket()?;
         agent.start_watchdog(|_| {});
@@ -85,13 +91,22 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
         let (config, status) = source.refresh(now);
         let config = config.unwrap_or_default();
         let gpus_out = quarantines.gpus_out();
-        let mut pass = agent.pass(now, |node| Intent {
-            plan: plan_cluster(&config.pools, std::slice::from_ref(node), now),
-            config: config.clone(),
-            problems: Vec::new(),
-            preemptions: Vec::new(),
-            gpus_out,
+        let claims = agent.claims();
+        let mut look_again = None;
+        let mut pass = agent.pass(now, |node| {
+            let mut plan = plan_cluster(&config.pools, std::slice::from_ref(node), now);
+            look_again = shapes.shape(&config, node, &mut plan, &claims, now);
+            Intent {
+                plan,
+                config: config.clone(),
+                problems: Vec::new(),
+                preemptions: Vec::new(),
+                gpus_out,
+            }
         })?;
+        if !options.once {
+            shapes.save(&options.state);
+        }
         pass.source = status;
         let took_out = if options.once {
             false
@@ -106,7 +121,8 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
         let wake = if took_out {
             MIN_SLEEP
         } else {
-            next_wake(&pass, options)
+            let staged = look_again.map_or(Duration::MAX, |t| options.clock.until(t));
+            next_wake(&pass, options).min(staged.max(MIN_SLEEP))
         };
         sleep_unless_faults(wake, &inbox);
     }
@@ -213,4 +229,181 @@ fn next_wake(pass: &Pass, options: &Options) -> Duration {
         }
     }
     wake.max(MIN_SLEEP)
+}
+
+/// The elastic sets on this node, as the operator keeps them in a cluster (each GPU's shape and
+/// staged re-cut in `GpuNode.spec`, the forecast in the pool's status), kept in
+/// `<state>/elastic.json` so that a restarted agent keeps its shapes, their minDwell and what
+/// it learned. The demand is the `gpuslice run` line: commands holding slices and waiting, per
+/// policy they named.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Shapes {
+    /// What each GPU of an elastic pool was given, with any re-cut staged.
+    gpus: Vec<GpuAssignment>,
+    /// Pool → its elastic status as last decided.
+    pools: BTreeMap<String, ElasticStatus>,
+}
+
+impl Shapes {
+    /// The last state kept; none when there is none or it cannot be read (said in the log: the
+    /// GPUs then start again from the shape their layout matches, without minDwell).
+    fn load(state: &StateDir) -> Shapes {
+        let path = state.elastic();
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                tracing::warn!(
+                    "{}: not an elastic state file ({e}); starting afresh",
+                    path.display()
+                );
+                Shapes::default()
+            }),
+            Err(_) => Shapes::default(),
+        }
+    }
+
+    /// Keeps the state (replaced whole, so a crash leaves the old or the new one).
+    fn save(&self, state: &StateDir) {
+        let path = state.elastic();
+        let write = || -> std::io::Result<()> {
+            let dir = path.parent().unwrap_or(std::path::Path::new("."));
+            let tmp = tempfile::NamedTempFile::new_in(dir)?;
+            serde_json::to_writer_pretty(&tmp, self)?;
+            tmp.persist(&path).map_err(|e| e.error)?;
+            Ok(())
+        };
+        if let Err(e) = write() {
+            tracing::warn!("{}: keeping the elastic state: {e}", path.display());
+        }
+    }
+
+    /// Shapes the GPUs of `node` in `plan` by the demand on `claims` at `now`, tells the claims
+    /// board which slices a re-cut could give, and says each new re-cut in the log. Returns when
+    /// to look again (a staged switch, a held-back re-cut).
+    fn shape(
+        &mut self,
+        config: &gpuslice_source::last_good::Config,
+        node: &NodeInventory,
+        plan: &mut ClusterPlan,
+        claims: &crate::workloads::claims::Claims,
+        now: DateTime<Utc>,
+    ) -> Option<DateTime<Utc>> {
+        let pools: Vec<GpuPool> = config
+            .pools
+            .iter()
+            .map(|p| {
+                let mut p = p.clone();
+                let name = p.metadata.name.clone().unwrap_or_default();
+                p.status = self.pools.get(&name).map(|e| gpuslice_api::GpuPoolStatus {
+                    elastic: Some(e.clone()),
+                    ..Default::default()
+                });
+                p
+            })
+            .collect();
+        let policies: Vec<GpuSlicePolicy> = config
+            .policies
+            .iter()
+            .map(|(name, spec)| GpuSlicePolicy::new(name, spec.clone()))
+            .collect();
+        let gpu_of: BTreeMap<String, u32> =
+            claims.slices().into_iter().map(|s| (s.id, s.gpu)).collect();
+        let pool_of = |gpu: u32| {
+            plan.nodes
+                .iter()
+                .flat_map(|n| &n.gpus)
+                .find(|g| g.index == gpu)
+                .and_then(|g| g.pool().map(str::to_string))
+        };
+        let allocated: Vec<Allocated> = claims
+            .held()
+            .into_iter()
+            .map(|c| {
+                let gpu = gpu_of.get(&c.slice).copied();
+                Allocated {
+                    pool: gpu.and_then(pool_of),
+                    policy: c.policy,
+                    node: node.name.clone(),
+                    gpu,
+                }
+            })
+            .collect();
+        let waiting = claims.waiting_by_policy();
+        let shaped = gpuslice_planning::shaping::shape(
+            &Seen {
+                pools: &pools,
+                policies: &policies,
+                nodes: &[NodeNow {
+                    inventory: node,
+                    assigned: &self.gpus,
+                }],
+                allocated: &allocated,
+                waiting: &waiting,
+            },
+            plan,
+            now,
+        );
+        claims.set_possible(possible_slices(&pools, plan));
+        for (pool, status) in &shaped.status {
+            let old = self.pools.get(pool).and_then(|e| e.last_recut.as_ref());
+            if let Some(recut) = &status.last_recut
+                && old != Some(recut)
+            {
+                tracing::info!("pool {pool}: elastic re-cut: {}", recut.reason);
+            }
+        }
+        self.pools = shaped.status;
+        self.gpus = shaped
+            .gpus
+            .into_iter()
+            .map(|((_, index), g)| GpuAssignment {
+                index,
+                uuid: node
+                    .gpus
+                    .iter()
+                    .find(|x| x.index == index)
+                    .and_then(|x| x.uuid.clone()),
+                assigned: g.now,
+                recut_at: g.next.as_ref().map(|n| n.at.clone()),
+                next: g.next,
+            })
+            .collect();
+        shaped.next_look
+    }
+}
+
+/// The slices each GPU of a pool with an elastic set in force could be cut into (one of each
+/// size per shape is enough to tell whether a request could ever fit).
+fn possible_slices(pools: &[GpuPool], plan: &ClusterPlan) -> Vec<SliceConfig> {
+    let mut out = Vec::new();
+    for (pool, timing) in pools.iter().zip(&plan.pools) {
+        let Some(set) = set_in_force(pool, timing.window.as_deref()) else {
+            continue;
+        };
+        for g in plan.nodes.iter().flat_map(|n| &n.gpus) {
+            if g.pool() != pool.metadata.name.as_deref() {
+                continue;
+            }
+            let model = gpuslice_planning::catalog::model(&g.model).ok();
+            let memory = model.map_or(0, |m| m.memory_bytes());
+            for shape in &set.shapes {
+                let slots =
+                    gpuslice_planning::elastic::slots(&shape.layout, model, &g.model, memory);
+                for slot in slots.into_iter().flatten() {
+                    out.push(SliceConfig {
+                        id: String::new(),
+                        kind: SliceKind::Software,
+                        gpu: g.index,
+                        device_uuid: String::new(),
+                        device_minor: None,
+                        memory_bytes: slot.memory,
+                        compute_percent: slot.compute,
+                    });
+                }
+            }
+        }
+    }
+    out.sort_by_key(|s| (s.gpu, s.memory_bytes, s.compute_percent));
+    out.dedup_by_key(|s| (s.gpu, s.memory_bytes, s.compute_percent));
+    out
 }

@@ -95,6 +95,9 @@ struct Board {
     /// Slices no new claim gets (quarantined after an XID, or software slices on a driver too
     /// old for the shim); a claim waits for another.
     closed: std::collections::BTreeSet<String>,
+    /// Slices an elastic re-cut could give (their `id` empty): a request one of them fits
+    /// waits for the re-cut instead of being refused.
+    possible: Vec<SliceConfig>,
 }
 
 /// The cgroups `gpuslice run` commands are put in, and what each pool asks.
@@ -147,7 +150,12 @@ impl Board {
                         },
                     );
                 }
-                None if !self.slices.iter().any(|s| need.fits(s, &self.pools)) => {
+                None if !self
+                    .slices
+                    .iter()
+                    .chain(&self.possible)
+                    .any(|s| need.fits(s, &self.pools)) =>
+                {
                     if let Some(id) = &need.only {
                         self.refused.insert(
                             conn,
@@ -309,6 +317,22 @@ impl Claims {
                 ),
             }
         }
+    }
+
+    /// The slices the elastic sets in force could cut (see [`Board::possible`]).
+    pub fn set_possible(&self, possible: Vec<SliceConfig>) {
+        let mut board = self.lock();
+        board.possible = possible;
+    }
+
+    /// Requests waiting in line per policy they named (those naming none are not counted).
+    pub fn waiting_by_policy(&self) -> BTreeMap<String, u32> {
+        let board = self.lock();
+        let mut out: BTreeMap<String, u32> = BTreeMap::new();
+        for policy in board.queue.iter().filter_map(|(_, _, p)| p.as_ref()) {
+            *out.entry(policy.clone()).or_default() += 1;
+        }
+        out
     }
 
     /// The node's slices as the last pass left them.
