@@ -35,9 +35,9 @@ pub use policy::{
 };
 pub use pool::{
     CACHE_ROOT, Compaction, CompactionMove, CompactionStatus, DriverMinimum, Elastic, ElasticDrain,
-    ElasticForecast, ElasticRecut, ElasticShape, ElasticStatus, FairShareStatus, FaultIsolation,
-    GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits, LocalCache, NamespaceUsage,
-    Scheduling, SchedulingPolicy, SliceCounts, TimeWindow, cache_folder,
+    ElasticForecast, ElasticPrometheus, ElasticRecut, ElasticShape, ElasticStatus, FairShareStatus,
+    FaultIsolation, GpuPool, GpuPoolSpec, GpuPoolStatus, GpuSelector, IoLimits, LocalCache,
+    NamespaceUsage, Scheduling, SchedulingPolicy, SliceCounts, TimeWindow, cache_folder,
 };
 pub use quantity::{QuantityError, Size, bytes_of, format_bytes, millicores_of};
 pub use time::{ClockTime, DailyWindow, Weekday, chrono_of, time_of};

@@ -211,6 +211,26 @@ pub struct Elastic {
     #[x_kube(validation = Rule::new("duration(self) >= duration('0s') && duration(self) <= duration('24h')").message("forecastHorizon must be between 0s and 24h"))]
     #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub forecast_horizon: Option<Duration>,
+    /// A forecast from your own Prometheus, beside the one learned here: an instant query
+    /// whose samples carry a `policy` label, each the number of pods of that policy expected
+    /// within `forecastHorizon`. Read about every 30 s through Prometheus' HTTP API; while it
+    /// cannot be read the other signals stay in force and the pool's `ElasticSignal` condition
+    /// says why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prometheus: Option<ElasticPrometheus>,
+}
+
+/// Where an elastic set reads demand expected by the user's Prometheus.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ElasticPrometheus {
+    /// Base URL of the Prometheus server (`http://`, e.g.
+    /// `http://prometheus.monitoring.svc:9090`); `/api/v1/query` is appended.
+    #[schemars(length(min = 8, max = 2048), pattern(r"^http://[^\s]+$"))]
+    pub url: String,
+    /// The PromQL instant query, e.g. `max by (policy) (predict_linear(gpuslice_policy_pods_waiting[1h], 3600))`.
+    #[schemars(length(min = 1, max = 4096))]
+    pub query: String,
 }
 
 /// A shape of an elastic set.

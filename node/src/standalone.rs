@@ -339,6 +339,8 @@ impl Shapes {
                 }],
                 allocated: &allocated,
                 waiting: &waiting,
+                // The standalone agent reads no Prometheus: the line and the learned forecast.
+                prometheus: &BTreeMap::new(),
             },
             plan,
             now,

@@ -48,6 +48,8 @@ pub struct Observed {
     pub nodes: Vec<NodeReport>,
     /// Policy name → pods naming it that wait in the queue.
     pub waiting: BTreeMap<String, u32>,
+    /// Pool → what the Prometheus its elastic set names expects (absent until first read).
+    pub prometheus: BTreeMap<String, gpuslice_planning::shaping::Prometheus>,
 }
 
 /// What should be written.
@@ -320,7 +322,14 @@ fn pool_status(
     let problems = pool_problems(observed, plan, pool, &name);
     let held = Footprint::of(observed, plan, node_specs, &name, at);
     let outdated = driver_outdated(observed, pool, &name, &held.nodes);
-    let conditions = pool_conditions(&problems, &outdated, &held, generation);
+    let mut conditions = pool_conditions(&problems, &outdated, &held, generation);
+    if let Some(source) = crate::signals::prometheus_of(pool, at) {
+        conditions.push(prometheus_condition(
+            source,
+            observed.prometheus.get(&name),
+            generation,
+        ));
+    }
     let allocated = observed
         .allocated
         .iter()
@@ -347,6 +356,50 @@ fn pool_status(
         fair_share: None,
         compaction: None,
         elastic: None,
+    }
+}
+
+/// `ElasticSignal`: whether the Prometheus the pool's elastic set names answered, and what it
+/// expects; while it does not, the other signals stay in force.
+fn prometheus_condition(
+    source: &gpuslice_api::ElasticPrometheus,
+    answer: Option<&gpuslice_planning::shaping::Prometheus>,
+    generation: Option<i64>,
+) -> Condition {
+    let fallback = "the queue and the learned forecast stay in force";
+    match answer {
+        Some(Ok(expected)) => {
+            let listed: Vec<String> = expected.iter().map(|(p, n)| format!("{p} {n}")).collect();
+            condition(
+                "ElasticSignal",
+                true,
+                "PrometheusRead",
+                format!(
+                    "Prometheus {} expects {}",
+                    source.url,
+                    if listed.is_empty() {
+                        "no pods of any policy (no sample carries a `policy` label)".to_string()
+                    } else {
+                        listed.join(", ")
+                    }
+                ),
+                generation,
+            )
+        }
+        Some(Err(why)) => condition(
+            "ElasticSignal",
+            false,
+            "PrometheusUnavailable",
+            format!("{why}; {fallback}"),
+            generation,
+        ),
+        None => condition(
+            "ElasticSignal",
+            false,
+            "PrometheusNotReadYet",
+            format!("Prometheus {} not read yet; {fallback}", source.url),
+            generation,
+        ),
     }
 }
 

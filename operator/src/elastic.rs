@@ -26,6 +26,7 @@ pub fn shape(observed: &Observed, plan: &mut ClusterPlan, at: DateTime<Utc>) -> 
             nodes: &nodes,
             allocated: &observed.allocated,
             waiting: &observed.waiting,
+            prometheus: &observed.prometheus,
         },
         plan,
         at,
@@ -288,5 +289,62 @@ mod tests {
             monday + TimeDelta::days(7) - TimeDelta::minutes(30),
         );
         assert!(off.node_specs["n1"].gpus.iter().all(|g| g.next.is_none()));
+    }
+
+    #[test]
+    fn what_prometheus_expects_shapes_idle_gpus_and_a_failed_read_changes_nothing() {
+        let mut observed = observed();
+        let t0 = at("2026-12-07T10:00:00Z");
+        let first = desired(&observed, t0);
+        written_back(&mut observed, &first);
+        let pool = &mut observed.pools[0].spec;
+        pool.elastic.as_mut().unwrap().prometheus = Some(gpuslice_api::ElasticPrometheus {
+            url: "http://prometheus:9090".into(),
+            query: "gpuslice_expected".into(),
+        });
+        let signal = |out: &crate::desired::DesiredState| {
+            out.pool_status["shared"]
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "ElasticSignal")
+                .cloned()
+                .unwrap()
+        };
+        // Not read yet: said, and nothing moves.
+        let out = desired(&observed, t0);
+        assert_eq!(signal(&out).reason, "PrometheusNotReadYet");
+        assert!(spec(&out).gpus.iter().all(|g| g.next.is_none()));
+        // Prometheus expects a training pod: an idle GPU is cut whole ahead of it.
+        observed.prometheus.insert(
+            "shared".into(),
+            Ok(BTreeMap::from([("train".to_string(), 1.0)])),
+        );
+        let out = desired(&observed, t0);
+        let c = signal(&out);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "PrometheusRead")
+        );
+        assert!(c.message.contains("train 1"), "{}", c.message);
+        assert_eq!(
+            spec(&out).gpus.iter().filter(|g| g.next.is_some()).count(),
+            1
+        );
+        // It cannot be read: the condition says why, and no re-cut is made on missing data.
+        observed.prometheus.insert(
+            "shared".into(),
+            Err("Prometheus http://prometheus:9090: connection refused".into()),
+        );
+        let out = desired(&observed, t0);
+        let c = signal(&out);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "PrometheusUnavailable")
+        );
+        assert!(
+            c.message
+                .contains("connection refused; the queue and the learned forecast stay in force")
+        );
+        assert!(spec(&out).gpus.iter().all(|g| g.next.is_none()));
     }
 }

@@ -12,6 +12,7 @@ pub mod election;
 pub mod evictions;
 pub mod published;
 pub mod queue;
+pub mod signals;
 
 /// The field manager of everything the operator writes.
 pub const MANAGER: &str = "gpuslice-operator";

@@ -60,7 +60,13 @@ pub struct Seen<'a> {
     pub nodes: &'a [NodeNow<'a>],
     pub allocated: &'a [Allocated],
     pub waiting: &'a BTreeMap<String, u32>,
+    /// Pool → what its set's Prometheus (`elastic.prometheus`) expects per policy, or why it
+    /// could not be read (then only the other signals count).
+    pub prometheus: &'a BTreeMap<String, Prometheus>,
 }
+
+/// What an elastic set's Prometheus answered last: pods expected per policy, or why not.
+pub type Prometheus = Result<BTreeMap<String, f64>, String>;
 
 /// A GPU of an elastic pool: what it has now and the re-cut staged for it, if any.
 #[derive(Clone, Debug, PartialEq)]
@@ -348,6 +354,7 @@ fn demand(
     let horizon: std::time::Duration = set
         .forecast_horizon
         .map_or(DEFAULT_HORIZON, std::time::Duration::from);
+    let from_prometheus = seen.prometheus.get(name).and_then(|r| r.as_ref().ok());
     let mut out: Vec<Demand> = policies
         .iter()
         .map(|p| {
@@ -388,6 +395,11 @@ fn demand(
         let horizon = TimeDelta::from_std(horizon).unwrap_or(TimeDelta::hours(1));
         for d in &mut out {
             d.forecast = forecast.expected(&d.policy, at, horizon);
+        }
+    }
+    for d in &mut out {
+        if let Some(&expected) = from_prometheus.and_then(|p| p.get(&d.policy)) {
+            d.forecast = d.forecast.max(expected);
         }
     }
     out

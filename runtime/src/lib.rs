@@ -1,11 +1,12 @@
 //! What the operator and the node agent share to run, so that the agent does not depend on the
 //! operator: the clock (which tests may shift), conditions that keep their transition times,
-//! server-side apply bodies of our kinds, `/metrics` and `/healthz`, logging, and the libraries
-//! built beside the binary.
+//! server-side apply bodies of our kinds, `/metrics` and `/healthz`, logging, the libraries
+//! built beside the binary, and a plain HTTP GET.
 
 pub mod built;
 pub mod clock;
 pub mod conditions;
+pub mod http;
 pub mod logging;
 pub mod telemetry;
 

@@ -635,8 +635,6 @@ fn copy_file(
 }
 
 mod http {
-    use http_body_util::BodyExt as _;
-
     use super::CacheError;
 
     /// How long a connection to the server may take.
@@ -647,61 +645,23 @@ mod http {
     /// GETs `url` (HTTP/1.1), handing the body to `sink` as it comes.
     pub fn get(
         url: &str,
-        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+        sink: &mut (dyn FnMut(&[u8]) -> std::io::Result<()> + Send),
     ) -> Result<u64, CacheError> {
         let fail = |reason: String| CacheError::Http {
             url: url.to_string(),
             reason,
         };
-        let uri: hyper::Uri = url.parse().map_err(|e| fail(format!("{e}")))?;
-        let host = uri
-            .host()
-            .ok_or_else(|| fail("no host".into()))?
-            .to_string();
-        let port = uri.port_u16().unwrap_or(80);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| fail(e.to_string()))?;
-        runtime.block_on(async {
-            let idle = |what: &str| fail(format!("{what} took longer than {IDLE:?}"));
-            let tcp = tokio::time::timeout(
-                CONNECT,
-                tokio::net::TcpStream::connect((host.as_str(), port)),
-            )
-            .await
-            .map_err(|_| fail(format!("no connection within {CONNECT:?}")))?
-            .map_err(|e| fail(e.to_string()))?;
-            let (mut sender, connection) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-                    .await
-                    .map_err(|e| fail(e.to_string()))?;
-            tokio::spawn(connection);
-            let request = hyper::Request::get(uri.clone())
-                .header(hyper::header::HOST, host.as_str())
-                .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-                .map_err(|e| fail(e.to_string()))?;
-            let response = tokio::time::timeout(IDLE, sender.send_request(request))
-                .await
-                .map_err(|_| idle("the answer"))?
-                .map_err(|e| fail(e.to_string()))?;
-            if !response.status().is_success() {
-                return Err(fail(format!("the server answered {}", response.status())));
-            }
-            let mut body = response.into_body();
-            let mut total = 0u64;
-            while let Some(frame) = tokio::time::timeout(IDLE, body.frame())
-                .await
-                .map_err(|_| idle("the next part of the body"))?
-            {
-                let frame = frame.map_err(|e| fail(e.to_string()))?;
-                if let Some(data) = frame.data_ref() {
-                    sink(data).map_err(|e| fail(e.to_string()))?;
-                    total += data.len() as u64;
-                }
-            }
-            Ok(total)
-        })
+        let timeouts = gpuslice_runtime::http::Timeouts {
+            connect: CONNECT,
+            idle: IDLE,
+        };
+        runtime
+            .block_on(gpuslice_runtime::http::get(url, timeouts, sink))
+            .map_err(|e| fail(e.reason))
     }
 }
 

@@ -290,6 +290,7 @@ pub(super) fn observe(
         checkpoint_policies: checkpoints.state().iter().map(|c| c.name_any()).collect(),
         nodes: reports,
         waiting: BTreeMap::new(),
+        prometheus: BTreeMap::new(),
     }
 }
 

@@ -114,6 +114,15 @@ pub async fn run(
         metrics.queue.clone(),
         agent_timeout,
     ));
+    // What the elastic sets' Prometheus servers expect, read beside the loop (a slow server
+    // never holds a pass up).
+    let signals = crate::signals::Signals::default();
+    tokio::spawn(crate::signals::run(
+        stores.pools.clone(),
+        clock,
+        signals.clone(),
+        changed.clone(),
+    ));
     let writer = Writer {
         recorder: Recorder::new(
             client.clone(),
@@ -135,6 +144,7 @@ pub async fn run(
         admission,
         params_written: None,
         catch_up: None,
+        signals,
     };
     loop {
         let started = std::time::Instant::now();
@@ -159,6 +169,8 @@ struct Reconciler {
     params_written: Option<BTreeMap<String, String>>,
     /// When the specs that agents switched away from by themselves are due to be caught up.
     catch_up: Option<chrono::DateTime<chrono::Utc>>,
+    /// What the elastic sets' Prometheus servers answered last.
+    signals: crate::signals::Signals,
 }
 
 impl Reconciler {
@@ -197,6 +209,7 @@ impl Reconciler {
             .collect();
         observed.allocated = allocated(&stores.slices, &stores.claims);
         observed.waiting = crate::queue::waiting_by_policy(&self.pods);
+        observed.prometheus = self.signals.read();
         observed
     }
 
