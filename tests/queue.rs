@@ -1158,3 +1158,99 @@ spec: {pool: elastic, memory: 30Gi}
     assert_eq!(forecast.hour, learned.hour);
     assert_eq!(forecast.peaks.get("small"), Some(&1.0), "{forecast:?}");
 }
+
+#[tokio::test]
+async fn an_elastic_pool_shapes_ahead_of_what_its_prometheus_expects_and_says_when_it_cannot_read_it()
+ {
+    let Some(prometheus) =
+        gpuslice_testcluster::built_tool("GPUSLICE_PROMETHEUS_DIR", "prometheus", "")
+    else {
+        return;
+    };
+    let Some(h) = Harness::start(CLOCK, "a100-p", "forecast", "64", 2).await else {
+        return;
+    };
+    let client = h.client.clone();
+    // A real Prometheus with nothing to scrape: the query makes up the expectation.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(&config, "global: {scrape_interval: 15s}\n").unwrap();
+    let port = gpuslice_testcluster::free_port().unwrap();
+    let mut server = KillOnDrop(
+        std::process::Command::new(prometheus.join("prometheus"))
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let docs = gpuslice_testcluster::documents(&format!(
+        "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {{name: forecast}}
+spec:
+  nodeSelector: {{matchLabels: {{gpuslice.io/pool: forecast}}}}
+  layout: {{software: {{slices: 4, memory: 20Gi, compute: 25}}}}
+  elastic:
+    shapes:
+    - {{name: quarters, layout: {{software: {{slices: 4, memory: 20Gi, compute: 25}}}}}}
+    - {{name: halves, layout: {{software: {{slices: 2, memory: 40Gi, compute: 50}}}}}}
+    prometheus:
+      url: http://127.0.0.1:{port}
+      query: label_replace(vector(1), \"policy\", \"big\", \"\", \"\")
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {{name: big}}
+spec: {{pool: forecast, memory: 30Gi}}
+"
+    ));
+    h.apply_and_wait(&docs, 1).await;
+    let signal = || {
+        let client = client.clone();
+        async move {
+            let pool = Api::<gpuslice_api::GpuPool>::all(client)
+                .get("forecast")
+                .await
+                .map_err(|e| e.to_string())?;
+            pool.status
+                .unwrap_or_default()
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == "ElasticSignal")
+                .ok_or_else(|| "no ElasticSignal condition yet".to_string())
+        }
+    };
+    // No pod waits, yet one idle GPU is cut in halves for the pod Prometheus expects.
+    eventually("Prometheus is read and a GPU is cut ahead", || async {
+        let c = signal().await?;
+        let s = elastic_status(&client, "forecast").await?;
+        (c.status == "True"
+            && c.message.contains("expects big 1")
+            && s.shapes.get("halves") == Some(&1))
+        .then_some(())
+        .ok_or(format!("{c:?} {s:?}"))
+    })
+    .await;
+    // Prometheus goes away: the pool says so, and keeps its shapes.
+    server.0.kill().unwrap();
+    let _ = server.0.wait();
+    eventually("the pool says Prometheus cannot be read", || async {
+        let c = signal().await?;
+        (c.status == "False"
+            && c.reason == "PrometheusUnavailable"
+            && c.message
+                .contains("the queue and the learned forecast stay in force"))
+        .then_some(())
+        .ok_or(format!("{c:?}"))
+    })
+    .await;
+    let s = elastic_status(&client, "forecast").await.unwrap();
+    assert_eq!(s.shapes.get("halves"), Some(&1), "{s:?}");
+}
