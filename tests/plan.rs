@@ -374,13 +374,7 @@ fn the_compaction_plan_empties_the_least_used_gpu_into_one_in_use() {
 #[test]
 fn the_elastic_plan_re_cuts_the_idle_gpu_for_waiting_pods_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
-    let repo = dir.path().join("repo");
-    std::fs::create_dir(&repo).unwrap();
-    std::fs::write(
-        repo.join("pool.yaml"),
-        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: elastic}\nspec:\n  nodeSelector: {matchLabels: {gpuslice.io/pool: elastic}}\n  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}\n  elastic:\n    shapes:\n    - {name: quarters, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}\n    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: small}\nspec: {pool: elastic, memory: 8Gi}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: big}\nspec: {pool: elastic, memory: 30Gi}\n",
-    )
-    .unwrap();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/elastic");
     // GPU 0 holds a small pod's quarter; GPU 1 is idle.
     let quarters = |gpu: u32| -> String {
         (0..4)

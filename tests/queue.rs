@@ -1027,29 +1027,7 @@ async fn an_elastic_pool_re_cuts_an_idle_gpu_for_a_waiting_pod_and_leaves_busy_o
     };
     let client = h.client.clone();
     let docs = gpuslice_testcluster::documents(
-        "
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuPool
-metadata: {name: elastic}
-spec:
-  nodeSelector: {matchLabels: {gpuslice.io/pool: elastic}}
-  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}
-  elastic:
-    minDwell: 1m
-    shapes:
-    - {name: quarters, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}
-    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}
----
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuSlicePolicy
-metadata: {name: small}
-spec: {pool: elastic, memory: 8Gi}
----
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuSlicePolicy
-metadata: {name: big}
-spec: {pool: elastic, memory: 30Gi}
-",
+        &std::fs::read_to_string(root().join("examples/elastic/elastic.yaml")).unwrap(),
     );
     h.apply_and_wait(&docs, 2).await;
     eventually("both GPUs are quarters", || async {

@@ -313,7 +313,9 @@ spec:
     let text = stdout(&out);
     assert!(out.status.success(), "{text}");
     assert!(
-        text.contains("spec.memory: warning: cannot run during the default layout"),
+        text.contains(
+            "spec.memory: warning: the default layout of pool \"elastic-a100\" does not hold it"
+        ) && text.contains("it runs once the elastic set re-cuts a GPU to whole"),
         "{text}"
     );
     // The operator acts on the elastic set: nothing about it is inert.

@@ -642,14 +642,19 @@ fn check_policy(
         }
     } else {
         for (what, (path, message)) in misfits {
-            out.warn(
-                doc,
-                path,
+            let text = if elastic_fit.is_empty() {
                 format!(
                     "cannot run during {what} of pool {:?}: {message}",
                     spec.pool
-                ),
-            );
+                )
+            } else {
+                format!(
+                    "{what} of pool {:?} does not hold it ({message}); it runs once the elastic set re-cuts a GPU to {}",
+                    spec.pool,
+                    elastic_fit.join(" or ")
+                )
+            };
+            out.warn(doc, path, text);
         }
     }
 }
