@@ -347,4 +347,68 @@ mod tests {
         );
         assert!(spec(&out).gpus.iter().all(|g| g.next.is_none()));
     }
+
+    #[test]
+    fn a_window_replaces_the_elastic_set_and_a_window_without_one_is_staged_as_usual() {
+        let mut observed = observed();
+        let night: gpuslice_api::TimeWindow = serde_yaml::from_str(
+            "{name: night, timeZone: UTC, start: '22:00', end: '06:00', layout: {exclusive: {}}, elastic: {shapes: [{name: whole, layout: {exclusive: {}}}], maxInFlight: 50}}",
+        )
+        .unwrap();
+        observed.pools[0].spec.windows = vec![night];
+        let evening = at("2026-12-07T21:00:00Z");
+        let out = desired(&observed, evening);
+        // The night brings its own set: nothing is staged for the boundary itself.
+        assert!(
+            spec(&out).gpus.iter().all(|g| g.next.is_none()),
+            "{:?}",
+            spec(&out).gpus
+        );
+        written_back(&mut observed, &out);
+        let evening_gpus = spec(&out).gpus.clone();
+        // At night only whole GPUs are allowed: the quarters, in no shape of the night's set,
+        // go to the window's layout once idle — staged like a re-cut, kept on later passes. A
+        // busy GPU keeps its quarters until it is idle.
+        observed.allocated = vec![running("notebook", 0)];
+        let night = at("2026-12-07T23:00:00Z");
+        let out = desired(&observed, night);
+        let staged: Vec<_> = spec(&out)
+            .gpus
+            .iter()
+            .filter(|g| g.next.is_some())
+            .collect();
+        assert_eq!(staged.len(), 1, "{:?}", spec(&out).gpus);
+        assert_eq!(staged[0].index, 1);
+        let next = staged[0].next.as_ref().unwrap();
+        assert_eq!(next.assigned.shape.as_ref().unwrap().name, "whole");
+        assert_eq!(next.assigned.window.as_deref(), Some("night"));
+        assert!(
+            staged[0].assigned.layout.software.is_some(),
+            "quarters until the switch"
+        );
+        let status = out.pool_status["shared"].elastic.clone().unwrap();
+        assert!(
+            status.shapes.is_empty(),
+            "quarters are not in the night's set: {status:?}"
+        );
+        written_back(&mut observed, &out);
+        let later = desired(&observed, night + TimeDelta::seconds(5));
+        assert_eq!(spec(&later).gpus, spec(&out).gpus, "the same staging");
+        observed.allocated.clear();
+        observed.nodes[0].assigned = evening_gpus;
+        observed.pools[0].status = None;
+        // A night window without a set has its own layout, staged ahead of the boundary.
+        observed.pools[0].spec.windows[0].elastic = None;
+        let out = desired(&observed, evening);
+        for g in &spec(&out).gpus {
+            let next = g.next.as_ref().expect("the night layout staged");
+            assert_eq!(
+                gpuslice_api::chrono_of(&next.at),
+                Some(at("2026-12-07T22:00:00Z"))
+            );
+            assert!(next.assigned.layout.exclusive.is_some() && next.assigned.shape.is_none());
+        }
+        let night = desired(&observed, at("2026-12-07T23:00:00Z"));
+        assert!(night.pool_status["shared"].elastic.is_none());
+    }
 }

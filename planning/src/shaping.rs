@@ -16,7 +16,7 @@ use crate::elastic::{self, Demand, Forecast, GpuNow, ModelSlots, Rules, Shape};
 use chrono::{DateTime, TimeDelta, Utc};
 use gpuslice_api::{
     AssignedShape, Assignment, Elastic, ElasticDrain, ElasticRecut, ElasticStatus, GpuAssignment,
-    GpuInventory, GpuPool, GpuSlicePolicy, NextAssignment, NodeInventory,
+    GpuInventory, GpuPool, GpuSlicePolicy, Layout, NextAssignment, NodeInventory,
 };
 
 /// How far ahead of its switch a re-cut is staged: long enough for the agent to taint the
@@ -123,12 +123,14 @@ struct Member<'a> {
     /// What Git gives it now (pool, window, time slice, checkpoint policy, base layout).
     base: Assignment,
     /// The layout it has now, as last written (Git's base layout when new to the pool).
-    layout: gpuslice_api::Layout,
+    layout: Layout,
     /// Its shape now and since when.
     shape: Option<usize>,
     since: Option<DateTime<Utc>>,
     /// A re-cut staged earlier and not yet due: to which shape, and the staging.
     staged: Option<(usize, NextAssignment)>,
+    /// Whatever switch was staged earlier and is not yet due.
+    pending: Option<NextAssignment>,
 }
 
 fn shape_pool(
@@ -181,33 +183,42 @@ fn shape_pool(
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut recutting = 0;
     for (i, m) in members.iter().enumerate() {
-        // A GPU no shape is chosen for (none holds it, or it is busy in none) follows Git's
-        // layout as in a pool without an elastic set.
-        let shape = decision.shapes[i].and(m.shape);
+        // Its layout and shape stay until a staged switch changes them.
         let now = Assignment {
-            layout: match shape {
-                Some(_) => m.layout.clone(),
-                None => m.base.layout.clone(),
-            },
-            shape: shape.map(|s| AssignedShape {
+            layout: m.layout.clone(),
+            shape: m.shape.map(|s| AssignedShape {
                 name: set.shapes[s].name.clone(),
                 since: m.since.and_then(gpuslice_api::time_of),
             }),
             ..m.base.clone()
         };
-        let next = match (&m.staged, decision.recuts.iter().find(|r| r.gpu == i)) {
-            (_, Some(r)) => switch_at.clone().map(|at| NextAssignment {
+        let stage = |layout: &Layout| {
+            let shape = set.shapes.iter().position(|x| x.layout == *layout);
+            switch_at.clone().map(|at| NextAssignment {
                 at: at.clone(),
                 assigned: Assignment {
-                    layout: set.shapes[r.to].layout.clone(),
-                    shape: Some(AssignedShape {
-                        name: set.shapes[r.to].name.clone(),
+                    layout: layout.clone(),
+                    shape: shape.map(|s| AssignedShape {
+                        name: set.shapes[s].name.clone(),
                         since: Some(at),
                     }),
                     ..m.base.clone()
                 },
-            }),
+            })
+        };
+        let recut = decision.recuts.iter().find(|r| r.gpu == i);
+        let next = match (&m.staged, recut) {
+            (_, Some(r)) => stage(&set.shapes[r.to].layout),
             (Some((to, staged)), None) if decision.shapes[i] == Some(*to) => Some(staged.clone()),
+            // A GPU no shape is chosen for (none holds it, or nothing wants one) goes to Git's
+            // layout for now, as a pool without an elastic set does, once it is idle: staged
+            // like a re-cut, and kept staged at the same time on later passes.
+            _ if decision.shapes[i].is_none() && m.layout != m.base.layout && gpus[i].busy == 0 => {
+                match &m.pending {
+                    Some(p) if p.assigned.layout == m.base.layout => Some(p.clone()),
+                    _ => stage(&m.base.layout),
+                }
+            }
             _ => None,
         };
         let planned = plan_assigned(m.inventory, now.clone());
@@ -303,8 +314,9 @@ fn members<'a>(
                 .filter(|s| Some(s.name.as_str()) == shape.map(|i| set.shapes[i].name.as_str()))
                 .and_then(|s| s.since.as_ref())
                 .and_then(gpuslice_api::chrono_of);
-            let staged = written
-                .and_then(|(_, next)| next)
+            let pending = written.and_then(|(_, next)| next);
+            let staged = pending
+                .clone()
                 .filter(|next| next.assigned.shape.is_some())
                 .and_then(|next| Some((shape_of(&next.assigned)?, next)));
             out.push(Member {
@@ -316,6 +328,7 @@ fn members<'a>(
                 shape,
                 since,
                 staged,
+                pending,
             });
         }
     }
