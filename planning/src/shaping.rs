@@ -131,6 +131,8 @@ struct Member<'a> {
     staged: Option<(usize, NextAssignment)>,
     /// Whatever switch was staged earlier and is not yet due.
     pending: Option<NextAssignment>,
+    /// Its plan for the layout it has now.
+    planned: Option<crate::cluster::GpuPlan>,
 }
 
 fn shape_pool(
@@ -157,10 +159,25 @@ fn shape_pool(
         .unwrap_or_default();
     let demand = demand(seen, pool, &policies, set, &mut forecast, at);
     let (models, model_of) = model_slots(set, &members);
+    // (node, GPU index) → the policies of the work it holds.
+    let mut held: BTreeMap<(&str, u32), Vec<Option<&str>>> = BTreeMap::new();
+    for a in seen.allocated {
+        if let Some(gpu) = a.gpu {
+            held.entry((a.node.as_str(), gpu))
+                .or_default()
+                .push(a.policy.as_deref());
+        }
+    }
     let gpus: Vec<GpuNow> = members
         .iter_mut()
         .zip(&model_of)
-        .map(|(m, &model)| gpu_now(seen, pool, &policies, set, m, model, at))
+        .map(|(m, &model)| {
+            let node = seen.nodes[m.node].inventory.name.as_str();
+            let on_it = held
+                .get(&(node, m.inventory.index))
+                .map_or(&[][..], Vec::as_slice);
+            gpu_now(pool, &policies, set, m, on_it, model, at)
+        })
         .collect();
     let shapes: Vec<Shape> = set
         .shapes
@@ -221,7 +238,11 @@ fn shape_pool(
             }
             _ => None,
         };
-        let planned = plan_assigned(m.inventory, now.clone());
+        // Planned for its layout already; the shape changes nothing the agent does.
+        let Some(mut planned) = m.planned.clone() else {
+            continue;
+        };
+        planned.assigned = Some(now.clone());
         if planned.error.is_some() {
             // The layout it has cannot be planned any more (the GPU changed): Git's base
             // layout is what the plan already holds for it.
@@ -329,6 +350,7 @@ fn members<'a>(
                 since,
                 staged,
                 pending,
+                planned: None,
             });
         }
     }
@@ -454,21 +476,14 @@ fn model_slots(set: &Elastic, members: &[Member]) -> (Vec<ModelSlots>, Vec<usize
 /// (the staged one while a re-cut is under way) and how long since its last re-cut. A staged
 /// re-cut whose GPU has since taken work that may not be drained is called off.
 fn gpu_now(
-    seen: &Seen,
     pool: &GpuPool,
     policies: &[&GpuSlicePolicy],
     set: &Elastic,
     m: &mut Member,
+    held: &[Option<&str>],
     model: usize,
     at: DateTime<Utc>,
 ) -> GpuNow {
-    let node = &seen.nodes[m.node].inventory.name;
-    let held: Vec<Option<&str>> = seen
-        .allocated
-        .iter()
-        .filter(|a| &a.node == node && a.gpu == Some(m.inventory.index))
-        .map(|a| a.policy.as_deref())
-        .collect();
     let gpu = m.inventory;
     let with_processes = gpu
         .slices
@@ -499,15 +514,15 @@ fn gpu_now(
     if busy > 0 && !drainable {
         m.staged = None;
     }
-    let converging = !plan_assigned(
+    let planned = plan_assigned(
         gpu,
         Assignment {
             layout: m.layout.clone(),
             ..m.base.clone()
         },
-    )
-    .ops
-    .is_empty();
+    );
+    let converging = !planned.ops.is_empty();
+    m.planned = Some(planned);
     GpuNow {
         model,
         shape: m.staged.as_ref().map(|(to, _)| *to).or(m.shape),
