@@ -112,6 +112,11 @@ mod tests {
         &out.node_specs["n1"]
     }
 
+    /// The GPUs with a re-cut staged.
+    fn staged(out: &crate::desired::DesiredState) -> Vec<&gpuslice_api::GpuAssignment> {
+        spec(out).gpus.iter().filter(|g| g.next.is_some()).collect()
+    }
+
     #[test]
     fn a_waiting_pod_gets_an_idle_gpu_re_cut_staged_ahead_and_kept_for_min_dwell() {
         let mut observed = observed();
@@ -127,11 +132,7 @@ mod tests {
         // A training pod needs a whole GPU: one idle GPU is staged to become whole, LEAD ahead.
         observed.waiting.insert("train".into(), 1);
         let out = desired(&observed, t0);
-        let staged: Vec<_> = spec(&out)
-            .gpus
-            .iter()
-            .filter(|g| g.next.is_some())
-            .collect();
+        let staged = staged(&out);
         assert_eq!(staged.len(), 1, "{:?}", spec(&out).gpus);
         let next = staged[0].next.as_ref().unwrap();
         assert_eq!(gpuslice_api::chrono_of(&next.at), Some(t0 + LEAD));
@@ -372,11 +373,7 @@ mod tests {
         observed.allocated = vec![running("notebook", 0)];
         let night = at("2026-12-07T23:00:00Z");
         let out = desired(&observed, night);
-        let staged: Vec<_> = spec(&out)
-            .gpus
-            .iter()
-            .filter(|g| g.next.is_some())
-            .collect();
+        let staged = staged(&out);
         assert_eq!(staged.len(), 1, "{:?}", spec(&out).gpus);
         assert_eq!(staged[0].index, 1);
         let next = staged[0].next.as_ref().unwrap();
