@@ -215,11 +215,8 @@ mod tests {
         pool.checkpoint_policy = Some("ckpt".into());
         pool.elastic.as_mut().unwrap().drain = ElasticDrain::Checkpointable;
         let out = desired(&observed, t0);
-        assert_eq!(
-            spec(&out).gpus.iter().filter(|g| g.next.is_some()).count(),
-            1
-        );
-        // Not for a forecast, nor when the notebooks may not be preempted.
+        assert_eq!(staged(&out).len(), 1);
+        // Not when the notebooks may not be preempted.
         observed.policies[0].spec.preemptible = false;
         let out = desired(&observed, t0);
         assert!(spec(&out).gpus.iter().all(|g| g.next.is_none()));
