@@ -7,7 +7,6 @@ pub mod classes;
 pub mod compaction;
 pub mod controller;
 pub mod desired;
-pub mod elastic;
 pub mod election;
 pub mod evictions;
 pub mod published;

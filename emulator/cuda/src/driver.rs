@@ -11,7 +11,7 @@ use gpuslice_emulator::shm::{Ledger, Process, RowId, alive};
 use gpuslice_emulator::timeline::Timeline;
 use gpuslice_emulator::{Store, cuda_ledger_path};
 
-use crate::device::{Device, discover};
+use crate::visible::{Device, discover};
 use crate::{
     CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE, CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NO_DEVICE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_UNKNOWN,

@@ -25,6 +25,7 @@ mod memory;
 mod proc_address;
 mod stream;
 mod timeline;
+mod visible;
 
 pub use gpuslice_contract::cuda::{
     ArrayDescriptor, ArrayDescriptor3D, CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_DEVICE,

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy, dra};
+use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy, Scheduling, dra};
 use gpuslice_planning::queue::{FreeDevice, Need};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -204,6 +204,10 @@ pub(super) fn admitted_to(pod: &Pod) -> Option<String> {
         .and_then(|f| f.values.as_ref()?.first().cloned())
 }
 
+/// A preemption its node's agent leaves unread this many times the operator's `--agent-timeout`
+/// (after which the waiting pod and the pool are told) is given up.
+pub(super) const GIVE_UP_AFTER: u32 = 5;
+
 /// Preemptions under way, and what the agents say of each claim (from the GpuNodes).
 #[derive(Default)]
 pub(super) struct Agents {
@@ -336,6 +340,38 @@ impl Pass {
         Need {
             memory_bytes: crate::classes::memory_limit(policy, &self.pool_list),
             compute: policy.spec.compute.as_ref().map_or(0, |c| c.limit),
+        }
+    }
+}
+
+/// One pool's planning this pass: the pass, the pool, and what each of its steps reads.
+pub(super) struct PoolPass<'a> {
+    pub(super) pass: &'a Pass,
+    pub(super) pool: &'a GpuPool,
+    pub(super) name: String,
+    /// The pool's scheduling (the defaults where it declares none).
+    pub(super) scheduling: Scheduling,
+    /// Policy name → what a pod of it needs, for the pool's policies.
+    pub(super) needs: BTreeMap<String, Need>,
+}
+
+impl<'a> PoolPass<'a> {
+    /// The pool's planning this pass: its name, its scheduling, its policies' needs.
+    pub(super) fn new(pass: &'a Pass, pool: &'a GpuPool) -> PoolPass<'a> {
+        let name = pool.name_any();
+        let scheduling = pool.spec.scheduling.clone().unwrap_or_default();
+        let needs: BTreeMap<String, Need> = pass
+            .policies
+            .iter()
+            .filter(|p| p.spec.pool == name)
+            .map(|p| (p.name_any(), pass.need(p)))
+            .collect();
+        PoolPass {
+            pass,
+            pool,
+            name,
+            scheduling,
+            needs,
         }
     }
 }

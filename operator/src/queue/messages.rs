@@ -7,8 +7,7 @@ use std::time::Duration;
 use gpuslice_api::SchedulingPolicy;
 use gpuslice_planning::queue::{Preempt, Reason, Share, Waiting};
 
-use super::pool::PoolPass;
-use super::preempt::GIVE_UP_AFTER;
+use super::cluster::{GIVE_UP_AFTER, PoolPass};
 use super::{POLICY_LABEL, RUN_TIME_ANNOTATION};
 
 /// Pods further back than this are told only that they wait, so that each admission does not

@@ -3,25 +3,14 @@
 
 use std::collections::BTreeMap;
 
-use gpuslice_api::{GpuPool, Preemption, Scheduling};
+use gpuslice_api::{GpuPool, Preemption};
 use gpuslice_planning::queue::{self, Decision, FreeDevice, Need, Waiting};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt as _;
 
-use super::cluster::Pass;
+use super::cluster::{Pass, PoolPass};
 use super::messages::Telling;
 use super::{POLICY_LABEL, Plan, Queue, RUN_TIME_ANNOTATION, gated};
-
-/// One pool's planning this pass: the pass, the pool, and what each of its steps reads.
-pub(super) struct PoolPass<'a> {
-    pub(super) pass: &'a Pass,
-    pub(super) pool: &'a GpuPool,
-    pub(super) name: String,
-    /// The pool's scheduling (the defaults where it declares none).
-    pub(super) scheduling: Scheduling,
-    /// Policy name → what a pod of it needs, for the pool's policies.
-    pub(super) needs: BTreeMap<String, Need>,
-}
 
 impl Queue {
     /// Plans one pool: tells the pods whose annotation is unreadable, decays and records the
@@ -93,26 +82,7 @@ impl Queue {
     }
 }
 
-impl<'a> PoolPass<'a> {
-    /// The pool's planning this pass: its name, its scheduling, its policies' needs.
-    fn new(pass: &'a Pass, pool: &'a GpuPool) -> PoolPass<'a> {
-        let name = pool.name_any();
-        let scheduling = pool.spec.scheduling.clone().unwrap_or_default();
-        let needs: BTreeMap<String, Need> = pass
-            .policies
-            .iter()
-            .filter(|p| p.spec.pool == name)
-            .map(|p| (p.name_any(), pass.need(p)))
-            .collect();
-        PoolPass {
-            pass,
-            pool,
-            name,
-            scheduling,
-            needs,
-        }
-    }
-
+impl PoolPass<'_> {
     /// The pool's gated pods, and apart the pods (`namespace/name`) whose expected run time is
     /// unreadable, each with what to tell it.
     fn waiting(&self) -> (Vec<Waiting>, Vec<(String, String)>) {

@@ -6,12 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use gpuslice_planning::queue::{self, Preempt, Reason, Running, Share, Waiting};
 use kube::ResourceExt as _;
 
+use super::cluster::{GIVE_UP_AFTER, PoolPass};
 use super::messages::humantime;
-use super::pool::PoolPass;
 
-/// A preemption its node's agent leaves unread this many times the operator's `--agent-timeout`
-/// (after which the waiting pod and the pool are told) is given up.
-pub(super) const GIVE_UP_AFTER: u32 = 5;
 /// How long the slices of a node whose agent let a preemption be given up are not taken again.
 const REST_AFTER_GIVING_UP: chrono::TimeDelta = chrono::TimeDelta::minutes(10);
 

@@ -8,7 +8,7 @@ use gpuslice_api::{FairShareStatus, GpuPool, NamespaceUsage};
 use gpuslice_planning::queue::{self, Share, Waiting};
 use kube::ResourceExt as _;
 
-use super::pool::PoolPass;
+use super::cluster::PoolPass;
 
 /// Half-life of namespaces' usage when the pool declares none.
 const DEFAULT_HALF_LIFE_SECONDS: f64 = 3600.0;

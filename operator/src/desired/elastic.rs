@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use gpuslice_planning::cluster::ClusterPlan;
 use gpuslice_planning::shaping::{NodeNow, Seen, Shaped};
 
-use crate::desired::Observed;
+use super::Observed;
 
 /// Shapes the GPUs of every elastic pool in `plan` (the plan of `observed.nodes`, in order) at
 /// `at`.
