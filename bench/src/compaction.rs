@@ -104,39 +104,8 @@ fn depart(on: &mut BTreeMap<(usize, usize), Vec<Workload>>, share: f64, seed: u6
 pub fn run(data: &Path, trace: &Path, run: Plan) -> Result<(String, bool), BenchError> {
     let nodes = crate::placement::cluster(data)?;
     let pods = crate::placement::pods(trace)?;
-    let mut cluster = Cluster::new(nodes.clone());
+    let (cluster, mut on) = place_to_load(&nodes, &pods, &run);
     let total = cluster.gpu_total() as f64;
-    let mut rng = StdRng::seed_from_u64(run.seed);
-    let mut order: Vec<usize> = (0..pods.len()).collect();
-    order.shuffle(&mut rng);
-    let mut policy = Mix::default();
-    // (node, gpu) → the pods on it: (id, thousandths, movable).
-    let mut on: BTreeMap<(usize, usize), Vec<Workload>> = BTreeMap::new();
-    let mut arrived = 0.0;
-    let mut next = 0;
-    let mut pick = StdRng::seed_from_u64(run.seed ^ 0x5eed);
-    while arrived / total * 100.0 < run.load {
-        let i = if next < order.len() {
-            order[next]
-        } else {
-            rng.random_range(0..pods.len())
-        };
-        next += 1;
-        let pod = &pods[i];
-        arrived += pod.gpu_milli() as f64;
-        policy.observe(pod);
-        let Ok(choice) = cluster.place(pod, &mut policy) else {
-            continue;
-        };
-        let movable = matches!(pod.gpu, GpuAsk::Share(_)) && pick.random_bool(run.movable);
-        for (g, milli) in choice.gpus {
-            on.entry((choice.node, g)).or_default().push(Workload {
-                id: format!("pod-{next}"),
-                size: u64::from(milli),
-                movable,
-            });
-        }
-    }
     // Sanity: the engine's view and ours agree on what is free (before departures).
     let engine_free: u64 = cluster
         .nodes
@@ -157,26 +126,7 @@ pub fn run(data: &Path, trace: &Path, run: Plan) -> Result<(String, bool), Bench
         })
         .sum();
     depart(&mut on, run.depart, run.seed);
-    let gpus: Vec<GpuState> = nodes
-        .iter()
-        .enumerate()
-        .flat_map(|(n, node)| {
-            let on = &on;
-            (0..node.gpus.len()).map(move |g| {
-                let workloads = on.get(&(n, g)).cloned().unwrap_or_default();
-                let used: u64 = workloads.iter().map(|w| w.size).sum();
-                GpuState {
-                    node: node.name.clone(),
-                    gpu: g as u32,
-                    capacity: Capacity::Shared {
-                        free: u64::from(WHOLE).saturating_sub(used),
-                        total: u64::from(WHOLE),
-                    },
-                    workloads,
-                }
-            })
-        })
-        .collect();
+    let gpus = gpu_states(&nodes, &on);
     let names: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
     let whole_free = |gpus: &[GpuState]| gpus.iter().filter(|g| g.workloads.is_empty()).count();
     let over = |gpus: &[GpuState]| {
@@ -228,4 +178,73 @@ pub fn run(data: &Path, trace: &Path, run: Plan) -> Result<(String, bool), Bench
         }
     );
     Ok((report, ok))
+}
+
+/// The pods of the trace placed (in a shuffled order, then drawn again) until they have asked
+/// for `run.load` % of the cluster's GPUs: the cluster after, and (node, GPU) → the pods on it.
+fn place_to_load(
+    nodes: &[gpuslice_planning::placement::Node],
+    pods: &[gpuslice_planning::placement::Request],
+    run: &Plan,
+) -> (Cluster, BTreeMap<(usize, usize), Vec<Workload>>) {
+    let mut cluster = Cluster::new(nodes.to_vec());
+    let total = cluster.gpu_total() as f64;
+    let mut rng = StdRng::seed_from_u64(run.seed);
+    let mut order: Vec<usize> = (0..pods.len()).collect();
+    order.shuffle(&mut rng);
+    let mut policy = Mix::default();
+    // (node, gpu) → the pods on it: (id, thousandths, movable).
+    let mut on: BTreeMap<(usize, usize), Vec<Workload>> = BTreeMap::new();
+    let mut arrived = 0.0;
+    let mut next = 0;
+    let mut pick = StdRng::seed_from_u64(run.seed ^ 0x5eed);
+    while arrived / total * 100.0 < run.load {
+        let i = if next < order.len() {
+            order[next]
+        } else {
+            rng.random_range(0..pods.len())
+        };
+        next += 1;
+        let pod = &pods[i];
+        arrived += pod.gpu_milli() as f64;
+        policy.observe(pod);
+        let Ok(choice) = cluster.place(pod, &mut policy) else {
+            continue;
+        };
+        let movable = matches!(pod.gpu, GpuAsk::Share(_)) && pick.random_bool(run.movable);
+        for (g, milli) in choice.gpus {
+            on.entry((choice.node, g)).or_default().push(Workload {
+                id: format!("pod-{next}"),
+                size: u64::from(milli),
+                movable,
+            });
+        }
+    }
+    (cluster, on)
+}
+
+/// Each GPU's state for the planner: its pods (`on`) and what they leave free.
+fn gpu_states(
+    nodes: &[gpuslice_planning::placement::Node],
+    on: &BTreeMap<(usize, usize), Vec<Workload>>,
+) -> Vec<GpuState> {
+    nodes
+        .iter()
+        .enumerate()
+        .flat_map(|(n, node)| {
+            (0..node.gpus.len()).map(move |g| {
+                let workloads = on.get(&(n, g)).cloned().unwrap_or_default();
+                let used: u64 = workloads.iter().map(|w| w.size).sum();
+                GpuState {
+                    node: node.name.clone(),
+                    gpu: g as u32,
+                    capacity: Capacity::Shared {
+                        free: u64::from(WHOLE).saturating_sub(used),
+                        total: u64::from(WHOLE),
+                    },
+                    workloads,
+                }
+            })
+        })
+        .collect()
 }

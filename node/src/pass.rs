@@ -339,8 +339,16 @@ impl Agent {
             };
             self.drain(&mut pass, &intent.config, &taken, now)?;
         }
+        self.serve_slices(&mut pass, &intent.config);
+        self.log_outcomes(&pass.outcomes);
+        Ok(pass)
+    }
+
+    /// Offers the slices as this pass leaves them: the dataset caches, the claims board (with
+    /// each slice's I/O and host limits), the checkpoints written, and each slice's compute share.
+    fn serve_slices(&self, pass: &mut Pass, config: &Config) {
         let slices = crate::gpu::slices::published(&self.state);
-        let needs = needs(&intent.config);
+        let needs = needs(config);
         let pools = pass
             .plan
             .nodes
@@ -348,13 +356,13 @@ impl Agent {
             .flat_map(|n| &n.gpus)
             .filter_map(|g| Some((g.index, g.pool()?.to_string())))
             .collect();
-        let caches = local_caches(&pass.plan, &intent.config);
-        let cached_gpus = gpu_pools(&pass.plan, &intent.config)
+        let caches = local_caches(&pass.plan, config);
+        let cached_gpus = gpu_pools(&pass.plan, config)
             .filter(|(_, pool, _)| caches.contains_key(*pool))
             .map(|(index, pool, _)| (index, pool.to_string()))
             .collect();
         self.socket.caches.set(&caches, cached_gpus);
-        let bandwidth = bandwidths(&pass.plan, &intent.config);
+        let bandwidth = bandwidths(&pass.plan, config);
         if !bandwidth.is_empty()
             && let Err(why) = &self.io
             && !self
@@ -404,7 +412,11 @@ impl Agent {
         }
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
         self.socket.compute.set(&pass.shares);
-        for o in &pass.outcomes {
+    }
+
+    /// Logs what happened to each GPU: an error, a transition that waits, operations applied.
+    fn log_outcomes(&self, outcomes: &[GpuOutcome]) {
+        for o in outcomes {
             if let Some(e) = &o.error {
                 tracing::warn!(gpu = o.index, "{e}");
             } else if !o.blocked_by.is_empty() {
@@ -418,7 +430,6 @@ impl Agent {
                 );
             }
         }
-        Ok(pass)
     }
 
     /// The claims held now, as processes that make their slices busy; a prepared

@@ -338,31 +338,152 @@ impl Shaping<'_, '_> {
     }
 }
 
+impl<'i, 'a> Shaping<'i, 'a> {
+    /// Nothing served yet: the demand now (running + waiting) and what the forecast adds.
+    fn new(input: &'i Input<'a>) -> Self {
+        let now: Vec<f64> = input
+            .demand
+            .iter()
+            .map(|d| f64::from(d.running + d.waiting))
+            .collect();
+        let ahead = input
+            .demand
+            .iter()
+            .zip(&now)
+            .map(|(d, n)| (d.forecast - n).max(0.0))
+            .collect();
+        Shaping {
+            input,
+            left: Left { now, ahead },
+            count: vec![0; input.shapes.len()],
+        }
+    }
+
+    /// Keepers first among the `free` GPUs, busy GPUs (their work is on them) and then those
+    /// whose own shape serves the most, so that a GPU already shaped for the demand is not
+    /// re-cut while another, shaped for nothing, is left alone. Returns the GPUs left to decide.
+    fn keep_those_that_serve(&mut self, free: &[usize]) -> Vec<usize> {
+        let input = self.input;
+        let mut keys: Vec<(bool, Value, usize)> = free
+            .iter()
+            .map(|&i| {
+                let gpu = &input.gpus[i];
+                (gpu.idle(), self.value(gpu, gpu.shape, false), i)
+            })
+            .collect();
+        keys.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.order(&a.1)).then(a.2.cmp(&b.2)));
+        let mut deferred = Vec::new();
+        for (_, _, i) in keys {
+            let gpu = &input.gpus[i];
+            let own = self.value(gpu, gpu.shape, false);
+            let best = self.best(gpu).map_or(Value::default(), |b| b.1);
+            if own.any() && gain(&best, &own, input.rules.min_gain).is_none() {
+                self.keep(gpu);
+            } else {
+                deferred.push(i);
+            }
+        }
+        deferred
+    }
+
+    /// Re-cuts each `deferred` GPU to the shape that serves the most where that gains enough
+    /// (busy ones only for pods that wait, when `pods_wait`). Returns the re-cuts, and the GPUs
+    /// nothing wants.
+    fn recut_for_demand(
+        &mut self,
+        deferred: &[usize],
+        pods_wait: bool,
+    ) -> (Vec<Recut>, Vec<usize>) {
+        let input = self.input;
+        let mut wanted: Vec<Recut> = Vec::new();
+        let mut spare = Vec::new();
+        for &i in deferred {
+            let gpu = &input.gpus[i];
+            let own = self.value(gpu, gpu.shape, false);
+            let best = self.best(gpu);
+            let why = best.and_then(|(_, value)| gain(&value, &own, input.rules.min_gain));
+            // A forecast alone never drains work: busy GPUs move only for pods that wait.
+            let allowed = gpu.idle() || (why == Some(Gain::Now) && pods_wait);
+            match (best, why) {
+                (Some((s, value)), Some(_)) if allowed && gpu.shape != Some(s) => {
+                    self.count[s] += 1;
+                    self.value(gpu, Some(s), true);
+                    wanted.push(Recut {
+                        gpu: i,
+                        from: gpu.shape,
+                        to: s,
+                        drain: !gpu.idle(),
+                        gain: value.now - own.now + value.ahead - own.ahead,
+                    });
+                }
+                _ if own.any() || !gpu.idle() => self.keep(gpu),
+                _ => spare.push(i),
+            }
+        }
+        (wanted, spare)
+    }
+
+    /// Spare GPUs (nothing wants them) fill shapes below their minimum, then keep their own.
+    fn fill_minimums(&mut self, spare: &[usize], wanted: &mut Vec<Recut>) {
+        let input = self.input;
+        for &i in spare {
+            let gpu = &input.gpus[i];
+            let short = (0..input.shapes.len()).find(|&s| {
+                self.count[s] < input.shapes[s].min_gpus
+                    && gpu.shape != Some(s)
+                    && slots_on(input, gpu, s).is_some()
+            });
+            match short {
+                Some(s) => {
+                    self.count[s] += 1;
+                    wanted.push(Recut {
+                        gpu: i,
+                        from: gpu.shape,
+                        to: s,
+                        drain: false,
+                        gain: 0.0,
+                    });
+                }
+                None => self.keep(gpu),
+            }
+        }
+    }
+}
+
+/// The re-cuts `wanted` that fit under maxInFlight (idle GPUs and the largest gains first);
+/// what waits is added to `waiting_for`.
+fn within_max_in_flight(
+    input: &Input,
+    mut wanted: Vec<Recut>,
+    waiting_for: &mut Vec<String>,
+) -> Vec<Recut> {
+    wanted.sort_by(|a, b| {
+        a.drain
+            .cmp(&b.drain)
+            .then(b.gain.total_cmp(&a.gain))
+            .then(a.gpu.cmp(&b.gpu))
+    });
+    let max = input.rules.max_in_flight;
+    let in_flight = input.gpus.iter().filter(|g| g.recutting).count() as u32;
+    let room = max.saturating_sub(in_flight) as usize;
+    if wanted.len() > room {
+        waiting_for.push(format!(
+            "maxInFlight: {} more re-cut(s) wait while {in_flight} of at most {max} are under way",
+            wanted.len() - room,
+        ));
+        wanted.truncate(room);
+    }
+    wanted
+}
+
 /// Chooses each GPU's shape. See the module's documentation for the steps.
 pub fn decide(input: &Input) -> Decision {
-    let rules = input.rules;
-    let now: Vec<f64> = input
-        .demand
-        .iter()
-        .map(|d| f64::from(d.running + d.waiting))
-        .collect();
-    let ahead = input
-        .demand
-        .iter()
-        .zip(&now)
-        .map(|(d, n)| (d.forecast - n).max(0.0))
-        .collect();
-    let mut shaping = Shaping {
-        input,
-        left: Left { now, ahead },
-        count: vec![0; input.shapes.len()],
-    };
+    let mut shaping = Shaping::new(input);
     let pods_wait = input.demand.iter().any(|d| d.waiting > 0);
-    let mut shapes: Vec<Option<usize>> = input.gpus.iter().map(|g| g.shape).collect();
     let mut held: BTreeMap<&'static str, u32> = BTreeMap::new();
     let mut free = Vec::new();
     for (i, gpu) in input.gpus.iter().enumerate() {
-        match pinned(gpu, rules, pods_wait) {
+        match pinned(gpu, input.rules, pods_wait) {
             Some(why) => {
                 *held.entry(why).or_default() += 1;
                 shaping.keep(gpu);
@@ -370,103 +491,23 @@ pub fn decide(input: &Input) -> Decision {
             None => free.push(i),
         }
     }
-    // Keepers first, busy GPUs (their work is on them) and then those whose own shape serves
-    // the most, so that a GPU already shaped for the demand is not re-cut while another,
-    // shaped for nothing, is left alone.
-    let mut keys: Vec<(bool, Value, usize)> = free
-        .iter()
-        .map(|&i| {
-            let gpu = &input.gpus[i];
-            (gpu.idle(), shaping.value(gpu, gpu.shape, false), i)
-        })
-        .collect();
-    keys.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.order(&a.1)).then(a.2.cmp(&b.2)));
-    let mut deferred = Vec::new();
-    for (_, _, i) in keys {
-        let gpu = &input.gpus[i];
-        let own = shaping.value(gpu, gpu.shape, false);
-        let best = shaping.best(gpu).map_or(Value::default(), |b| b.1);
-        if own.any() && gain(&best, &own, rules.min_gain).is_none() {
-            shaping.keep(gpu);
-        } else {
-            deferred.push(i);
-        }
-    }
-    let mut wanted: Vec<Recut> = Vec::new();
-    let mut spare = Vec::new();
-    for i in deferred {
-        let gpu = &input.gpus[i];
-        let own = shaping.value(gpu, gpu.shape, false);
-        let best = shaping.best(gpu);
-        let why = best.and_then(|(_, value)| gain(&value, &own, rules.min_gain));
-        // A forecast alone never drains work: busy GPUs move only for pods that wait.
-        let allowed = gpu.idle() || (why == Some(Gain::Now) && pods_wait);
-        match (best, why) {
-            (Some((s, value)), Some(_)) if allowed && gpu.shape != Some(s) => {
-                shaping.count[s] += 1;
-                shaping.value(gpu, Some(s), true);
-                wanted.push(Recut {
-                    gpu: i,
-                    from: gpu.shape,
-                    to: s,
-                    drain: !gpu.idle(),
-                    gain: value.now - own.now + value.ahead - own.ahead,
-                });
-            }
-            _ if own.any() || !gpu.idle() => shaping.keep(gpu),
-            _ => spare.push(i),
-        }
-    }
-    // Spare GPUs (nothing wants them) fill shapes below their minimum, then keep their own.
-    for i in spare {
-        let gpu = &input.gpus[i];
-        let short = (0..input.shapes.len()).find(|&s| {
-            shaping.count[s] < input.shapes[s].min_gpus
-                && gpu.shape != Some(s)
-                && slots_on(input, gpu, s).is_some()
-        });
-        match short {
-            Some(s) => {
-                shaping.count[s] += 1;
-                wanted.push(Recut {
-                    gpu: i,
-                    from: gpu.shape,
-                    to: s,
-                    drain: false,
-                    gain: 0.0,
-                });
-            }
-            None => shaping.keep(gpu),
-        }
-    }
-    wanted.sort_by(|a, b| {
-        a.drain
-            .cmp(&b.drain)
-            .then(b.gain.total_cmp(&a.gain))
-            .then(a.gpu.cmp(&b.gpu))
-    });
-    let in_flight = input.gpus.iter().filter(|g| g.recutting).count() as u32;
-    let room = rules.max_in_flight.saturating_sub(in_flight) as usize;
+    let deferred = shaping.keep_those_that_serve(&free);
+    let (mut wanted, spare) = shaping.recut_for_demand(&deferred, pods_wait);
+    shaping.fill_minimums(&spare, &mut wanted);
     let mut waiting_for: Vec<String> = held
         .iter()
         .map(|(why, n)| format!("{n} GPU(s) {why}"))
         .collect();
-    if wanted.len() > room {
-        waiting_for.push(format!(
-            "maxInFlight: {} more re-cut(s) wait while {in_flight} of at most {} are under way",
-            wanted.len() - room,
-            rules.max_in_flight
-        ));
-        wanted.truncate(room);
-    }
-    for r in &wanted {
+    let recuts = within_max_in_flight(input, wanted, &mut waiting_for);
+    let mut shapes: Vec<Option<usize>> = input.gpus.iter().map(|g| g.shape).collect();
+    for r in &recuts {
         shapes[r.gpu] = Some(r.to);
     }
     let unserved = shaping.left.now;
-    let reason = explain(input, &wanted, &unserved);
+    let reason = explain(input, &recuts, &unserved);
     Decision {
         shapes,
-        recuts: wanted,
+        recuts,
         unserved,
         reason,
         waiting_for,

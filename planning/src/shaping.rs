@@ -159,38 +159,10 @@ fn shape_pool(
         .unwrap_or_default();
     let demand = demand(seen, pool, &policies, set, &mut forecast, at);
     let (models, model_of) = model_slots(set, &members);
-    // (node, GPU index) → the policies of the work it holds.
-    let mut held: BTreeMap<(&str, u32), Vec<Option<&str>>> = BTreeMap::new();
-    for a in seen.allocated {
-        if let Some(gpu) = a.gpu {
-            held.entry((a.node.as_str(), gpu))
-                .or_default()
-                .push(a.policy.as_deref());
-        }
-    }
-    let gpus: Vec<GpuNow> = members
-        .iter_mut()
-        .zip(&model_of)
-        .map(|(m, &model)| {
-            let node = seen.nodes[m.node].inventory.name.as_str();
-            let on_it = held
-                .get(&(node, m.inventory.index))
-                .map_or(&[][..], Vec::as_slice);
-            gpu_now(pool, &policies, set, m, on_it, model, at)
-        })
-        .collect();
-    let shapes: Vec<Shape> = set
-        .shapes
-        .iter()
-        .map(|s| Shape {
-            name: s.name.clone(),
-            min_gpus: s.min_gpus.unwrap_or(0),
-            max_gpus: s.max_gpus,
-        })
-        .collect();
+    let gpus = gpus_now(seen, pool, &policies, set, &mut members, &model_of, at);
     let rules = rules(set, members.len());
     let decision = elastic::decide(&elastic::Input {
-        shapes: &shapes,
+        shapes: &shapes(set),
         models: &models,
         gpus: &gpus,
         demand: &demand,
@@ -200,44 +172,8 @@ fn shape_pool(
     let mut counts: BTreeMap<String, u32> = BTreeMap::new();
     let mut recutting = 0;
     for (i, m) in members.iter().enumerate() {
-        // Its layout and shape stay until a staged switch changes them.
-        let now = Assignment {
-            layout: m.layout.clone(),
-            shape: m.shape.map(|s| AssignedShape {
-                name: set.shapes[s].name.clone(),
-                since: m.since.and_then(gpuslice_api::time_of),
-            }),
-            ..m.base.clone()
-        };
-        let stage = |layout: &Layout| {
-            let shape = set.shapes.iter().position(|x| x.layout == *layout);
-            switch_at.clone().map(|at| NextAssignment {
-                at: at.clone(),
-                assigned: Assignment {
-                    layout: layout.clone(),
-                    shape: shape.map(|s| AssignedShape {
-                        name: set.shapes[s].name.clone(),
-                        since: Some(at),
-                    }),
-                    ..m.base.clone()
-                },
-            })
-        };
-        let recut = decision.recuts.iter().find(|r| r.gpu == i);
-        let next = match (&m.staged, recut) {
-            (_, Some(r)) => stage(&set.shapes[r.to].layout),
-            (Some((to, staged)), None) if decision.shapes[i] == Some(*to) => Some(staged.clone()),
-            // A GPU no shape is chosen for (none holds it, or nothing wants one) goes to Git's
-            // layout for now, as a pool without an elastic set does, once it is idle: staged
-            // like a re-cut, and kept staged at the same time on later passes.
-            _ if decision.shapes[i].is_none() && m.layout != m.base.layout && gpus[i].busy == 0 => {
-                match &m.pending {
-                    Some(p) if p.assigned.layout == m.base.layout => Some(p.clone()),
-                    _ => stage(&m.base.layout),
-                }
-            }
-            _ => None,
-        };
+        let now = m.now(set);
+        let next = m.next(set, &decision, i, gpus[i].busy, switch_at.as_ref());
         // Planned for its layout already; the shape changes nothing the agent does.
         let Some(mut planned) = m.planned.clone() else {
             continue;
@@ -283,6 +219,105 @@ fn shape_pool(
             forecast: Some((&forecast).into()),
         },
     );
+}
+
+/// The pool's GPUs as the decision reads them (`model_of`: each member's slot model).
+fn gpus_now(
+    seen: &Seen,
+    pool: &GpuPool,
+    policies: &[&GpuSlicePolicy],
+    set: &Elastic,
+    members: &mut [Member],
+    model_of: &[usize],
+    at: DateTime<Utc>,
+) -> Vec<GpuNow> {
+    // (node, GPU index) → the policies of the work it holds.
+    let mut held: BTreeMap<(&str, u32), Vec<Option<&str>>> = BTreeMap::new();
+    for a in seen.allocated {
+        if let Some(gpu) = a.gpu {
+            held.entry((a.node.as_str(), gpu))
+                .or_default()
+                .push(a.policy.as_deref());
+        }
+    }
+    members
+        .iter_mut()
+        .zip(model_of)
+        .map(|(m, &model)| {
+            let node = seen.nodes[m.node].inventory.name.as_str();
+            let on_it = held
+                .get(&(node, m.inventory.index))
+                .map_or(&[][..], Vec::as_slice);
+            gpu_now(pool, policies, set, m, on_it, model, at)
+        })
+        .collect()
+}
+
+/// The set's shapes as the decision reads them.
+fn shapes(set: &Elastic) -> Vec<Shape> {
+    set.shapes
+        .iter()
+        .map(|s| Shape {
+            name: s.name.clone(),
+            min_gpus: s.min_gpus.unwrap_or(0),
+            max_gpus: s.max_gpus,
+        })
+        .collect()
+}
+
+impl Member<'_> {
+    /// What it has now: its layout and shape stay until a staged switch changes them.
+    fn now(&self, set: &Elastic) -> Assignment {
+        Assignment {
+            layout: self.layout.clone(),
+            shape: self.shape.map(|s| AssignedShape {
+                name: set.shapes[s].name.clone(),
+                since: self.since.and_then(gpuslice_api::time_of),
+            }),
+            ..self.base.clone()
+        }
+    }
+
+    /// The switch staged for it (the `i`th GPU of the decision, `busy` slices in use) at
+    /// `switch_at`: a re-cut decided now, one staged earlier and still chosen, or Git's layout.
+    fn next(
+        &self,
+        set: &Elastic,
+        decision: &elastic::Decision,
+        i: usize,
+        busy: u32,
+        switch_at: Option<&gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    ) -> Option<NextAssignment> {
+        let stage = |layout: &Layout| {
+            let shape = set.shapes.iter().position(|x| x.layout == *layout);
+            switch_at.map(|at| NextAssignment {
+                at: at.clone(),
+                assigned: Assignment {
+                    layout: layout.clone(),
+                    shape: shape.map(|s| AssignedShape {
+                        name: set.shapes[s].name.clone(),
+                        since: Some(at.clone()),
+                    }),
+                    ..self.base.clone()
+                },
+            })
+        };
+        let recut = decision.recuts.iter().find(|r| r.gpu == i);
+        match (&self.staged, recut) {
+            (_, Some(r)) => stage(&set.shapes[r.to].layout),
+            (Some((to, staged)), None) if decision.shapes[i] == Some(*to) => Some(staged.clone()),
+            // A GPU no shape is chosen for (none holds it, or nothing wants one) goes to Git's
+            // layout for now, as a pool without an elastic set does, once it is idle: staged
+            // like a re-cut, and kept staged at the same time on later passes.
+            _ if decision.shapes[i].is_none() && self.layout != self.base.layout && busy == 0 => {
+                match &self.pending {
+                    Some(p) if p.assigned.layout == self.base.layout => Some(p.clone()),
+                    _ => stage(&self.base.layout),
+                }
+            }
+            _ => None,
+        }
+    }
 }
 
 fn earliest(a: Option<DateTime<Utc>>, b: DateTime<Utc>) -> Option<DateTime<Utc>> {

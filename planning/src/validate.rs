@@ -513,18 +513,7 @@ fn check_policy(
     let doc = policy.doc;
     let spec = &policy.object.spec;
     check_checkpoint_reference(doc, spec.checkpoint_policy.as_deref(), checkpoints, out);
-    if let Some(host) = &spec.host {
-        if let Some(cpu) = &host.cpu
-            && let Err(e) = gpuslice_api::millicores_of(&cpu.0)
-        {
-            out.error(doc, "spec.host.cpu", e.to_string());
-        }
-        if let Some(memory) = &host.memory
-            && let Err(e) = memory.bytes()
-        {
-            out.error(doc, "spec.host.memory", e.to_string());
-        }
-    }
+    check_host(doc, spec.host.as_ref(), out);
     let Some(pool) = pools.get(spec.pool.as_str()) else {
         out.error(
             doc,
@@ -537,82 +526,18 @@ fn check_policy(
         return;
     };
     let headroom = pool.object.spec.headroom_bytes();
-    let need = memory.saturating_add(headroom);
-    let limit = spec.compute.as_ref().map(|c| c.limit);
+    let demand = Demand {
+        memory,
+        headroom,
+        need: memory.saturating_add(headroom),
+        limit: spec.compute.as_ref().map(|c| c.limit),
+    };
+    let (need, limit) = (demand.need, demand.limit);
     let models = selected_models(&pool.object).known;
     let mut fits = Vec::new();
     let mut misfits = Vec::new();
     for (_, what, layout) in layouts(&pool.object) {
-        let why_not = match layout.kind() {
-            Some(LayoutKind::Software(s)) => {
-                let slice = s.memory.bytes().unwrap_or(0);
-                if need > slice {
-                    Some((
-                        "spec.memory",
-                        format!(
-                            "{} + memoryHeadroom {} = {} does not fit the {} slices of {what}",
-                            format_bytes(memory),
-                            format_bytes(headroom),
-                            format_bytes(need),
-                            format_bytes(slice)
-                        ),
-                    ))
-                } else {
-                    limit.filter(|&l| l > s.compute).map(|limit| {
-                        (
-                            "spec.compute.limit",
-                            format!(
-                                "compute limit {limit}% exceeds the {}% share of each slice of {what} (guarantees on one GPU could then add up to more than 100%)",
-                                s.compute
-                            ),
-                        )
-                    })
-                }
-            }
-            Some(LayoutKind::Mig(m)) => {
-                let candidates = mig_candidates(&models);
-                let largest = candidates
-                    .iter()
-                    .filter_map(|model| {
-                        let counts = mig::requested_profiles(model, m).ok()?;
-                        counts
-                            .keys()
-                            .filter_map(|p| model.profile(p))
-                            .map(|p| p.memory_bytes())
-                            .max()
-                    })
-                    .max();
-                match largest {
-                    Some(largest) if need > largest => Some((
-                        "spec.memory",
-                        format!(
-                            "{} + memoryHeadroom {} = {} does not fit the largest MIG instance of {what} ({})",
-                            format_bytes(memory),
-                            format_bytes(headroom),
-                            format_bytes(need),
-                            format_bytes(largest)
-                        ),
-                    )),
-                    _ => None,
-                }
-            }
-            Some(LayoutKind::Exclusive) => models
-                .iter()
-                .map(|m| m.memory_bytes())
-                .min()
-                .filter(|&gpu| need > gpu)
-                .map(|gpu| {
-                    (
-                        "spec.memory",
-                        format!(
-                            "{} + memoryHeadroom exceeds a whole GPU ({}) in {what}",
-                            format_bytes(memory),
-                            format_bytes(gpu)
-                        ),
-                    )
-                }),
-            None => None,
-        };
+        let why_not = why_not_fits(layout, &what, &models, &demand);
         match why_not {
             None => fits.push(what),
             Some(reason) => misfits.push((what, reason)),
@@ -656,5 +581,117 @@ fn check_policy(
             };
             out.warn(doc, path, text);
         }
+    }
+}
+
+/// What a policy asks of a slice: its memory, the pool's headroom, both together, and its
+/// compute limit.
+struct Demand {
+    memory: u64,
+    headroom: u64,
+    need: u64,
+    limit: Option<u32>,
+}
+
+/// Why no slice of `layout` (`what` names it; `models` are the pool's GPUs) holds `demand`:
+/// the field to change and the reason, or `None` where it fits.
+fn why_not_fits(
+    layout: &Layout,
+    what: &str,
+    models: &[&'static GpuModel],
+    demand: &Demand,
+) -> Option<(&'static str, String)> {
+    let Demand {
+        memory,
+        headroom,
+        need,
+        limit,
+    } = *demand;
+    match layout.kind() {
+        Some(LayoutKind::Software(s)) => {
+            let slice = s.memory.bytes().unwrap_or(0);
+            if need > slice {
+                Some((
+                    "spec.memory",
+                    format!(
+                        "{} + memoryHeadroom {} = {} does not fit the {} slices of {what}",
+                        format_bytes(memory),
+                        format_bytes(headroom),
+                        format_bytes(need),
+                        format_bytes(slice)
+                    ),
+                ))
+            } else {
+                limit.filter(|&l| l > s.compute).map(|limit| {
+                    (
+                        "spec.compute.limit",
+                        format!(
+                            "compute limit {limit}% exceeds the {}% share of each slice of {what} (guarantees on one GPU could then add up to more than 100%)",
+                            s.compute
+                        ),
+                    )
+                })
+            }
+        }
+        Some(LayoutKind::Mig(m)) => {
+            let candidates = mig_candidates(models);
+            let largest = candidates
+                .iter()
+                .filter_map(|model| {
+                    let counts = mig::requested_profiles(model, m).ok()?;
+                    counts
+                        .keys()
+                        .filter_map(|p| model.profile(p))
+                        .map(|p| p.memory_bytes())
+                        .max()
+                })
+                .max();
+            match largest {
+                Some(largest) if need > largest => Some((
+                    "spec.memory",
+                    format!(
+                        "{} + memoryHeadroom {} = {} does not fit the largest MIG instance of {what} ({})",
+                        format_bytes(memory),
+                        format_bytes(headroom),
+                        format_bytes(need),
+                        format_bytes(largest)
+                    ),
+                )),
+                _ => None,
+            }
+        }
+        Some(LayoutKind::Exclusive) => models
+            .iter()
+            .map(|m| m.memory_bytes())
+            .min()
+            .filter(|&gpu| need > gpu)
+            .map(|gpu| {
+                (
+                    "spec.memory",
+                    format!(
+                        "{} + memoryHeadroom exceeds a whole GPU ({}) in {what}",
+                        format_bytes(memory),
+                        format_bytes(gpu)
+                    ),
+                )
+            }),
+        None => None,
+    }
+}
+
+/// A policy's host limits (`spec.host`): the CPU and memory quantities parse.
+fn check_host(doc: usize, host: Option<&gpuslice_api::HostResources>, out: &mut Findings) {
+    let Some(host) = host else {
+        return;
+    };
+    if let Some(cpu) = &host.cpu
+        && let Err(e) = gpuslice_api::millicores_of(&cpu.0)
+    {
+        out.error(doc, "spec.host.cpu", e.to_string());
+    }
+    if let Some(memory) = &host.memory
+        && let Err(e) = memory.bytes()
+    {
+        out.error(doc, "spec.host.memory", e.to_string());
     }
 }

@@ -1,7 +1,7 @@
 //! `gpuslice bench` (developer build): the benchmarks, each printing a table with a PASS/FAIL
 //! column and exiting non-zero on FAIL.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(clap::Subcommand)]
@@ -148,36 +148,7 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
             traces,
             constrained,
             variant_seed,
-        } => {
-            use gpuslice_bench::placement as bench;
-            let nodes = bench::cluster(&data)?;
-            if constrained {
-                let pods = bench::pods(&data.join("openb_pod_list_default.csv"))?;
-                let mut results = Vec::new();
-                for mix in bench::model_mixes(&nodes) {
-                    for share in bench::CONSTRAINED_SHARES {
-                        let variant = bench::constrained(&pods, &nodes, share, &mix, variant_seed);
-                        let name = format!("{}-{:.0}%", mix.name, share * 100.0);
-                        results.push(bench::run_pods(&nodes, &name, &variant, seeds));
-                        eprintln!("replayed {name}");
-                    }
-                }
-                let (table, ok) = bench::render(&results, seeds);
-                return Ok(print_table(&table, ok));
-            }
-            let files = if traces.is_empty() {
-                gpuslice_bench::placement::traces(&data)?
-            } else {
-                traces.iter().map(|t| data.join(t)).collect()
-            };
-            let mut results = Vec::new();
-            for file in &files {
-                results.push(gpuslice_bench::placement::run_trace(&nodes, file, seeds)?);
-                eprintln!("replayed {}", file.display());
-            }
-            let (table, ok) = gpuslice_bench::placement::render(&results, seeds);
-            Ok(print_table(&table, ok))
-        }
+        } => placement(&data, seeds, &traces, constrained, variant_seed),
         Bench::Compute {
             seconds,
             scenarios,
@@ -276,4 +247,43 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `bench placement`: every trace in `data` (or the `traces` named), or the constrained
+/// variants of the default trace, under each placement policy.
+fn placement(
+    data: &Path,
+    seeds: u64,
+    traces: &[String],
+    constrained: bool,
+    variant_seed: u64,
+) -> anyhow::Result<ExitCode> {
+    use gpuslice_bench::placement as bench;
+    let nodes = bench::cluster(data)?;
+    if constrained {
+        let pods = bench::pods(&data.join("openb_pod_list_default.csv"))?;
+        let mut results = Vec::new();
+        for mix in bench::model_mixes(&nodes) {
+            for share in bench::CONSTRAINED_SHARES {
+                let variant = bench::constrained(&pods, &nodes, share, &mix, variant_seed);
+                let name = format!("{}-{:.0}%", mix.name, share * 100.0);
+                results.push(bench::run_pods(&nodes, &name, &variant, seeds));
+                eprintln!("replayed {name}");
+            }
+        }
+        let (table, ok) = bench::render(&results, seeds);
+        return Ok(print_table(&table, ok));
+    }
+    let files = if traces.is_empty() {
+        bench::traces(data)?
+    } else {
+        traces.iter().map(|t| data.join(t)).collect()
+    };
+    let mut results = Vec::new();
+    for file in &files {
+        results.push(bench::run_trace(&nodes, file, seeds)?);
+        eprintln!("replayed {}", file.display());
+    }
+    let (table, ok) = bench::render(&results, seeds);
+    Ok(print_table(&table, ok))
 }
