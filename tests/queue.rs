@@ -1232,3 +1232,101 @@ spec: {{pool: forecast, memory: 30Gi}}
     let s = elastic_status(&client, "forecast").await.unwrap();
     assert_eq!(s.shapes.get("halves"), Some(&1), "{s:?}");
 }
+
+#[tokio::test]
+async fn an_elastic_gpu_holds_its_shape_for_min_dwell_then_goes_back_and_the_pool_spec_never_changes()
+ {
+    // Two A100s; the set keeps both in quarters (minGpus 2) unless pods wait for a half. A pod
+    // of `big` re-cuts one to halves; once it is gone, minDwell (1m) holds that GPU in halves,
+    // and only then does the minimum take it back. No forecast: nothing else wants halves.
+    let Some(h) = Harness::start(CLOCK, "a100-d", "dwell", "64", 2).await else {
+        return;
+    };
+    let client = h.client.clone();
+    let docs = gpuslice_testcluster::documents(
+        "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: dwell}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: dwell}}
+  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}
+  elastic:
+    shapes:
+    - {name: quarters, minGpus: 2, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}
+    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}
+    minDwell: 1m
+    maxInFlight: 50
+    forecastHorizon: 0s
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: big-d}
+spec: {pool: dwell, memory: 30Gi}
+",
+    );
+    h.apply_and_wait(&docs, 1).await;
+    let pools: Api<gpuslice_api::GpuPool> = Api::all(client.clone());
+    let applied = pools.get("dwell").await.unwrap().metadata.generation;
+    h.create_gated(&pod("big-d-0", "default", "big-d")).await;
+    let recut = eventually("the big pod is bound on a half", || {
+        let client = client.clone();
+        async move {
+            let s = elastic_status(&client, "dwell").await?;
+            let b = bound(&client, &["default"]).await;
+            (b.len() == 1 && s.shapes.get("halves") == Some(&1))
+                .then(|| s.last_recut.clone())
+                .flatten()
+                .ok_or(format!("{b:?}; {s:?}"))
+        }
+    })
+    .await;
+    let recut_at = gpuslice_api::chrono_of(&recut.at).unwrap();
+    Api::<Pod>::namespaced(client.clone(), "default")
+        .delete("big-d-0", &DeleteParams::default())
+        .await
+        .unwrap();
+    // Idle and below the minimum of quarters, the GPU still waits out minDwell.
+    let held = eventually("the pool says minDwell holds the GPU", || async {
+        let s = elastic_status(&client, "dwell").await?;
+        s.waiting_for
+            .iter()
+            .any(|w| w.contains("minDwell"))
+            .then_some(s.clone())
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+    assert_eq!(held.shapes.get("halves"), Some(&1), "{held:?}");
+    let back = eventually("the GPU goes back to quarters", || async {
+        let s = elastic_status(&client, "dwell").await?;
+        (s.shapes.get("quarters") == Some(&2))
+            .then(|| s.last_recut.clone())
+            .flatten()
+            .ok_or(format!("{s:?}"))
+    })
+    .await;
+    let back_at = gpuslice_api::chrono_of(&back.at).unwrap();
+    assert!(
+        back_at - recut_at >= chrono::TimeDelta::minutes(1),
+        "re-cut again after {} s: {back:?}",
+        (back_at - recut_at).num_seconds()
+    );
+    assert!(back.reason.contains("halves → quarters"), "{}", back.reason);
+    // Git stays the source of truth: the operator wrote the pool's status, never its spec,
+    // so Argo CD has no drift to show.
+    let pool = pools.get("dwell").await.unwrap();
+    assert_eq!(pool.metadata.generation, applied);
+    let spec_writers: Vec<String> = pool
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|m| m.subresource.is_none())
+        .filter_map(|m| m.manager)
+        .collect();
+    assert_eq!(
+        spec_writers,
+        ["gpuslice-test"],
+        "only the applier writes the spec"
+    );
+}
