@@ -1690,3 +1690,109 @@ async fn a_pods_first_launches_wait_for_an_agent_that_is_restarting() {
     .await;
     pods.delete("late", &DeleteParams::default()).await.unwrap();
 }
+
+#[tokio::test]
+async fn an_elastic_pool_re_cuts_a_busy_gpu_only_after_its_pod_checkpointed() {
+    // shared-a100 as an elastic pool that may drain checkpointable work: its one GPU in
+    // quarters holds a notebook (checkpoint policy `standard`: SIGUSR1, required). A pod that
+    // needs a half waits; the operator stages the GPU to halves, the agent has the notebook
+    // checkpoint and evicted, and only then re-cuts it; both pods then run on the halves.
+    let Some(setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    let client = setup.client.clone();
+    let pool_and_policy = "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: shared-a100}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}
+  gpuSelector: {models: [NVIDIA A100-SXM4-80GB]}
+  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}
+  memoryHeadroom: 1Gi
+  checkpointPolicy: standard
+  requireNonRoot: true
+  elastic:
+    shapes:
+    - {name: quarters, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}
+    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}
+    drain: Checkpointable
+    forecastHorizon: 0s
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: big}
+spec: {pool: shared-a100, memory: 30Gi, priority: high}
+";
+    apply_policies(&setup, pool_and_policy, 2).await;
+    let script = format!(
+        "{} link cap; trap 'echo checkpointing; touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"' USR1; while :; do sleep 0.2; done",
+        setup.probe()
+    );
+    Api::<Deployment>::namespaced(client.clone(), "default")
+        .create(
+            &PostParams::default(),
+            &queued_deployment(&setup, "notebook-e", "notebook", &script),
+        )
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let first = eventually("the notebook runs on a quarter", || {
+        let pods = pods.clone();
+        async move {
+            running_pod(&pods, "notebook-e")
+                .await
+                .ok_or(pod_states(&pods).await)
+        }
+    })
+    .await;
+    pods.create(
+        &PostParams::default(),
+        &policy_pod(&setup, "big-e", "big", "while :; do sleep 0.2; done", true),
+    )
+    .await
+    .unwrap();
+    // The big pod runs once the GPU is in halves; the notebook's Deployment brings it back on
+    // the other half.
+    eventually("the big pod and a new notebook run on the halves", || {
+        let (pods, client, first) = (pods.clone(), client.clone(), first.clone());
+        async move {
+            let notebook = running_pod(&pods, "notebook-e").await;
+            let big = phase(&pods, "big-e").await;
+            let all = devices(&client, "gpuslice.io/recut").await;
+            let halves = all.len() == 2 && all.iter().all(|(_, m, _)| m == "40Gi");
+            (halves && big == "Running" && notebook.as_ref().is_some_and(|n| *n != first))
+                .then_some(())
+                .ok_or(format!(
+                    "big {big}, notebook {notebook:?}, devices {all:?}{}",
+                    pod_states(&pods).await
+                ))
+        }
+    })
+    .await;
+    // The notebook was told to checkpoint, wrote its marker, and only then was evicted.
+    let log = setup.agent_log();
+    let signalled = log
+        .find("SignalPods")
+        .expect("the agent signalled the notebook");
+    let evicted = log
+        .find(&format!("asking the operator to evict pod default/{first}"))
+        .expect("the agent asked for the notebook's eviction");
+    assert!(signalled < evicted, "signal, then eviction");
+    let eviction = log[evicted..].lines().next().unwrap_or_default();
+    assert!(eviction.contains("checkpoint taken"), "{eviction}");
+    let pool = Api::<gpuslice_api::GpuPool>::all(client.clone())
+        .get("shared-a100")
+        .await
+        .unwrap();
+    let recut = pool
+        .status
+        .and_then(|s| s.elastic)
+        .and_then(|e| e.last_recut)
+        .expect("the re-cut recorded");
+    assert!(
+        recut.reason.contains("quarters → halves (drained)") && recut.reason.contains("big"),
+        "{}",
+        recut.reason
+    );
+}

@@ -1311,7 +1311,12 @@ spec: {pool: dwell, memory: 30Gi}
         "re-cut again after {} s: {back:?}",
         (back_at - recut_at).num_seconds()
     );
-    assert!(back.reason.contains("halves → quarters"), "{}", back.reason);
+    assert!(
+        back.reason
+            .contains("halves → quarters (for the minGpus of quarters)"),
+        "{}",
+        back.reason
+    );
     // Git stays the source of truth: the operator wrote the pool's status, never its spec,
     // so Argo CD has no drift to show.
     let pool = pools.get("dwell").await.unwrap();

@@ -176,6 +176,8 @@ pub struct Recut {
     pub drain: bool,
     /// Weighted demand the new shape serves beyond the old.
     pub gain: f64,
+    /// Made only to bring its shape up to `minGpus` (nothing wanted the GPU otherwise).
+    pub minimum: bool,
 }
 
 /// The decision and why.
@@ -414,6 +416,7 @@ impl<'i, 'a> Shaping<'i, 'a> {
                         to: s,
                         drain: !gpu.idle(),
                         gain: value.now - own.now + value.ahead - own.ahead,
+                        minimum: false,
                     });
                 }
                 _ if own.any() || !gpu.idle() => self.keep(gpu),
@@ -442,6 +445,7 @@ impl<'i, 'a> Shaping<'i, 'a> {
                         to: s,
                         drain: false,
                         gain: 0.0,
+                        minimum: true,
                     });
                 }
                 None => self.keep(gpu),
@@ -522,20 +526,23 @@ fn explain(input: &Input, recuts: &[Recut], unserved: &[f64]) -> String {
             input.shapes[s].name.as_str()
         })
     };
-    let mut moves: BTreeMap<(&str, &str, bool), u32> = BTreeMap::new();
+    let mut moves: BTreeMap<(&str, &str, bool, bool), u32> = BTreeMap::new();
     for r in recuts {
         *moves
-            .entry((name(r.from), name(Some(r.to)), r.drain))
+            .entry((name(r.from), name(Some(r.to)), r.drain, r.minimum))
             .or_default() += 1;
     }
     let mut text = String::new();
-    for ((from, to, drain), n) in &moves {
+    for ((from, to, drain, minimum), n) in &moves {
         if !text.is_empty() {
             text.push_str(", ");
         }
         let _ = write!(text, "{n} GPU(s) {from} → {to}");
         if *drain {
             text.push_str(" (drained)");
+        }
+        if *minimum {
+            let _ = write!(text, " (for the minGpus of {to})");
         }
     }
     let demand: Vec<String> = input
@@ -807,6 +814,29 @@ mod tests {
                 && d.waiting_for.iter().any(|w| w.contains("maxInFlight")),
             "{:?}",
             d.waiting_for
+        );
+    }
+
+    #[test]
+    fn spare_gpus_fill_a_shape_up_to_its_minimum_and_say_so() {
+        let (mut shapes, models) = quarter_half_whole();
+        shapes[0].min_gpus = 2;
+        let pool = gpus(&[1, 1, 1]);
+        let d = decide(&Input {
+            shapes: &shapes,
+            models: &models,
+            gpus: &pool,
+            demand: &[],
+            rules: &rules(),
+        });
+        // Nothing wants any GPU: two go to quarters for its minimum, the third keeps its half.
+        assert_eq!(d.shapes, vec![Some(0), Some(0), Some(1)], "{d:?}");
+        assert!(d.recuts.iter().all(|r| r.minimum && !r.drain));
+        assert!(
+            d.reason
+                .starts_with("2 GPU(s) half → quarter (for the minGpus of quarter)"),
+            "{}",
+            d.reason
         );
     }
 
