@@ -841,6 +841,49 @@ mod tests {
     }
 
     #[test]
+    fn a_tenant_flipping_its_waiting_pods_cannot_re_cut_a_gpu_more_often_than_min_dwell() {
+        // A hostile tenant creates and deletes gated pods every 5 minutes, 16 notebooks then 4
+        // trainings, for four hours, to make the pool thrash. Passes every 60 s; a re-cut
+        // takes one pass.
+        let mut pool = gpus(&[0, 0, 0, 0]);
+        let mut rules = rules();
+        rules.max_in_flight = 2;
+        let mut last: Vec<Option<u32>> = vec![None; pool.len()];
+        let mut recuts = 0;
+        for minute in 0..240u32 {
+            let notebooks = (minute / 5) % 2 == 0;
+            let demand = [
+                demand("notebook", 18, 25, 0, if notebooks { 16 } else { 0 }),
+                demand("training", 70, 100, 0, if notebooks { 0 } else { 4 }),
+            ];
+            let d = decide_with(&pool, &demand, &rules);
+            assert!(d.recuts.len() <= 2, "maxInFlight broken at {minute}: {d:?}");
+            for g in &mut pool {
+                g.recutting = false;
+                g.since_recut = g.since_recut.map(|s| s + 60.0);
+            }
+            for r in &d.recuts {
+                if let Some(before) = last[r.gpu] {
+                    assert!(
+                        f64::from(minute - before) * 60.0 >= rules.min_dwell,
+                        "GPU {} re-cut at minute {before} and again at {minute}",
+                        r.gpu
+                    );
+                }
+                last[r.gpu] = Some(minute);
+                recuts += 1;
+                let g = &mut pool[r.gpu];
+                g.shape = Some(r.to);
+                g.since_recut = Some(0.0);
+                g.recutting = true;
+            }
+        }
+        // At most one re-cut per GPU per 30 minutes, whatever the tenant does.
+        assert!(recuts <= 4 * 8, "{recuts} re-cuts in four hours");
+        assert!(recuts > 0, "the pool never answered the demand");
+    }
+
+    #[test]
     fn the_forecast_shapes_idle_gpus_ahead_of_the_rise() {
         let mut training = demand("training", 70, 100, 0, 0);
         training.forecast = 3.0;
