@@ -589,6 +589,10 @@ pub fn elastic(
                 policy: claim.policy.clone(),
                 node: node.clone(),
                 gpu,
+                last_checkpoint: claim
+                    .last_checkpoint
+                    .as_ref()
+                    .and_then(gpuslice_api::chrono_of),
             });
         }
     }

@@ -532,6 +532,17 @@ impl Replay<'_> {
                     .all(|&p| CLASSES[self.pods[p].class].checkpoints),
                 since_recut: g.last_recut.map(|t| now - t),
                 recutting: g.recut_until.is_some(),
+                loss: Some(
+                    g.slots
+                        .iter()
+                        .flatten()
+                        .map(|&p| {
+                            self.pods[p]
+                                .running_since
+                                .map_or(0.0, |s| (now - s) % CHECKPOINT_SECONDS)
+                        })
+                        .fold(0.0, f64::max),
+                ),
             })
             .collect();
         let started = Instant::now();
@@ -742,6 +753,7 @@ pub fn decision_time(layouts: &[ModelSlots], shapes: &[Shape]) -> f64 {
             drainable: rng.random::<f64>() < 0.5,
             since_recut: Some(rng.random_range(0.0..7200.0)),
             recutting: rng.random::<f64>() < 0.01,
+            loss: Some(rng.random_range(0.0..1800.0)),
         })
         .collect();
     let demand: Vec<Demand> = CLASSES
@@ -821,6 +833,7 @@ pub fn shaping_time() -> f64 {
                         policy: Some("notebook".into()),
                         node: name.clone(),
                         gpu: Some(i),
+                        last_checkpoint: None,
                     });
                 }
             }

@@ -95,7 +95,7 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
         let mut look_again = None;
         let mut pass = agent.pass(now, |node| {
             let mut plan = plan_cluster(&config.pools, std::slice::from_ref(node), now);
-            look_again = shapes.shape(&config, node, &mut plan, &claims, now);
+            look_again = shapes.shape(&config, node, &mut plan, &claims, &options.state, now);
             Intent {
                 plan,
                 config: config.clone(),
@@ -286,6 +286,7 @@ impl Shapes {
         node: &NodeInventory,
         plan: &mut ClusterPlan,
         claims: &crate::workloads::claims::Claims,
+        state: &StateDir,
         now: DateTime<Utc>,
     ) -> Option<DateTime<Utc>> {
         let pools: Vec<GpuPool> = config
@@ -320,11 +321,16 @@ impl Shapes {
             .into_iter()
             .map(|c| {
                 let gpu = gpu_of.get(&c.slice).copied();
+                let last_checkpoint = std::fs::metadata(state.checkpoint_done(&c.slice))
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .map(DateTime::<Utc>::from);
                 Allocated {
                     pool: gpu.and_then(pool_of),
                     policy: c.policy,
                     node: node.name.clone(),
                     gpu,
+                    last_checkpoint,
                 }
             })
             .collect();

@@ -128,6 +128,9 @@ pub struct GpuNow {
     pub since_recut: Option<f64>,
     /// A re-cut is under way.
     pub recutting: bool,
+    /// Seconds of work a drain would lose now: since the oldest last checkpoint of its
+    /// workloads (0 when idle); `None` when one of them never wrote a checkpoint.
+    pub loss: Option<f64>,
 }
 
 impl GpuNow {
@@ -178,6 +181,13 @@ pub struct Recut {
     pub gain: f64,
     /// Made only to bring its shape up to `minGpus` (nothing wanted the GPU otherwise).
     pub minimum: bool,
+}
+
+/// Drains cost the work since the workloads' last checkpoints: the least first, a GPU whose
+/// loss is unknown last.
+fn by_loss(a: &GpuNow, b: &GpuNow) -> std::cmp::Ordering {
+    let key = |g: &GpuNow| g.loss.unwrap_or(f64::INFINITY);
+    key(a).total_cmp(&key(b))
 }
 
 /// The decision and why.
@@ -399,7 +409,13 @@ impl<'i, 'a> Shaping<'i, 'a> {
         let input = self.input;
         let mut wanted: Vec<Recut> = Vec::new();
         let mut spare = Vec::new();
-        for &i in deferred {
+        // Idle GPUs first (a re-cut costs them nothing), then drains by what they lose.
+        let mut order = deferred.to_vec();
+        order.sort_by(|&a, &b| {
+            let (a, b) = (&input.gpus[a], &input.gpus[b]);
+            b.idle().cmp(&a.idle()).then(by_loss(a, b))
+        });
+        for i in order {
             let gpu = &input.gpus[i];
             let own = self.value(gpu, gpu.shape, false);
             let best = self.best(gpu);
@@ -464,6 +480,7 @@ fn within_max_in_flight(
     wanted.sort_by(|a, b| {
         a.drain
             .cmp(&b.drain)
+            .then(by_loss(&input.gpus[a.gpu], &input.gpus[b.gpu]))
             .then(b.gain.total_cmp(&a.gain))
             .then(a.gpu.cmp(&b.gpu))
     });
@@ -543,6 +560,24 @@ fn explain(input: &Input, recuts: &[Recut], unserved: &[f64]) -> String {
         }
         if *minimum {
             let _ = write!(text, " (for the minGpus of {to})");
+        }
+    }
+    let drained: Vec<Option<f64>> = recuts
+        .iter()
+        .filter(|r| r.drain)
+        .map(|r| input.gpus[r.gpu].loss)
+        .collect();
+    if !drained.is_empty() {
+        match drained.iter().copied().collect::<Option<Vec<f64>>>() {
+            Some(losses) => {
+                let most = losses.into_iter().fold(0.0, f64::max);
+                let _ = write!(
+                    text,
+                    " (losing at most {:.0} min of work since the last checkpoints)",
+                    most / 60.0
+                );
+            }
+            None => text.push_str(" (a drained workload has written no checkpoint yet)"),
         }
     }
     let demand: Vec<String> = input
@@ -726,6 +761,7 @@ mod tests {
                 drainable: false,
                 since_recut: None,
                 recutting: false,
+                loss: Some(0.0),
             })
             .collect()
     }
@@ -797,6 +833,35 @@ mod tests {
         let d = decide_with(&pool, &[notebooks, training], &drain);
         assert_eq!(d.recuts.len(), 2, "{d:?}");
         assert!(d.recuts.iter().all(|r| r.drain && r.to == 2));
+    }
+
+    #[test]
+    fn the_drain_that_loses_least_since_its_checkpoint_goes_first() {
+        // Three GPUs in quarters, a notebook on each (checkpointable); one training pod (worth
+        // three notebooks) waits. GPU 0's quarters serve the notebooks; of the other two, the
+        // one whose notebook checkpointed a minute ago is drained, not the one that never did.
+        let mut pool = gpus(&[0, 0, 0]);
+        for (g, loss) in pool.iter_mut().zip([Some(1200.0), None, Some(60.0)]) {
+            g.busy = 1;
+            g.drainable = true;
+            g.loss = loss;
+        }
+        let mut training = demand("training", 70, 100, 0, 1);
+        training.weight = 3.0;
+        let mut drain = rules();
+        drain.drain = true;
+        let d = decide_with(&pool, &[demand("notebook", 18, 25, 3, 0), training], &drain);
+        assert_eq!(d.recuts.len(), 1, "{d:?}");
+        assert_eq!(
+            (d.recuts[0].gpu, d.recuts[0].to, d.recuts[0].drain),
+            (2, 2, true)
+        );
+        assert!(
+            d.reason
+                .contains("(losing at most 1 min of work since the last checkpoints)"),
+            "{}",
+            d.reason
+        );
     }
 
     #[test]

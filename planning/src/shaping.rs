@@ -41,6 +41,8 @@ pub struct Allocated {
     /// The node and the GPU index of the device, where known.
     pub node: String,
     pub gpu: Option<u32>,
+    /// When its workload last wrote a checkpoint, as its agent reports it.
+    pub last_checkpoint: Option<DateTime<Utc>>,
 }
 
 /// A node as the shaping sees it: its GPUs, and what it was last given (`GpuNode.spec.gpus`).
@@ -231,13 +233,11 @@ fn gpus_now(
     model_of: &[usize],
     at: DateTime<Utc>,
 ) -> Vec<GpuNow> {
-    // (node, GPU index) → the policies of the work it holds.
-    let mut held: BTreeMap<(&str, u32), Vec<Option<&str>>> = BTreeMap::new();
+    // (node, GPU index) → the work it holds.
+    let mut held: BTreeMap<(&str, u32), Vec<&Allocated>> = BTreeMap::new();
     for a in seen.allocated {
         if let Some(gpu) = a.gpu {
-            held.entry((a.node.as_str(), gpu))
-                .or_default()
-                .push(a.policy.as_deref());
+            held.entry((a.node.as_str(), gpu)).or_default().push(a);
         }
     }
     members
@@ -515,7 +515,7 @@ fn gpu_now(
     policies: &[&GpuSlicePolicy],
     set: &Elastic,
     m: &mut Member,
-    held: &[Option<&str>],
+    held: &[&Allocated],
     model: usize,
     at: DateTime<Utc>,
 ) -> GpuNow {
@@ -545,7 +545,7 @@ fn gpu_now(
     // Processes outside any pod's claim cannot be evicted: only pods' work drains.
     let drainable = set.drain == ElasticDrain::Checkpointable
         && with_processes <= held.len()
-        && held.iter().all(|p| checkpointable(*p));
+        && held.iter().all(|a| checkpointable(a.policy.as_deref()));
     if busy > 0 && !drainable {
         m.staged = None;
     }
@@ -567,6 +567,13 @@ fn gpu_now(
             .since
             .map(|s| (at - s).num_milliseconds().max(0) as f64 / 1000.0),
         recutting: m.staged.is_some() || converging,
+        loss: held
+            .iter()
+            .map(|a| {
+                a.last_checkpoint
+                    .map(|c| (at - c).num_milliseconds().max(0) as f64 / 1000.0)
+            })
+            .try_fold(0.0, |most: f64, loss| Some(most.max(loss?))),
     }
 }
 

@@ -299,7 +299,20 @@ pub(super) fn observe(
 pub(super) fn allocated(
     slices: &Store<PublishedSlice>,
     claims: &Store<ResourceClaim>,
+    gpu_nodes: &Store<GpuNode>,
 ) -> Vec<Allocated> {
+    // `namespace/name` of a claim → when its workload last checkpointed, as its agent says.
+    let checkpoints: std::collections::HashMap<String, chrono::DateTime<chrono::Utc>> = gpu_nodes
+        .state()
+        .iter()
+        .flat_map(|n| n.status.iter().flat_map(|s| s.claims.clone()))
+        .filter_map(|c| {
+            Some((
+                c.resource_claim?,
+                gpuslice_api::chrono_of(&c.last_checkpoint?)?,
+            ))
+        })
+        .collect();
     // (ResourceSlice pool, device) → the device's GpuPool and GPU index.
     type PoolAndGpu<'a> = (Option<&'a str>, Option<u32>);
     let mut published: std::collections::HashMap<(&str, &str), PoolAndGpu> =
@@ -358,6 +371,13 @@ pub(super) fn allocated(
                 policy,
                 node: result.pool.clone(),
                 gpu,
+                last_checkpoint: checkpoints
+                    .get(&format!(
+                        "{}/{}",
+                        claim.metadata.namespace.as_deref().unwrap_or_default(),
+                        claim.metadata.name.as_deref().unwrap_or_default()
+                    ))
+                    .copied(),
             });
         }
     }

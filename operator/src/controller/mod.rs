@@ -207,7 +207,7 @@ impl Reconciler {
             .iter()
             .map(|p| (**p).clone())
             .collect();
-        observed.allocated = allocated(&stores.slices, &stores.claims);
+        observed.allocated = allocated(&stores.slices, &stores.claims, &stores.gpu_nodes);
         observed.waiting = crate::queue::waiting_by_policy(&self.pods);
         observed.prometheus = self.signals.read();
         observed

@@ -99,6 +99,7 @@ mod tests {
             policy: Some(policy.into()),
             node: "n1".into(),
             gpu: Some(gpu),
+            last_checkpoint: None,
         }
     }
 
