@@ -1701,41 +1701,8 @@ async fn an_elastic_pool_re_cuts_a_busy_gpu_only_after_its_pod_checkpointed() {
         return;
     };
     let client = setup.client.clone();
-    let pool_and_policy = "
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuPool
-metadata: {name: shared-a100}
-spec:
-  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}
-  gpuSelector: {models: [NVIDIA A100-SXM4-80GB]}
-  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}
-  memoryHeadroom: 1Gi
-  checkpointPolicy: standard
-  requireNonRoot: true
-  elastic:
-    shapes:
-    - {name: quarters, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}
-    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}
-    drain: Checkpointable
-    forecastHorizon: 0s
----
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuSlicePolicy
-metadata: {name: big}
-spec: {pool: shared-a100, memory: 30Gi, priority: high}
-";
-    apply_policies(&setup, pool_and_policy, 2).await;
-    let script = format!(
-        "{} link cap; trap 'echo checkpointing; touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"' USR1; while :; do sleep 0.2; done",
-        setup.probe()
-    );
-    Api::<Deployment>::namespaced(client.clone(), "default")
-        .create(
-            &PostParams::default(),
-            &queued_deployment(&setup, "notebook-e", "notebook", &script),
-        )
-        .await
-        .unwrap();
+    elastic_a100(&setup, "{slices: 4, memory: 20Gi, compute: 25}").await;
+    queue_notebook(&setup, "notebook-e").await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let first = eventually("the notebook runs on a quarter", || {
         let pods = pods.clone();
@@ -1792,6 +1759,126 @@ spec: {pool: shared-a100, memory: 30Gi, priority: high}
         .expect("the re-cut recorded");
     assert!(
         recut.reason.contains("quarters → halves (drained)") && recut.reason.contains("big"),
+        "{}",
+        recut.reason
+    );
+}
+
+/// `shared-a100` as an elastic pool that may drain checkpointable work (its CheckpointPolicy
+/// `standard`: SIGUSR1, required), Git's layout `software` (quarters or halves), and a policy
+/// `big` that only a half holds.
+async fn elastic_a100(setup: &Setup, software: &str) {
+    let yaml = format!(
+        "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {{name: shared-a100}}
+spec:
+  nodeSelector: {{matchLabels: {{gpuslice.io/pool: shared-a100}}}}
+  gpuSelector: {{models: [NVIDIA A100-SXM4-80GB]}}
+  layout: {{software: {software}}}
+  memoryHeadroom: 1Gi
+  checkpointPolicy: standard
+  requireNonRoot: true
+  elastic:
+    shapes:
+    - {{name: quarters, layout: {{software: {{slices: 4, memory: 20Gi, compute: 25}}}}}}
+    - {{name: halves, layout: {{software: {{slices: 2, memory: 40Gi, compute: 50}}}}}}
+    drain: Checkpointable
+    forecastHorizon: 0s
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {{name: big}}
+spec: {{pool: shared-a100, memory: 30Gi, priority: high}}
+"
+    );
+    apply_policies(setup, &yaml, 2).await;
+}
+
+/// A one-pod Deployment `name` of notebooks through the queue, whose workload writes its
+/// checkpoint marker when told (SIGUSR1).
+async fn queue_notebook(setup: &Setup, name: &str) {
+    let script = format!(
+        "{} link cap; trap 'echo checkpointing; touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"' USR1; while :; do sleep 0.2; done",
+        setup.probe()
+    );
+    Api::<Deployment>::namespaced(setup.client.clone(), "default")
+        .create(
+            &PostParams::default(),
+            &queued_deployment(setup, name, "notebook", &script),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn notebooks_waiting_on_a_gpu_in_halves_get_it_cut_in_quarters_after_checkpoints() {
+    // The same pool with Git's layout in halves: two notebooks run on the halves and a third
+    // waits. Quarters serve all three, so the GPU is drained (each notebook checkpoints, then
+    // is evicted) and cut in quarters, and the three run.
+    let Some(setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    let client = setup.client.clone();
+    elastic_a100(&setup, "{slices: 2, memory: 40Gi, compute: 50}").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let names = ["nb-1", "nb-2", "nb-3"];
+    for name in &names[..2] {
+        queue_notebook(&setup, name).await;
+    }
+    eventually("two notebooks run on the halves", || {
+        let pods = pods.clone();
+        async move {
+            let mut running = Vec::new();
+            for name in &names[..2] {
+                running.extend(running_pod(&pods, name).await);
+            }
+            (running.len() == 2)
+                .then_some(())
+                .ok_or(pod_states(&pods).await)
+        }
+    })
+    .await;
+    queue_notebook(&setup, names[2]).await;
+    eventually("three notebooks run on quarters", || {
+        let (pods, client) = (pods.clone(), client.clone());
+        async move {
+            let mut running = Vec::new();
+            for name in names {
+                running.extend(running_pod(&pods, name).await);
+            }
+            let all = devices(&client, "gpuslice.io/recut").await;
+            let quarters = all.len() == 4 && all.iter().all(|(_, m, _)| m == "20Gi");
+            (quarters && running.len() == 3)
+                .then_some(())
+                .ok_or(format!(
+                    "running {running:?}, devices {all:?}{}",
+                    pod_states(&pods).await
+                ))
+        }
+    })
+    .await;
+    let log = setup.agent_log();
+    let evictions: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("asking the operator to evict pod default/nb-"))
+        .collect();
+    assert_eq!(evictions.len(), 2, "{evictions:?}");
+    assert!(
+        evictions.iter().all(|l| l.contains("checkpoint taken")),
+        "{evictions:?}"
+    );
+    let recut = Api::<gpuslice_api::GpuPool>::all(client.clone())
+        .get("shared-a100")
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.elastic)
+        .and_then(|e| e.last_recut)
+        .expect("the re-cut recorded");
+    assert!(
+        recut.reason.contains("halves → quarters (drained)") && recut.reason.contains("notebook"),
         "{}",
         recut.reason
     );

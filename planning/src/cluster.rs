@@ -194,22 +194,29 @@ pub fn plan_cluster(pools: &[GpuPool], nodes: &[NodeInventory], at: DateTime<Utc
     }
 }
 
+impl GpuPlan {
+    /// `gpu` with nothing planned for it yet.
+    fn unassigned(gpu: &GpuInventory) -> GpuPlan {
+        GpuPlan {
+            index: gpu.index,
+            uuid: gpu.uuid.clone(),
+            model: gpu.model.clone(),
+            assigned: None,
+            desired: None,
+            ops: Vec::new(),
+            blocked_by: Vec::new(),
+            error: None,
+        }
+    }
+}
+
 fn plan_gpu(
     pools: &[GpuPool],
     timings: &[(Option<usize>, PoolTiming)],
     claiming: &[usize],
     gpu: &GpuInventory,
 ) -> GpuPlan {
-    let mut out = GpuPlan {
-        index: gpu.index,
-        uuid: gpu.uuid.clone(),
-        model: gpu.model.clone(),
-        assigned: None,
-        desired: None,
-        ops: Vec::new(),
-        blocked_by: Vec::new(),
-        error: None,
-    };
+    let mut out = GpuPlan::unassigned(gpu);
     let &[pool_index] = claiming else {
         if claiming.len() > 1 {
             let mut pools: Vec<String> = claiming
@@ -242,16 +249,7 @@ fn plan_gpu(
 
 /// Plans one GPU of a pool: the layout resolved for its model and the transition from its state.
 pub fn plan_assigned(gpu: &GpuInventory, assignment: Assignment) -> GpuPlan {
-    let mut out = GpuPlan {
-        index: gpu.index,
-        uuid: gpu.uuid.clone(),
-        model: gpu.model.clone(),
-        assigned: None,
-        desired: None,
-        ops: Vec::new(),
-        blocked_by: Vec::new(),
-        error: None,
-    };
+    let mut out = GpuPlan::unassigned(gpu);
     let model = catalog::model(&gpu.model).ok();
     if let Some(message) = software_overflow(&assignment.layout, model, gpu) {
         out.error = Some(GpuPlanError::Layout {
