@@ -1701,7 +1701,7 @@ async fn an_elastic_pool_re_cuts_a_busy_gpu_only_after_its_pod_checkpointed() {
         return;
     };
     let client = setup.client.clone();
-    elastic_a100(&setup, "{slices: 4, memory: 20Gi, compute: 25}").await;
+    elastic_a100(&setup, "{slices: 4, memory: 20Gi, compute: 25}", true).await;
     queue_notebook(&setup, "notebook-e").await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let first = eventually("the notebook runs on a quarter", || {
@@ -1764,10 +1764,21 @@ async fn an_elastic_pool_re_cuts_a_busy_gpu_only_after_its_pod_checkpointed() {
     );
 }
 
-/// `shared-a100` as an elastic pool that may drain checkpointable work (its CheckpointPolicy
-/// `standard`: SIGUSR1, required), Git's layout `software` (quarters or halves), and a policy
-/// `big` that only a half holds.
-async fn elastic_a100(setup: &Setup, software: &str) {
+/// `shared-a100` with Git's layout `software` (quarters or halves), its CheckpointPolicy
+/// `standard` (SIGUSR1, required), `elastic` or not: quarters or halves by demand, draining
+/// checkpointable work; and a policy `big` that only a half holds.
+async fn elastic_a100(setup: &Setup, software: &str, elastic: bool) {
+    let elastic = if elastic {
+        "  elastic:
+    shapes:
+    - {name: quarters, layout: {software: {slices: 4, memory: 20Gi, compute: 25}}}
+    - {name: halves, layout: {software: {slices: 2, memory: 40Gi, compute: 50}}}
+    drain: Checkpointable
+    forecastHorizon: 0s
+"
+    } else {
+        ""
+    };
     let yaml = format!(
         "
 apiVersion: gpuslice.io/v1alpha1
@@ -1780,13 +1791,7 @@ spec:
   memoryHeadroom: 1Gi
   checkpointPolicy: standard
   requireNonRoot: true
-  elastic:
-    shapes:
-    - {{name: quarters, layout: {{software: {{slices: 4, memory: 20Gi, compute: 25}}}}}}
-    - {{name: halves, layout: {{software: {{slices: 2, memory: 40Gi, compute: 50}}}}}}
-    drain: Checkpointable
-    forecastHorizon: 0s
----
+{elastic}---
 apiVersion: gpuslice.io/v1alpha1
 kind: GpuSlicePolicy
 metadata: {{name: big}}
@@ -1814,16 +1819,31 @@ async fn queue_notebook(setup: &Setup, name: &str) {
 
 #[tokio::test]
 async fn notebooks_waiting_on_a_gpu_in_halves_get_it_cut_in_quarters_after_checkpoints() {
-    // The same pool with Git's layout in halves: two notebooks run on the halves and a third
-    // waits. Quarters serve all three, so the GPU is drained (each notebook checkpoints, then
-    // is evicted) and cut in quarters, and the three run.
+    // The same pool with Git's layout in halves: two notebooks run on the halves and two more
+    // wait. Quarters serve all four (worth one more pod at the notebooks' low priority), so the
+    // GPU is drained (each notebook checkpoints, then is evicted) and cut in quarters, and the
+    // four run.
     let Some(setup) = Setup::start(CLOCK, &[]).await else {
         return;
     };
     let client = setup.client.clone();
-    elastic_a100(&setup, "{slices: 2, memory: 40Gi, compute: 50}").await;
+    // Git's halves first, as a plain layout; then the same pool made elastic: the GPU starts
+    // in halves, a shape of the set it was never re-cut to.
+    let halves = "{slices: 2, memory: 40Gi, compute: 50}";
+    elastic_a100(&setup, halves, false).await;
+    eventually("the GPU is in halves", || {
+        let client = client.clone();
+        async move {
+            let all = devices(&client, "gpuslice.io/recut").await;
+            (all.len() == 2 && all.iter().all(|(_, m, _)| m == "40Gi"))
+                .then_some(())
+                .ok_or(format!("{all:?}"))
+        }
+    })
+    .await;
+    elastic_a100(&setup, halves, true).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let names = ["nb-1", "nb-2", "nb-3"];
+    let names = ["nb-1", "nb-2", "nb-3", "nb-4"];
     for name in &names[..2] {
         queue_notebook(&setup, name).await;
     }
@@ -1840,8 +1860,10 @@ async fn notebooks_waiting_on_a_gpu_in_halves_get_it_cut_in_quarters_after_check
         }
     })
     .await;
-    queue_notebook(&setup, names[2]).await;
-    eventually("three notebooks run on quarters", || {
+    for name in &names[2..] {
+        queue_notebook(&setup, name).await;
+    }
+    eventually("four notebooks run on quarters", || {
         let (pods, client) = (pods.clone(), client.clone());
         async move {
             let mut running = Vec::new();
@@ -1850,10 +1872,15 @@ async fn notebooks_waiting_on_a_gpu_in_halves_get_it_cut_in_quarters_after_check
             }
             let all = devices(&client, "gpuslice.io/recut").await;
             let quarters = all.len() == 4 && all.iter().all(|(_, m, _)| m == "20Gi");
-            (quarters && running.len() == 3)
+            let elastic = Api::<gpuslice_api::GpuPool>::all(client.clone())
+                .get("shared-a100")
+                .await
+                .ok()
+                .and_then(|p| p.status?.elastic);
+            (quarters && running.len() == 4)
                 .then_some(())
                 .ok_or(format!(
-                    "running {running:?}, devices {all:?}{}",
+                    "running {running:?}, devices {all:?}, pool {elastic:?}{}",
                     pod_states(&pods).await
                 ))
         }
