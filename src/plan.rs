@@ -593,6 +593,7 @@ pub fn elastic(
                     .last_checkpoint
                     .as_ref()
                     .and_then(gpuslice_api::chrono_of),
+                idle_since: claim.idle_since.as_ref().and_then(gpuslice_api::chrono_of),
             });
         }
     }

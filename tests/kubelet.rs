@@ -1523,6 +1523,68 @@ async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
     );
 }
 
+/// What a drain would lose is the GPU work since a pod's last checkpoint, so the agent says
+/// which pods' slices have stopped computing: a pod that ran kernels for 2 s and then only
+/// sleeps shows `idleSince` in its GpuNode claim once a minute has passed, and keeps the same
+/// time while it stays idle; a pod still launching kernels never shows it.
+#[tokio::test]
+async fn a_pod_that_stopped_computing_is_reported_idle_and_one_computing_is_not() {
+    let Some(setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let kernels = |seconds: u32| {
+        format!(
+            "{} bench compute-worker --kernel-us 2000 --seconds {seconds}",
+            setup.gpuslice()
+        )
+    };
+    run_pod(
+        &setup,
+        &pods,
+        "quiet",
+        &format!("{} && sleep 600", kernels(2)),
+        "Running",
+    )
+    .await;
+    let started = std::time::Instant::now();
+    run_pod(&setup, &pods, "computing", &kernels(600), "Running").await;
+    let (quiet, computing) = (
+        claim_of(&pods, "quiet").await,
+        claim_of(&pods, "computing").await,
+    );
+    let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(setup.client.clone());
+    let idle_since = |claim: String| {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let node = gpu_nodes.get(NODE).await.map_err(|e| e.to_string())?;
+            let claims = node.status.map(|s| s.claims).unwrap_or_default();
+            let reported = claims
+                .iter()
+                .find(|c| c.resource_claim.as_deref() == Some(claim.as_str()))
+                .ok_or(format!("{claim} is not in {claims:?}"))?;
+            Ok::<_, String>(reported.idle_since.clone())
+        }
+    };
+    let since = eventually("the quiet pod is reported idle", || {
+        let idle = idle_since(quiet.clone());
+        async move { idle.await?.ok_or("not idle yet".to_string()) }
+    })
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_secs(55),
+        "reported idle {:?} after its kernels, before a minute had passed",
+        started.elapsed()
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        idle_since(quiet).await.unwrap(),
+        Some(since),
+        "the time moved"
+    );
+    assert_eq!(idle_since(computing).await.unwrap(), None);
+}
+
 /// The shim is a fast path; the agent's memory watchdog is the guarantee. A tenant that
 /// erases its slice's memory ledger (the file is the workload's to map, so the shim's count
 /// starts from zero again and again) gets past the shim's cap, but not past the driver's own

@@ -282,6 +282,14 @@ pub struct SliceClaim {
     /// the work since then).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_checkpoint: Option<Time>,
+    /// Since when the slice's processes have not held the GPU, once that is a minute or more;
+    /// absent while they compute. A drain loses at most the GPU work between `lastCheckpoint`
+    /// and this: none when the workload has been idle since its last checkpoint. Only software
+    /// slices are timed (the agent's compute arbiter); a MIG instance or a whole GPU never
+    /// shows it, and counts as computing. (GPU time per slice: the agent's metric
+    /// `gpuslice_agent_slice_compute_used_seconds_total`.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since: Option<Time>,
     /// What the agent is doing to take the slice back (a window change or a preemption), when it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draining: Option<String>,

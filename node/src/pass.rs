@@ -90,6 +90,9 @@ pub struct Pass {
     /// When each held slice's workload last wrote its checkpoint-done marker.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub checkpoints: BTreeMap<String, DateTime<Utc>>,
+    /// Held software slices whose processes have not computed for a while, since when.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub idle_since: BTreeMap<String, DateTime<Utc>>,
     /// Slices held through the agent's socket.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub claims: Vec<Claim>,
@@ -100,6 +103,11 @@ pub struct Pass {
     #[serde(skip)]
     pub shares: BTreeMap<u32, GpuShares>,
 }
+
+/// How long a slice's processes must not have held the GPU before its status says it is idle:
+/// long enough that a workload between two kernels is not idle, and that its GpuNode status
+/// changes when it stops computing, not on every pass.
+pub const IDLE_AFTER: Duration = Duration::from_secs(60);
 
 impl Pass {
     /// The held slices of the pass, as fault isolation sees them.
@@ -164,6 +172,9 @@ pub struct Agent {
     io_warned: std::sync::atomic::AtomicBool,
     /// The memory watchdog's NVML handle and settings, until it starts.
     watchdog: std::sync::Mutex<Option<(NvmlGpus, crate::protections::watchdog::Settings)>>,
+    /// Slice → when (monotonic ns) it last held its GPU, and that time on the agent's clock as
+    /// first reported: the report stays the same while the slice stays idle.
+    idle_seen: std::sync::Mutex<BTreeMap<String, (u64, DateTime<Utc>)>>,
 }
 
 impl Agent {
@@ -189,6 +200,7 @@ impl Agent {
             .ok(),
             io_warned: std::sync::atomic::AtomicBool::new(false),
             watchdog: std::sync::Mutex::new(None),
+            idle_seen: std::sync::Mutex::default(),
         }
     }
 
@@ -290,6 +302,36 @@ impl Agent {
         self.socket.compute.usage()
     }
 
+    /// The held software slices (of `claims`) whose processes have not held the GPU for
+    /// [`IDLE_AFTER`] or more, each with when they last did on the agent's clock (`now`).
+    pub fn idle_since(
+        &self,
+        claims: &[Claim],
+        now: DateTime<Utc>,
+    ) -> BTreeMap<String, DateTime<Utc>> {
+        let usage = self.socket.compute.usage();
+        let mono = crate::workloads::compute::now_ns();
+        let mut seen = self.idle_seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut idle = BTreeMap::new();
+        for (slice, usage) in usage.into_values().flat_map(|(slices, _)| slices) {
+            let Some(held) = usage.last_held else {
+                continue;
+            };
+            let ago = Duration::from_nanos(mono.saturating_sub(held));
+            if ago < IDLE_AFTER || !claims.iter().any(|c| c.slice == slice) {
+                continue;
+            }
+            let since = match seen.get(&slice) {
+                Some((was, since)) if *was == held => *since,
+                _ => now - chrono::TimeDelta::from_std(ago).unwrap_or(chrono::TimeDelta::MAX),
+            };
+            seen.insert(slice.clone(), (held, since));
+            idle.insert(slice, since);
+        }
+        seen.retain(|slice, _| idle.contains_key(slice));
+        idle
+    }
+
     /// Serves claims and compute shares on `<state>/socket/agent.sock` from now on.
     pub fn serve_socket(&self) -> Result<(), PassError> {
         Ok(self.socket.serve(&self.state)?)
@@ -328,6 +370,7 @@ impl Agent {
             drain_errors: Vec::new(),
             evictions: Vec::new(),
             checkpoints: BTreeMap::new(),
+            idle_since: BTreeMap::new(),
             claims: Vec::new(),
             inventory: after,
             shares: BTreeMap::new(),
@@ -339,14 +382,14 @@ impl Agent {
             };
             self.drain(&mut pass, &intent.config, &taken, now)?;
         }
-        self.serve_slices(&mut pass, &intent.config);
+        self.serve_slices(&mut pass, &intent.config, now);
         self.log_outcomes(&pass.outcomes);
         Ok(pass)
     }
 
     /// Offers the slices as this pass leaves them: the dataset caches, the claims board (with
     /// each slice's I/O and host limits), the checkpoints written, and each slice's compute share.
-    fn serve_slices(&self, pass: &mut Pass, config: &Config) {
+    fn serve_slices(&self, pass: &mut Pass, config: &Config, now: DateTime<Utc>) {
         let slices = crate::gpu::slices::published(&self.state);
         let needs = needs(config);
         let pools = pass
@@ -412,6 +455,7 @@ impl Agent {
         }
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
         self.socket.compute.set(&pass.shares);
+        pass.idle_since = self.idle_since(&pass.claims, now);
     }
 
     /// Logs what happened to each GPU: an error, a transition that waits, operations applied.

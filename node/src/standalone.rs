@@ -64,6 +64,13 @@ pub struct Options {
     pub cache_root: PathBuf,
 }
 
+/// The slices held now, as the elastic decision reads them: the claims board, and which held
+/// slices have been idle since when.
+struct Held<'a> {
+    claims: &'a crate::workloads::claims::Claims,
+    idle_since: BTreeMap<String, DateTime<Utc>>,
+}
+
 /// Runs the agent: one pass with `once`, else passes forever. Each pass goes to `emit`; the
 /// result of the last one is returned.
 pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, StandaloneError> {
@@ -92,10 +99,15 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
         let config = config.unwrap_or_default();
         let gpus_out = quarantines.gpus_out();
         let claims = agent.claims();
+        let idle_since = agent.idle_since(&claims.held(), now);
         let mut look_again = None;
         let mut pass = agent.pass(now, |node| {
             let mut plan = plan_cluster(&config.pools, std::slice::from_ref(node), now);
-            look_again = shapes.shape(&config, node, &mut plan, &claims, &options.state, now);
+            let held = Held {
+                claims: &claims,
+                idle_since,
+            };
+            look_again = shapes.shape(&config, node, &mut plan, &held, &options.state, now);
             Intent {
                 plan,
                 config: config.clone(),
@@ -285,10 +297,11 @@ impl Shapes {
         config: &gpuslice_source::last_good::Config,
         node: &NodeInventory,
         plan: &mut ClusterPlan,
-        claims: &crate::workloads::claims::Claims,
+        held: &Held,
         state: &StateDir,
         now: DateTime<Utc>,
     ) -> Option<DateTime<Utc>> {
+        let claims = held.claims;
         let pools: Vec<GpuPool> = config
             .pools
             .iter()
@@ -331,6 +344,7 @@ impl Shapes {
                     node: node.name.clone(),
                     gpu,
                     last_checkpoint,
+                    idle_since: held.idle_since.get(&c.slice).copied(),
                 }
             })
             .collect();

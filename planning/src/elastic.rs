@@ -128,8 +128,9 @@ pub struct GpuNow {
     pub since_recut: Option<f64>,
     /// A re-cut is under way.
     pub recutting: bool,
-    /// Seconds of work a drain would lose now: since the oldest last checkpoint of its
-    /// workloads (0 when idle); `None` when one of them never wrote a checkpoint.
+    /// Seconds of GPU work a drain would lose now, the most of its workloads': from a last
+    /// checkpoint until the workload stopped computing, or until now (0 when it holds none);
+    /// `None` when one of them never wrote a checkpoint.
     pub loss: Option<f64>,
 }
 
@@ -571,11 +572,15 @@ fn explain(input: &Input, recuts: &[Recut], unserved: &[f64]) -> String {
         match drained.iter().copied().collect::<Option<Vec<f64>>>() {
             Some(losses) => {
                 let most = losses.into_iter().fold(0.0, f64::max);
-                let _ = write!(
-                    text,
-                    " (losing at most {:.0} min of work since the last checkpoints)",
-                    most / 60.0
-                );
+                if most == 0.0 {
+                    text.push_str(" (losing no work: idle since the last checkpoints)");
+                } else {
+                    let _ = write!(
+                        text,
+                        " (losing at most {:.0} min of work since the last checkpoints)",
+                        most / 60.0
+                    );
+                }
             }
             None => text.push_str(" (a drained workload has written no checkpoint yet)"),
         }

@@ -43,6 +43,19 @@ pub struct Allocated {
     pub gpu: Option<u32>,
     /// When its workload last wrote a checkpoint, as its agent reports it.
     pub last_checkpoint: Option<DateTime<Utc>>,
+    /// Since when its workload has not computed, as its agent reports it (`None`: computing, or
+    /// not timed).
+    pub idle_since: Option<DateTime<Utc>>,
+}
+
+impl Allocated {
+    /// Seconds of GPU work a drain would lose at `at`: from its last checkpoint until it stopped
+    /// computing (or until now); `None` when it never checkpointed.
+    pub fn loss(&self, at: DateTime<Utc>) -> Option<f64> {
+        let checkpoint = self.last_checkpoint?;
+        let computed_until = self.idle_since.map_or(at, |idle| idle.min(at));
+        Some((computed_until - checkpoint).num_milliseconds().max(0) as f64 / 1000.0)
+    }
 }
 
 /// A node as the shaping sees it: its GPUs, and what it was last given (`GpuNode.spec.gpus`).
@@ -569,10 +582,7 @@ fn gpu_now(
         recutting: m.staged.is_some() || converging,
         loss: held
             .iter()
-            .map(|a| {
-                a.last_checkpoint
-                    .map(|c| (at - c).num_milliseconds().max(0) as f64 / 1000.0)
-            })
+            .map(|a| a.loss(at))
             .try_fold(0.0, |most: f64, loss| Some(most.max(loss?))),
     }
 }
@@ -591,5 +601,32 @@ fn rules(set: &Elastic, gpus: usize) -> Rules {
         max_in_flight: (gpus as u32 * percent).div_ceil(100).max(1),
         drain: set.drain == ElasticDrain::Checkpointable,
         min_gain: MIN_GAIN,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_drain_loses_the_gpu_work_since_the_checkpoint_not_the_idle_time() {
+        let at: DateTime<Utc> = "2026-12-07T10:00:00Z".parse().unwrap();
+        let minutes = |m| at - TimeDelta::minutes(m);
+        let notebook = |checkpoint: Option<i64>, idle: Option<i64>| Allocated {
+            pool: None,
+            policy: None,
+            node: "n1".into(),
+            gpu: Some(0),
+            last_checkpoint: checkpoint.map(minutes),
+            idle_since: idle.map(minutes),
+        };
+        // Computing since its checkpoint 30 minutes ago: 30 minutes lost.
+        assert_eq!(notebook(Some(30), None).loss(at), Some(1800.0));
+        // Stopped 20 minutes ago: the 10 minutes it computed.
+        assert_eq!(notebook(Some(30), Some(20)).loss(at), Some(600.0));
+        // Idle since before its checkpoint: nothing.
+        assert_eq!(notebook(Some(30), Some(40)).loss(at), Some(0.0));
+        // Never checkpointed: unknown, however idle.
+        assert_eq!(notebook(None, Some(40)).loss(at), None);
     }
 }

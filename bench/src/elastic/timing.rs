@@ -103,6 +103,7 @@ pub fn shaping_time() -> f64 {
                         node: name.clone(),
                         gpu: Some(i),
                         last_checkpoint: None,
+                        idle_since: None,
                     });
                 }
             }

@@ -308,6 +308,10 @@ fn slice_claims(pass: &Pass) -> Vec<gpuslice_api::SliceClaim> {
                 .checkpoints
                 .get(&c.slice)
                 .and_then(|t| gpuslice_api::time_of(*t)),
+            idle_since: pass
+                .idle_since
+                .get(&c.slice)
+                .and_then(|t| gpuslice_api::time_of(*t)),
             draining: c.resource_claim.as_ref().and_then(|_| {
                 pass.draining
                     .iter()

@@ -70,6 +70,8 @@ pub struct Usage {
     pub max_wait: u64,
     /// Every wait from asking to being granted.
     pub waits: Waits,
+    /// When (monotonic ns) the slice last held the GPU; `None` while it never has.
+    pub last_held: Option<u64>,
 }
 
 /// Waits counted in 1 ms buckets (the last one holds everything longer): enough to read a
@@ -509,6 +511,7 @@ impl Arbiter {
             if holds {
                 slice.tokens -= dt * 100;
                 slice.usage.used += dt as u64;
+                slice.usage.last_held = Some(now);
                 slice.virtual_time += dt as f64 / f64::from(slice.share.weight.max(1));
             }
             slice.tokens = slice.tokens.min(burst);

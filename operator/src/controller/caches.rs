@@ -301,15 +301,21 @@ pub(super) fn allocated(
     claims: &Store<ResourceClaim>,
     gpu_nodes: &Store<GpuNode>,
 ) -> Vec<Allocated> {
-    // `namespace/name` of a claim → when its workload last checkpointed, as its agent says.
-    let checkpoints: std::collections::HashMap<String, chrono::DateTime<chrono::Utc>> = gpu_nodes
-        .state()
+    // `namespace/name` of a claim → when its workload last checkpointed and since when it has
+    // been idle, as its agent says.
+    type Times = (
+        Option<chrono::DateTime<chrono::Utc>>,
+        Option<chrono::DateTime<chrono::Utc>>,
+    );
+    let nodes = gpu_nodes.state();
+    let reported: std::collections::HashMap<&str, Times> = nodes
         .iter()
-        .flat_map(|n| n.status.iter().flat_map(|s| s.claims.clone()))
+        .flat_map(|n| n.status.iter().flat_map(|s| &s.claims))
         .filter_map(|c| {
+            let chrono = |t: &Option<_>| t.as_ref().and_then(gpuslice_api::chrono_of);
             Some((
-                c.resource_claim?,
-                gpuslice_api::chrono_of(&c.last_checkpoint?)?,
+                c.resource_claim.as_deref()?,
+                (chrono(&c.last_checkpoint), chrono(&c.idle_since)),
             ))
         })
         .collect();
@@ -366,18 +372,20 @@ pub(super) fn allocated(
                 .get(&(result.pool.as_str(), result.device.as_str()))
                 .copied()
                 .unwrap_or_default();
+            let key = format!(
+                "{}/{}",
+                claim.metadata.namespace.as_deref().unwrap_or_default(),
+                claim.metadata.name.as_deref().unwrap_or_default()
+            );
+            let (last_checkpoint, idle_since) =
+                reported.get(key.as_str()).copied().unwrap_or_default();
             out.push(Allocated {
                 pool: pool.map(str::to_string),
                 policy,
                 node: result.pool.clone(),
                 gpu,
-                last_checkpoint: checkpoints
-                    .get(&format!(
-                        "{}/{}",
-                        claim.metadata.namespace.as_deref().unwrap_or_default(),
-                        claim.metadata.name.as_deref().unwrap_or_default()
-                    ))
-                    .copied(),
+                last_checkpoint,
+                idle_since,
             });
         }
     }

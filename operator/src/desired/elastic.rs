@@ -100,6 +100,7 @@ mod tests {
             node: "n1".into(),
             gpu: Some(gpu),
             last_checkpoint: None,
+            idle_since: None,
         }
     }
 
@@ -221,6 +222,50 @@ mod tests {
         observed.policies[0].spec.preemptible = false;
         let out = desired(&observed, t0);
         assert!(spec(&out).gpus.iter().all(|g| g.next.is_none()));
+    }
+
+    #[test]
+    fn the_drain_of_a_workload_idle_since_its_checkpoint_goes_first_and_loses_nothing() {
+        // Both GPUs hold a notebook that checkpointed 30 minutes ago; a training pod waits. The
+        // notebook on GPU 0 computes; the one on GPU 1 stopped computing before its checkpoint
+        // (its agent says so): draining GPU 1 loses nothing, so it goes, not GPU 0.
+        let mut observed = observed();
+        let t0 = at("2026-12-07T10:00:00Z");
+        let first = desired(&observed, t0);
+        written_back(&mut observed, &first);
+        let pool = &mut observed.pools[0].spec;
+        pool.checkpoint_policy = Some("ckpt".into());
+        pool.elastic.as_mut().unwrap().drain = ElasticDrain::Checkpointable;
+        let checkpointed = |gpu, idle_since| Allocated {
+            last_checkpoint: Some(t0 - TimeDelta::minutes(30)),
+            idle_since,
+            ..running("notebook", gpu)
+        };
+        observed.waiting.insert("train".into(), 1);
+        let recut = |observed: &Observed| {
+            let out = desired(observed, t0);
+            let staged: Vec<u32> = staged(&out).iter().map(|g| g.index).collect();
+            let status = out.pool_status["shared"].elastic.clone().unwrap();
+            (staged, status.decision)
+        };
+        observed.allocated = vec![
+            checkpointed(0, None),
+            checkpointed(1, Some(t0 - TimeDelta::minutes(40))),
+        ];
+        let (staged, decision) = recut(&observed);
+        assert_eq!(staged, [1], "{decision}");
+        assert!(
+            decision.contains("(losing no work: idle since the last checkpoints)"),
+            "{decision}"
+        );
+        // GPU 1's notebook computed for 20 of the 30 minutes since: still less than GPU 0's.
+        observed.allocated[1].idle_since = Some(t0 - TimeDelta::minutes(10));
+        let (staged, decision) = recut(&observed);
+        assert_eq!(staged, [1], "{decision}");
+        assert!(
+            decision.contains("(losing at most 20 min of work since the last checkpoints)"),
+            "{decision}"
+        );
     }
 
     #[test]
