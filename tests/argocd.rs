@@ -160,6 +160,7 @@ fn tail_logs(dir: &Path) -> String {
         "operator",
         "agent-h200",
         "agent-a100",
+        "agent-h100",
     ] {
         let text = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
@@ -385,6 +386,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     for (node, pool, model) in [
         ("h200", "h200-mig", "NVIDIA H200"),
         ("a100", "shared-a100", "NVIDIA A100-SXM4-80GB"),
+        ("h100", "research-h100", "NVIDIA H100 80GB HBM3"),
     ] {
         cluster
             .create_node(node, &[("gpuslice.io/pool", pool)], &[])
@@ -471,6 +473,9 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
         ("GpuSlicePolicy", "llm-inference"),
         ("GpuSlicePolicy", "bert-finetune"),
         ("GpuSlicePolicy", "notebook"),
+        ("GpuPool", "research-h100"),
+        ("GpuSlicePolicy", "research-notebook"),
+        ("GpuSlicePolicy", "research-training"),
         ("Deployment", "llm-inference"),
         ("Job", "bert-finetune"),
     ] {
@@ -523,6 +528,8 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     );
     let h200_day = slices_on("h200").await.unwrap();
     assert_eq!(h200_day, ["1g.18gb", "1g.18gb", "2g.35gb", "3g.71gb"]);
+    // The elastic pool of the README's worked example: its GPU in the halves it starts with.
+    assert_eq!(slices_on("h100").await.unwrap(), ["39Gi@50%", "39Gi@50%"]);
 
     // A merged change: the A100 pool goes to two slices. Push → Argo CD syncs → the operator →
     // the agent re-cuts → the pool and the Application are Healthy again.

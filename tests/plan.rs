@@ -371,10 +371,72 @@ fn the_compaction_plan_empties_the_least_used_gpu_into_one_in_use() {
     );
 }
 
+/// The README's worked example: `examples/gitops`'s research-h100 pool on the node of
+/// `examples/inventory/research-gpunodes.yaml`. Nothing waits: nothing moves, and the busy GPUs
+/// say why. Six notebooks wait: the idle GPU is cut in quarters, and of the three busy ones the
+/// one whose notebook has been idle since its checkpoint is drained ("losing no work"), not the
+/// training runs that compute.
+#[test]
+fn the_readme_elastic_example_re_cuts_the_idle_gpu_and_drains_the_one_that_loses_nothing() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let run = |waiting: &str| {
+        let out = Command::new(BIN)
+            .arg("plan")
+            .arg(root.join("examples/gitops"))
+            .arg("--nodes")
+            .arg(root.join("examples/inventory/research-gpunodes.yaml"))
+            .args([
+                "--elastic",
+                "--at",
+                "2026-12-07T10:00:00Z",
+                "--waiting",
+                waiting,
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let quiet = run("research-notebook=0");
+    assert!(
+        quiet.contains("pool research-h100: GPUs per shape: halves 4"),
+        "{quiet}"
+    );
+    assert!(quiet.contains("decision: no re-cut"), "{quiet}");
+    assert!(
+        quiet.contains("waiting for: 3 GPU(s) holding work drained only for waiting pods"),
+        "{quiet}"
+    );
+    let busy = run("research-notebook=6");
+    assert!(
+        busy.contains(
+            "decision: 1 GPU(s) halves → quarters, 1 GPU(s) halves → quarters (drained) (losing no work: idle since the last checkpoints)"
+        ),
+        "{busy}"
+    );
+    let staged: Vec<&str> = busy
+        .lines()
+        .filter(|l| l.contains(" at 2026-12-07"))
+        .collect();
+    assert_eq!(
+        staged,
+        [
+            "  h100-r1/gpu2: halves → quarters at 2026-12-07 10:00:15 UTC",
+            "  h100-r1/gpu3: halves → quarters at 2026-12-07 10:00:15 UTC"
+        ],
+        "{busy}"
+    );
+}
+
 #[test]
 fn the_elastic_plan_re_cuts_the_idle_gpu_for_waiting_pods_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/elastic");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     // GPU 0 holds a small pod's quarter; GPU 1 is idle.
     let quarters = |gpu: u32| -> String {
         (0..4)

@@ -1027,7 +1027,7 @@ async fn an_elastic_pool_re_cuts_an_idle_gpu_for_a_waiting_pod_and_leaves_busy_o
     };
     let client = h.client.clone();
     let docs = gpuslice_testcluster::documents(
-        &std::fs::read_to_string(root().join("examples/elastic/elastic.yaml")).unwrap(),
+        &std::fs::read_to_string(root().join("tests/fixtures/elastic-a100.yaml")).unwrap(),
     );
     h.apply_and_wait(&docs, 2).await;
     eventually("both GPUs are quarters", || async {

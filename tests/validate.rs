@@ -36,7 +36,7 @@ fn the_examples_pass_warning_only_about_fields_not_enforced_yet() {
     );
     let summary = text.lines().last().unwrap_or_default();
     assert!(summary.starts_with("ok: 0 errors, "), "{text}");
-    assert!(text.contains("6 gpuslice objects, 2 workloads"), "{text}");
+    assert!(text.contains("9 gpuslice objects, 2 workloads"), "{text}");
     let warnings: Vec<&str> = text.lines().filter(|l| l.contains("warning:")).collect();
     assert!(warnings.iter().all(|w| w.contains(INERT)), "{warnings:#?}");
     // The chart's admission policy enforces it.

@@ -1,7 +1,8 @@
 //! Elastic layouts: which of the shapes a pool allows (in Git) each GPU should have now, from
 //! the demand per policy (pods running and waiting, and what the [`Forecast`] expects within
-//! its horizon). Pure, so that what `gpuslice bench elastic` measures is what the operator will
-//! run (it does not act on `elastic` yet): the benchmark and the tests call [`decide`].
+//! its horizon). Pure, so that what `gpuslice bench elastic` measures is what the operator and
+//! the standalone agent run (through [`crate::shaping`]): the benchmark and the tests call
+//! [`decide`].
 //!
 //! The decision in steps: GPUs that must keep their shape (being re-cut, re-cut less than
 //! `min_dwell` ago, or holding work that may not be drained) serve what they can first. The
@@ -307,10 +308,12 @@ fn pinned(gpu: &GpuNow, rules: &Rules, pods_wait: bool) -> Option<&'static str> 
         Some("being re-cut")
     } else if gpu.since_recut.is_some_and(|s| s < rules.min_dwell) {
         Some("re-cut less than minDwell ago")
-    } else if !(gpu.idle() || rules.drain && gpu.drainable && pods_wait) {
-        Some("holding work that may not be drained")
-    } else {
+    } else if gpu.idle() || rules.drain && gpu.drainable && pods_wait {
         None
+    } else if rules.drain && gpu.drainable {
+        Some("holding work drained only for waiting pods")
+    } else {
+        Some("holding work that may not be drained")
     }
 }
 
