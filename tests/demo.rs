@@ -1,7 +1,8 @@
 //! `gpuslice demo`, run as the README says and followed as a new user would: the commands it
 //! prints are run as printed (through its env.sh: its KUBECONFIG and kubectl), and what they show
 //! is what the hints promise: a labelled pod gets a slice, a waiting pod says where it stands in
-//! the queue, a preemption completes, the window changes. Ctrl-C removes everything.
+//! the queue, a preemption completes, the window changes, an elastic pool re-cuts a GPU for
+//! waiting pods. Ctrl-C removes everything.
 
 use std::io::BufRead as _;
 use std::path::{Path, PathBuf};
@@ -61,7 +62,7 @@ fn row<'a>(table: &'a str, cells: &[&str]) -> Option<Vec<&'a str>> {
 }
 
 #[test]
-fn the_demo_shows_a_slice_the_queue_a_preemption_and_a_window_change() {
+fn the_demo_shows_a_slice_the_queue_a_preemption_a_window_change_and_an_elastic_re_cut() {
     if gpuslice_testcluster::locate_binaries().is_err() && std::env::var_os("CI").is_none() {
         eprintln!("SKIPPED: run `bash tests/controlplane/build.sh` once to try the demo");
         return;
@@ -105,8 +106,8 @@ fn the_demo_shows_a_slice_the_queue_a_preemption_and_a_window_change() {
     let steps = steps(&hints);
     assert_eq!(
         steps.iter().map(Vec::len).collect::<Vec<_>>(),
-        [3, 3, 4, 2],
-        "four steps: {steps:?}"
+        [3, 3, 4, 2, 3],
+        "five steps: {steps:?}"
     );
     assert!(
         run(&env, "kubectl version").contains("Server Version: v1.36"),
@@ -187,6 +188,33 @@ fn the_demo_shows_a_slice_the_queue_a_preemption_and_a_window_change() {
         "the inference pod's claim allocated",
         &steps[3][1],
         |t| t.contains("allocated"),
+    );
+
+    // 5. The elastic pool: h100-0's idle GPU is cut from halves into quarters for the six
+    //    notebooks; four run there, two wait.
+    run(&env, &steps[4][0]);
+    until(
+        &env,
+        "four research notebooks on h100-0",
+        &steps[4][1],
+        |pods| {
+            let on_h100 = (1..=6)
+                .filter(|i| {
+                    row(pods, &[&format!("research-{i}"), "1/1", "Running"])
+                        .is_some_and(|r| r.contains(&"h100-0"))
+                })
+                .count();
+            let gated = pods
+                .lines()
+                .filter(|l| l.contains("SchedulingGated"))
+                .count();
+            on_h100 == 4 && gated == 2
+        },
+    );
+    let recut = run(&env, &steps[4][2]);
+    assert!(
+        recut.contains("halves → quarters") && recut.contains("research-notebook"),
+        "{recut}"
     );
 
     // Ctrl-C: everything stops and the demo's folder is gone.

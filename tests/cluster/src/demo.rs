@@ -46,7 +46,7 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DemoError {
 }
 
 /// The demo's nodes: one GPU each, labelled for the example pools.
-const NODES: [DemoNode; 2] = [
+const NODES: [DemoNode; 3] = [
     DemoNode {
         name: "a100-0",
         pool: "shared-a100",
@@ -56,6 +56,11 @@ const NODES: [DemoNode; 2] = [
         name: "h200-0",
         pool: "h200-mig",
         model: "NVIDIA H200",
+    },
+    DemoNode {
+        name: "h100-0",
+        pool: "research-h100",
+        model: "NVIDIA H100 80GB HBM3",
     },
 ];
 
@@ -206,6 +211,10 @@ Nodes: {nodes}.
 4. A MIG slice on the H200 (policy llm-inference, namespace serving).
   $ kubectl apply -f {dir}/try/inference.yaml
   $ kubectl get resourceclaims -n serving
+5. The elastic pool: six research notebooks for h100-0, in halves (two slices): the operator cuts the idle GPU in quarters (staged 15 s ahead, the pool's spec untouched), four run, two wait.
+  $ kubectl apply -f {dir}/try/research.yaml
+  $ kubectl get pods -o wide -l gpuslice.io/policy=research-notebook
+  $ kubectl get gpupool research-h100 -o jsonpath='{{.status.elastic.lastRecut.reason}}{{\"\\n\"}}'
 
 Logs: {dir}/logs/. Ctrl-C stops everything and deletes {dir}.",
             server = self.cluster.server(),
@@ -534,8 +543,19 @@ fn write_tries(dir: &Path) -> Result<(), DemoError> {
     let notebooks: Vec<String> = (1..=5)
         .map(|i| notebook_pod(&format!("notebook-{i}")))
         .collect();
+    let research: Vec<String> = (1..=6)
+        .map(|i| {
+            tenant_pod(
+                &format!("research-{i}"),
+                "default",
+                "research-notebook",
+                "example.com/notebook:1",
+            )
+        })
+        .collect();
     let files = [
         ("notebooks.yaml", notebooks.join("---\n")),
+        ("research.yaml", research.join("---\n")),
         (
             "finetune.yaml",
             tenant_pod("bert-1", "nlp", "bert-finetune", "example.com/bert:1"),
