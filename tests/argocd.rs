@@ -530,6 +530,41 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
     assert_eq!(h200_day, ["1g.18gb", "1g.18gb", "2g.35gb", "3g.71gb"]);
     // The elastic pool of the README's worked example: its GPU in the halves it starts with.
     assert_eq!(slices_on("h100").await.unwrap(), ["39Gi@50%", "39Gi@50%"]);
+    // Three research notebooks wait for two halves: the operator cuts the idle GPU in quarters.
+    // It writes only the pool's status, so the Application stays Synced at the same revision.
+    let notebooks: Vec<serde_json::Value> = (1..=3)
+        .map(|i| {
+            serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": format!("research-{i}"),
+                    "namespace": "default",
+                    "labels": {"gpuslice.io/policy": "research-notebook"},
+                },
+                "spec": {"containers": [{"name": "main", "image": "example.com/notebook:1"}]},
+            })
+        })
+        .collect();
+    gpuslice_testcluster::apply_all(&client, &notebooks).await;
+    gpuslice_testcluster::eventually("the H100 cut in quarters", || async {
+        let cut = slices_on("h100").await?;
+        (cut.len() == 4).then_some(()).ok_or(format!("{cut:?}"))
+    })
+    .await;
+    let state = app_until(
+        &apps,
+        &logs,
+        120,
+        "the app Synced and Healthy after the re-cut",
+        |s| healthy_at(s, &first),
+    )
+    .await;
+    assert_eq!(
+        health_of(&state, "GpuPool", "research-h100").0,
+        "Healthy",
+        "{state:?}"
+    );
 
     // A merged change: the A100 pool goes to two slices. Push → Argo CD syncs → the operator →
     // the agent re-cuts → the pool and the Application are Healthy again.

@@ -193,6 +193,26 @@ mod tests {
     }
 
     #[test]
+    fn a_policy_only_a_shape_of_the_elastic_set_holds_is_ready_while_no_gpu_has_that_shape() {
+        // Both GPUs in quarters; `train` (100Gi) fits only the set's `whole`: it is usable (the
+        // pool re-cuts a GPU for it), not Degraded as a policy no slice could ever hold.
+        let out = desired(&observed(), at("2026-12-07T10:00:00Z"));
+        let ready = |policy: &str| {
+            let status = &out.policy_status[policy];
+            let c = &status.conditions[0];
+            (c.status.clone(), c.reason.clone(), c.message.clone())
+        };
+        let (status, reason, message) = ready("train");
+        assert_eq!(
+            (status.as_str(), reason.as_str()),
+            ("True", "ShapeFits"),
+            "{message}"
+        );
+        assert!(message.contains("elastic shape \"whole\""), "{message}");
+        assert_eq!(ready("notebook").1, "SliceFits");
+    }
+
+    #[test]
     fn busy_gpus_are_not_re_cut_unless_their_work_may_be_drained() {
         let mut observed = observed();
         let t0 = at("2026-12-07T10:00:00Z");

@@ -8,7 +8,7 @@ use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use gpuslice_api::{
     GpuNodeSpec, GpuPool, GpuPoolStatus, GpuSlicePolicy, GpuSlicePolicyStatus, SliceCounts,
 };
-use gpuslice_planning::cluster::{ClusterPlan, PoolTiming};
+use gpuslice_planning::cluster::{ClusterPlan, GpuPlan, PoolTiming};
 use gpuslice_planning::transition::Desired;
 use gpuslice_runtime::conditions::condition;
 
@@ -343,7 +343,8 @@ pub(super) fn policy_status(
 }
 
 /// Whether a policy can be used now: its pool and checkpoint policy exist and one of the pool's
-/// slices (in the layout in force) holds its memory plus the pool's headroom and its compute limit.
+/// slices (in the layout in force, or in a shape of the elastic set in force) holds its memory
+/// plus the pool's headroom and its compute limit.
 fn policy_ready(
     observed: &Observed,
     plan: &ClusterPlan,
@@ -376,36 +377,69 @@ fn policy_ready(
     let headroom = pool.spec.headroom_bytes();
     let request = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
     let limit = spec.compute.as_ref().map(|c| c.limit);
-    let mut gpus = 0;
-    for node in &plan.nodes {
-        let inventory = observed
-            .nodes
-            .iter()
-            .find(|n| n.inventory.name == node.node);
-        for g in node
-            .gpus
-            .iter()
-            .filter(|g| g.pool() == Some(spec.pool.as_str()))
-        {
-            gpus += 1;
-            let Some(desired) = &g.desired else { continue };
-            let memory = inventory
-                .and_then(|n| n.inventory.gpus.iter().find(|x| x.index == g.index))
-                .and_then(|x| x.memory.as_ref())
-                .and_then(|m| gpuslice_api::bytes_of(&m.0).ok());
+    // The pool's GPUs: node, plan, and the memory their agents report.
+    let gpus: Vec<(&str, &GpuPlan, Option<u64>)> = plan
+        .nodes
+        .iter()
+        .flat_map(|node| {
+            let inventory = observed
+                .nodes
+                .iter()
+                .find(|n| n.inventory.name == node.node);
+            node.gpus
+                .iter()
+                .filter(|g| g.pool() == Some(spec.pool.as_str()))
+                .map(move |g| {
+                    let memory = inventory
+                        .and_then(|n| n.inventory.gpus.iter().find(|x| x.index == g.index))
+                        .and_then(|x| x.memory.as_ref())
+                        .and_then(|m| gpuslice_api::bytes_of(&m.0).ok());
+                    (node.node.as_str(), g, memory)
+                })
+        })
+        .collect();
+    let fits = |desired: &Desired, g: &GpuPlan, memory| {
+        let model = gpuslice_planning::catalog::model(&g.model).ok();
+        gpuslice_planning::fit::smallest_fitting(desired, model, memory, request, headroom, limit)
+    };
+    for (node, g, memory) in &gpus {
+        if let Some(choice) = g.desired.as_ref().and_then(|d| fits(d, g, *memory)) {
+            return (
+                true,
+                "SliceFits",
+                format!("fits {choice:?} on {node} GPU {}", g.index),
+            );
+        }
+    }
+    // No GPU has such a slice now, but a shape of the elastic set in force does: the pool
+    // re-cuts a GPU to it when a pod of this policy waits.
+    let window = plan
+        .pools
+        .iter()
+        .find(|t| t.pool == spec.pool)
+        .and_then(|t| t.window.as_deref());
+    let shapes = gpuslice_planning::shaping::set_in_force(pool, window)
+        .map(|set| set.shapes.as_slice())
+        .unwrap_or_default();
+    for shape in shapes {
+        for (node, g, memory) in &gpus {
             let model = gpuslice_planning::catalog::model(&g.model).ok();
-            if let Some(choice) = gpuslice_planning::fit::smallest_fitting(
-                desired, model, memory, request, headroom, limit,
-            ) {
+            let Ok(desired) = Desired::of(&shape.layout, model, &g.model) else {
+                continue;
+            };
+            if let Some(choice) = fits(&desired, g, *memory) {
                 return (
                     true,
-                    "SliceFits",
-                    format!("fits {choice:?} on {} GPU {}", node.node, g.index),
+                    "ShapeFits",
+                    format!(
+                        "fits {choice:?} of elastic shape {:?} on {node} GPU {}: the pool re-cuts a GPU to it when a pod of this policy waits",
+                        shape.name, g.index
+                    ),
                 );
             }
         }
     }
-    if gpus == 0 {
+    if gpus.is_empty() {
         (
             false,
             "NoGpus",
