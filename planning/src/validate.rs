@@ -147,6 +147,28 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
             warn("spec.count", "a workload gets one slice");
         }
     }
+    for checkpoint in &repo.checkpoints {
+        let spec = &checkpoint.object.spec;
+        let mut warn = |path: &str, what: &str| out.inert(checkpoint.doc, path, what);
+        if spec.interval.is_some() {
+            warn(
+                "spec.interval",
+                "workloads are not told it, and a missed interval is not reported",
+            );
+        }
+        if spec.max_loss.is_some() {
+            warn(
+                "spec.maxLoss",
+                "drains and preemptions choose the workload that loses least, whatever its maxLoss",
+            );
+        }
+        if spec.storage.is_some() {
+            warn(
+                "spec.storage",
+                "the volume is not mounted for the workload; declare it in the pod",
+            );
+        }
+    }
 }
 
 #[derive(Default)]

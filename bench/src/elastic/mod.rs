@@ -23,10 +23,10 @@ use gpuslice_planning::elastic::{Forecast, Rules};
 use crate::placement::BenchError;
 
 pub use replay::Outcome;
-use replay::*;
+use replay::{Shaper, model_slots, replay, shapes};
 pub use timing::{decision_time, shaping_time};
 pub use workload::Plan;
-use workload::*;
+use workload::{DAY, GPU_SHARE, HOUR, MODELS, Pod, WEEK, arrivals, sizes};
 
 /// Every split of `n` GPUs between three shapes, in steps of `step`.
 fn splits(n: u32, step: u32) -> Vec<[u32; 3]> {
@@ -228,6 +228,7 @@ pub fn run(data: &Path, plan: Plan) -> Result<(String, bool), BenchError> {
 
 #[cfg(test)]
 mod tests {
+    use super::workload::{START, profile};
     use super::*;
     use chrono::DateTime;
 

@@ -12,7 +12,10 @@ use gpuslice_planning::elastic::{
     Decision, Demand, Forecast, GpuNow, Input, ModelSlots, Rules, Shape, Slot, decide, slots,
 };
 
-use super::workload::*;
+use super::workload::{
+    CHECKPOINT_SECONDS, CLASSES, DAY, GI, HEADROOM, HOUR, MODELS, Pod, QUEUES, RECUT_SECONDS,
+    START, TICK, WEEK, weight_key,
+};
 
 /// The elastic set: four 20 GiB slices, two 40 GiB slices, or the whole GPU.
 pub(super) fn shapes() -> (Vec<Shape>, Vec<Layout>) {

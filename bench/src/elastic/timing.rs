@@ -8,7 +8,7 @@ use gpuslice_planning::elastic::{Demand, GpuNow, Input, ModelSlots, Rules, Shape
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 
-use super::workload::*;
+use super::workload::{CLASSES, GI, HEADROOM, MODELS};
 
 /// The decision's time on a 1,000-node pool (8 GPUs each, the three models, busy and idle
 /// GPUs in every shape, demand waiting in every class), seconds: the slowest of five.
