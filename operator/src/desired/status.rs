@@ -342,6 +342,33 @@ pub(super) fn policy_status(
     }
 }
 
+/// The GPUs of `pool` in the plan: node, plan, and the memory their agents report.
+fn pool_gpus<'p>(
+    observed: &Observed,
+    plan: &'p ClusterPlan,
+    pool: &str,
+) -> Vec<(&'p str, &'p GpuPlan, Option<u64>)> {
+    plan.nodes
+        .iter()
+        .flat_map(|node| {
+            let inventory = observed
+                .nodes
+                .iter()
+                .find(|n| n.inventory.name == node.node);
+            node.gpus
+                .iter()
+                .filter(move |g| g.pool() == Some(pool))
+                .map(move |g| {
+                    let memory = inventory
+                        .and_then(|n| n.inventory.gpus.iter().find(|x| x.index == g.index))
+                        .and_then(|x| x.memory.as_ref())
+                        .and_then(|m| gpuslice_api::bytes_of(&m.0).ok());
+                    (node.node.as_str(), g, memory)
+                })
+        })
+        .collect()
+}
+
 /// Whether a policy can be used now: its pool and checkpoint policy exist and one of the pool's
 /// slices (in the layout in force, or in a shape of the elastic set in force) holds its memory
 /// plus the pool's headroom and its compute limit.
@@ -377,27 +404,7 @@ fn policy_ready(
     let headroom = pool.spec.headroom_bytes();
     let request = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
     let limit = spec.compute.as_ref().map(|c| c.limit);
-    // The pool's GPUs: node, plan, and the memory their agents report.
-    let gpus: Vec<(&str, &GpuPlan, Option<u64>)> = plan
-        .nodes
-        .iter()
-        .flat_map(|node| {
-            let inventory = observed
-                .nodes
-                .iter()
-                .find(|n| n.inventory.name == node.node);
-            node.gpus
-                .iter()
-                .filter(|g| g.pool() == Some(spec.pool.as_str()))
-                .map(move |g| {
-                    let memory = inventory
-                        .and_then(|n| n.inventory.gpus.iter().find(|x| x.index == g.index))
-                        .and_then(|x| x.memory.as_ref())
-                        .and_then(|m| gpuslice_api::bytes_of(&m.0).ok());
-                    (node.node.as_str(), g, memory)
-                })
-        })
-        .collect();
+    let gpus = pool_gpus(observed, plan, &spec.pool);
     let fits = |desired: &Desired, g: &GpuPlan, memory| {
         let model = gpuslice_planning::catalog::model(&g.model).ok();
         gpuslice_planning::fit::smallest_fitting(desired, model, memory, request, headroom, limit)
