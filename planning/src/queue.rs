@@ -378,10 +378,19 @@ pub struct Running {
     pub priority: i64,
     /// Its policy's `preemptible`.
     pub preemptible: bool,
-    /// Work a preemption would lose: seconds since its last checkpoint, or since it started.
+    /// Work a preemption would lose ([`work_lost`]): seconds of GPU work since its last
+    /// checkpoint, or since it started.
     pub loss_seconds: f64,
     /// Already being taken back: for which waiting pod (`namespace/name`), and why.
     pub taken_for: Option<(String, String)>,
+}
+
+/// Seconds of GPU work a workload did since `from` (its last checkpoint, or its start), at
+/// `at`: until it stopped computing (`idle_since`, as its agent reports it), or until now while it
+/// computes. What a drain or a preemption loses of it.
+pub fn work_lost(from: DateTime<Utc>, idle_since: Option<DateTime<Utc>>, at: DateTime<Utc>) -> f64 {
+    let computed_until = idle_since.map_or(at, |idle| idle.min(at));
+    (computed_until - from).num_milliseconds().max(0) as f64 / 1000.0
 }
 
 /// A slice to take back, for whom and why.

@@ -52,9 +52,11 @@ impl Allocated {
     /// Seconds of GPU work a drain would lose at `at`: from its last checkpoint until it stopped
     /// computing (or until now); `None` when it never checkpointed.
     pub fn loss(&self, at: DateTime<Utc>) -> Option<f64> {
-        let checkpoint = self.last_checkpoint?;
-        let computed_until = self.idle_since.map_or(at, |idle| idle.min(at));
-        Some((computed_until - checkpoint).num_milliseconds().max(0) as f64 / 1000.0)
+        Some(crate::queue::work_lost(
+            self.last_checkpoint?,
+            self.idle_since,
+            at,
+        ))
     }
 }
 

@@ -215,6 +215,8 @@ pub(super) struct Agents {
     pub(super) under_way: BTreeMap<String, (String, String)>,
     /// Claim → when its workload last wrote a checkpoint.
     pub(super) checkpoints: BTreeMap<String, chrono::DateTime<chrono::Utc>>,
+    /// Claim → since when its workload has not computed (software slices its agent times).
+    pub(super) idle_since: BTreeMap<String, chrono::DateTime<chrono::Utc>>,
     /// Claim → what its agent says of its drain.
     pub(super) draining: BTreeMap<String, String>,
     /// Whether each node's agent has read its GpuNode's current spec (its Ready condition's
@@ -256,6 +258,9 @@ impl Agents {
                 };
                 if let Some(t) = c.last_checkpoint.as_ref().and_then(gpuslice_api::chrono_of) {
                     agents.checkpoints.insert(claim.clone(), t);
+                }
+                if let Some(t) = c.idle_since.as_ref().and_then(gpuslice_api::chrono_of) {
+                    agents.idle_since.insert(claim.clone(), t);
                 }
                 if let Some(d) = &c.draining {
                     agents.draining.insert(claim.clone(), d.clone());

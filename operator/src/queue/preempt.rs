@@ -190,7 +190,7 @@ impl PoolPass<'_> {
                     // A claim whose policy is unknown is no victim.
                     preemptible: policy.is_some_and(|p| p.spec.preemptible),
                     loss_seconds: since.map_or(f64::MAX, |t| {
-                        (wall - t).num_milliseconds().max(0) as f64 / 1000.0
+                        queue::work_lost(t, pass.agents.idle_since.get(&h.claim).copied(), wall)
                     }),
                     taken_for: pass.agents.under_way.get(&h.claim).cloned(),
                 }
