@@ -978,6 +978,101 @@ fn claim(c: &ResourceClaim) -> proto::Claim {
     }
 }
 
+/// A tenant writes its own ResourceClaims, and a claim may carry opaque config for a driver:
+/// this one names the notebook class but adds config for gpuslice.io naming the
+/// llm-inference policy and an 80 GiB cap. The plugin reads only what the class gave: the
+/// container's slice config holds the notebook's 9 GiB, and the agent counts the claim as a
+/// notebook (its compute limit, its CheckpointPolicy).
+#[tokio::test]
+async fn a_claims_own_config_cannot_name_another_policy_or_raise_its_cap() {
+    let Some(running) = start("2026-12-02T10:00:00Z", &[]).await else {
+        return;
+    };
+    let client = running.client.clone();
+    let mut plugin = registered_plugin(&running, "a100-a").await;
+    let forged: ResourceClaim = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "forged", "namespace": "default"},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "notebook.gpuslice.io"}}],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": "gpuslice.io", "parameters": {
+                "apiVersion": "gpuslice.io/v1alpha1", "kind": "ClassParameters",
+                "policy": "llm-inference", "pool": "shared-a100", "memory": "80Gi",
+                "memoryLimitBytes": 85899345920u64,
+                "compute": {"limit": 100, "guarantee": 100}
+            }}}]
+        }}
+    }))
+    .unwrap();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    claims
+        .create(&PostParams::default(), &forged)
+        .await
+        .unwrap();
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "forger", "labels": {"app": "dra-test"}},
+        "spec": {
+            "containers": [{"name": "main", "image": "example.com/worker:1",
+                "resources": {"claims": [{"name": "gpu"}]}}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": "forged"}],
+            "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+        }
+    }))
+    .unwrap();
+    Api::<Pod>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+    let allocated = eventually("the forged claim is allocated", || {
+        let claims = claims.clone();
+        async move {
+            let c = claims.get("forged").await.map_err(|e| e.to_string())?;
+            let done = c
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .is_some();
+            done.then_some(c).ok_or_else(|| "not allocated".to_string())
+        }
+    })
+    .await;
+    let uid = allocated.metadata.uid.clone().unwrap();
+    let answer = plugin
+        .node_prepare_resources(proto::NodePrepareResourcesRequest {
+            claims: vec![claim(&allocated)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let prepared = &answer.claims[&uid];
+    assert_eq!(prepared.error, "", "{answer:?}");
+    let slice = &prepared.devices[0].device_name;
+    let state = gpuslice_contract::StateDir::new(running.dir.path().join("a100-a").join("state"));
+    let config = gpuslice_node::kubelet::claim_config(&state, &uid, slice).expect("claim config");
+    assert_eq!(
+        config.memory_bytes,
+        9u64 << 30,
+        "the notebook's cap, not the claim's"
+    );
+    let gpu_nodes: Api<GpuNode> = Api::all(client.clone());
+    eventually("the agent reports the claim as a notebook", || {
+        let gpu_nodes = gpu_nodes.clone();
+        async move {
+            let node = gpu_nodes.get("a100-a").await.map_err(|e| e.to_string())?;
+            let claims = node.status.map(|s| s.claims).unwrap_or_default();
+            let policy = claims
+                .iter()
+                .find(|c| c.resource_claim.as_deref() == Some("default/forged"))
+                .and_then(|c| c.policy.clone());
+            (policy.as_deref() == Some("notebook"))
+                .then_some(())
+                .ok_or(format!("{claims:?}"))
+        }
+    })
+    .await;
+}
+
 /// The kubelet plugin of `node`, registered as the kubelet's plugin watcher does it.
 async fn registered_plugin(
     running: &Cluster,

@@ -28,6 +28,8 @@ use proto::registration::registration_server::{Registration, RegistrationServer}
 
 /// The plugin type the kubelet's plugin manager knows DRA drivers by.
 const PLUGIN_TYPE: &str = "DRAPlugin";
+/// `allocation.devices.config[].source` of what the DeviceClass gave (not the claim's author).
+const CONFIG_FROM_CLASS: &str = "FromClass";
 /// The service version we implement (`k8s.io/kubelet/pkg/apis/dra/v1.DRAPluginService`).
 const SERVICE_VERSION: &str = "v1.DRAPlugin";
 /// The CDI kind of our devices: ids are `gpuslice.io/slice=<claim uid>-<device>`.
@@ -382,10 +384,13 @@ impl Plugin {
             .allocation
             .and_then(|a| a.devices)
             .unwrap_or_default();
+        // The class's parameters only: a claim may carry opaque config for this driver too,
+        // and a tenant writes its claims (another policy's name, a larger cap).
         let parameters: Vec<dra::ClassParameters> = allocated
             .config
             .iter()
             .flatten()
+            .filter(|c| c.source == CONFIG_FROM_CLASS)
             .filter_map(|c| c.opaque.as_ref())
             .filter(|o| o.driver == dra::DRIVER)
             .filter_map(|o| serde_json::from_value(o.parameters.0.clone()).ok())
