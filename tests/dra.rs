@@ -1233,6 +1233,18 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
             ),
             "{env:?}"
         );
+        // The pool's CheckpointPolicy `standard` (every 5m, SIGUSR1): the notebook is told where
+        // its marker goes, how often to checkpoint, and by which signal it is asked to.
+        for want in [
+            format!(
+                "GPUSLICE_CHECKPOINT_DONE=/run/gpuslice/slices/{}/checkpoint-done",
+                device.device_name
+            ),
+            "GPUSLICE_CHECKPOINT_INTERVAL=300".to_string(),
+            "GPUSLICE_CHECKPOINT_SIGNAL=SIGUSR1".to_string(),
+        ] {
+            assert!(env.contains(&want.as_str()), "{want} not in {env:?}");
+        }
         assert!(
             env.contains(
                 &format!("GPUSLICE_SLICE_CONFIG=/run/gpuslice/slices/{slice}/config").as_str()

@@ -1523,6 +1523,76 @@ async fn a_pods_kernels_get_no_more_than_its_policys_compute_limit() {
     );
 }
 
+/// CheckpointPolicy `interval` (here 10 s): a pod is told it, where its marker goes and the
+/// signal (the CDI spec's environment), and the agent reads its marker. A pod that writes the
+/// marker every 3 s at the path it was told is on time; one that never does gets a
+/// `CheckpointOverdue` Event once 15 s have passed, and only one.
+#[tokio::test]
+async fn a_pod_is_told_its_checkpoint_interval_and_one_that_misses_it_gets_an_event() {
+    let Some(setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    apply_policies(
+        &setup,
+        "apiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: standard}\nspec: {interval: 10s, signal: SIGUSR1, gracePeriod: 2m}\n",
+        1,
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let punctual = run_pod(
+        &setup,
+        &pods,
+        "punctual",
+        "echo \"every $GPUSLICE_CHECKPOINT_INTERVAL s on $GPUSLICE_CHECKPOINT_SIGNAL\"; while :; do touch \"$GPUSLICE_CHECKPOINT_DONE\"; sleep 3; done",
+        "Running",
+    )
+    .await;
+    run_pod(
+        &setup,
+        &pods,
+        "forgetful",
+        "while :; do sleep 1; done",
+        "Running",
+    )
+    .await;
+    let notes = eventually("the forgetful pod told it is overdue", || async {
+        let notes = pod_event_notes(&setup.client, "CheckpointOverdue", "forgetful").await?;
+        (!notes.is_empty())
+            .then_some(notes)
+            .ok_or(pod_states(&pods).await)
+    })
+    .await;
+    assert!(
+        notes[0].contains("since it took the slice")
+            && notes[0].contains("CheckpointPolicy standard asks for one every 10s"),
+        "{notes:?}"
+    );
+    assert!(
+        setup
+            .kubelet
+            .output(&punctual)
+            .contains("every 10 s on SIGUSR1"),
+        "{}",
+        setup.kubelet.output(&punctual)
+    );
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        pod_event_notes(&setup.client, "CheckpointOverdue", "forgetful")
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "told once"
+    );
+    assert_eq!(
+        pod_event_notes(&setup.client, "CheckpointOverdue", "punctual").await,
+        Ok(Vec::new())
+    );
+    let claim = claim_of(&pods, "punctual").await;
+    let reports = claim_reports(&Api::all(setup.client.clone())).await;
+    assert_eq!(reports.get(&claim).map(|r| r.0), Some(true), "{reports:?}");
+}
+
 /// What a drain would lose is the GPU work since a pod's last checkpoint, so the agent says
 /// which pods' slices have stopped computing: a pod that ran kernels for 2 s and then only
 /// sleeps shows `idleSince` in its GpuNode claim once a minute has passed, and keeps the same

@@ -66,6 +66,17 @@ pub enum Signal {
 }
 
 impl Signal {
+    /// Its name, as the API spells it (`SIGUSR1`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Signal::Usr1 => "SIGUSR1",
+            Signal::Usr2 => "SIGUSR2",
+            Signal::Term => "SIGTERM",
+            Signal::Int => "SIGINT",
+            Signal::Hup => "SIGHUP",
+        }
+    }
+
     /// The signal number on Linux.
     pub fn number(self) -> i32 {
         match self {

@@ -28,6 +28,7 @@ pub struct ClassParameters {
     pub memory_limit_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub compute: Option<ClassCompute>,
+    /// The CheckpointPolicy that drains its workloads: the policy's own, else its pool's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_policy: Option<String>,
 }

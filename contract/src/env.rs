@@ -9,3 +9,11 @@ pub const SLICE: &str = "GPUSLICE_SLICE";
 pub const MEMORY_LIMIT: &str = "GPUSLICE_MEMORY_LIMIT";
 /// The emulated machine's state file that the emulated NVML and CUDA libraries open.
 pub const EMULATOR_STATE: &str = "GPUSLICE_EMULATOR_STATE";
+/// Where the workload writes its checkpoint-done marker (the container's path of
+/// `<state>/slices/<id>/checkpoint-done`): after each checkpoint it takes, and after the
+/// checkpoint signal. Set for a pod whose policy or pool names a CheckpointPolicy.
+pub const CHECKPOINT_DONE: &str = "GPUSLICE_CHECKPOINT_DONE";
+/// Seconds between the checkpoints its CheckpointPolicy asks of the workload (`interval`).
+pub const CHECKPOINT_INTERVAL: &str = "GPUSLICE_CHECKPOINT_INTERVAL";
+/// The signal that asks it to checkpoint now (`SIGUSR1`, …).
+pub const CHECKPOINT_SIGNAL: &str = "GPUSLICE_CHECKPOINT_SIGNAL";

@@ -90,6 +90,9 @@ pub struct Pass {
     /// When each held slice's workload last wrote its checkpoint-done marker.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub checkpoints: BTreeMap<String, DateTime<Utc>>,
+    /// Workloads newly past their CheckpointPolicy's interval (by half again).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub overdue: Vec<crate::workloads::interval::Overdue>,
     /// Held software slices whose processes have not computed for a while, since when.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub idle_since: BTreeMap<String, DateTime<Utc>>,
@@ -175,6 +178,8 @@ pub struct Agent {
     /// Slice → when (monotonic ns) it last held its GPU, and that time on the agent's clock as
     /// first reported: the report stays the same while the slice stays idle.
     idle_seen: std::sync::Mutex<BTreeMap<String, (u64, DateTime<Utc>)>>,
+    /// Which held workloads have missed their checkpoint interval (and were told).
+    intervals: std::sync::Mutex<crate::workloads::interval::IntervalWatch>,
 }
 
 impl Agent {
@@ -201,6 +206,7 @@ impl Agent {
             io_warned: std::sync::atomic::AtomicBool::new(false),
             watchdog: std::sync::Mutex::new(None),
             idle_seen: std::sync::Mutex::default(),
+            intervals: std::sync::Mutex::default(),
         }
     }
 
@@ -371,6 +377,7 @@ impl Agent {
             evictions: Vec::new(),
             checkpoints: BTreeMap::new(),
             idle_since: BTreeMap::new(),
+            overdue: Vec::new(),
             claims: Vec::new(),
             inventory: after,
             shares: BTreeMap::new(),
@@ -435,6 +442,7 @@ impl Agent {
                 Some((c.slice.clone(), DateTime::<Utc>::from(written)))
             })
             .collect();
+        pass.overdue = self.overdue(pass, config, now);
         // The slices `gpuslice run` holds: their cgroups stay, the others' go.
         let running: Vec<String> = pass
             .claims
@@ -456,6 +464,34 @@ impl Agent {
         pass.shares = shares(&slices, &pass.claims, &needs, &time_slices(&pass.plan));
         self.socket.compute.set(&pass.shares);
         pass.idle_since = self.idle_since(&pass.claims, now);
+    }
+
+    /// The held workloads newly past their CheckpointPolicy's interval.
+    fn overdue(
+        &self,
+        pass: &Pass,
+        config: &Config,
+        now: DateTime<Utc>,
+    ) -> Vec<crate::workloads::interval::Overdue> {
+        let watched: Vec<crate::workloads::interval::Watched> = pass
+            .claims
+            .iter()
+            .filter_map(|c| {
+                let policy = checkpoint_policy(pass, config, Some(c), &c.slice)?;
+                Some(crate::workloads::interval::Watched {
+                    slice: c.slice.clone(),
+                    holder: c
+                        .resource_claim
+                        .clone()
+                        .unwrap_or_else(|| c.workload.unwrap_or(c.client).to_string()),
+                    interval: policy.interval?,
+                    policy: policy.name,
+                    last_checkpoint: pass.checkpoints.get(&c.slice).copied(),
+                })
+            })
+            .collect();
+        let mut watch = self.intervals.lock().unwrap_or_else(|p| p.into_inner());
+        watch.check(&watched, now)
     }
 
     /// Logs what happened to each GPU: an error, a transition that waits, operations applied.
@@ -545,27 +581,9 @@ impl Agent {
     /// of service, and preempted pods' slices; each with its CheckpointPolicy.
     fn blocking(&self, pass: &Pass, config: &Config, intent: &Taking<'_>) -> Vec<Blocked> {
         let claims = self.socket.claims.held();
-        let gpus: Vec<_> = pass.plan.nodes.iter().flat_map(|n| &n.gpus).collect();
-        let workload_policy = |claim: Option<&Claim>| {
-            claim
-                .and_then(|c| c.policy.as_ref())
-                .and_then(|p| config.policies.get(p))
-                .and_then(|p| p.checkpoint_policy.clone())
-        };
         let slice_gpus = crate::gpu::slices::configs(&pass.inventory);
-        let pool_policy = |slice: &str| {
-            let index = slice_gpus.iter().find(|c| c.id == slice).map(|c| c.gpu);
-            gpus.iter()
-                .find(|g| Some(g.index) == index)
-                .and_then(|g| g.checkpoint_policy().map(str::to_string))
-        };
-        let policy_of = |claim: Option<&Claim>, slice: &str| {
-            drain::policy_for(
-                workload_policy(claim).as_deref(),
-                pool_policy(slice).as_deref(),
-                &config.checkpoints,
-            )
-        };
+        let policy_of =
+            |claim: Option<&Claim>, slice: &str| checkpoint_policy(pass, config, claim, slice);
         let pod_holder = |c: &Claim| Holder::Pod {
             claim: c.resource_claim.clone().unwrap_or_default(),
             pods: c.pod_names.clone(),
@@ -779,6 +797,31 @@ fn limit_pods(
 struct Taking<'a> {
     preemptions: &'a [gpuslice_api::Preemption],
     gpus_out: &'a BTreeMap<u32, String>,
+}
+
+/// The CheckpointPolicy of a held slice: its workload's policy's, else its GPU's pool's.
+fn checkpoint_policy(
+    pass: &Pass,
+    config: &Config,
+    claim: Option<&Claim>,
+    slice: &str,
+) -> Option<drain::DrainPolicy> {
+    let workload_policy = claim
+        .and_then(|c| c.policy.as_ref())
+        .and_then(|p| config.policies.get(p))
+        .and_then(|p| p.checkpoint_policy.as_deref());
+    let gpu = crate::gpu::slices::configs(&pass.inventory)
+        .into_iter()
+        .find(|c| c.id == slice)
+        .map(|c| c.gpu);
+    let pool_policy = pass
+        .plan
+        .nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .find(|g| Some(g.index) == gpu)
+        .and_then(|g| g.checkpoint_policy());
+    drain::policy_for(workload_policy, pool_policy, &config.checkpoints)
 }
 
 /// Each GPU's minimum compute slice: its pool's `timeSlice`.

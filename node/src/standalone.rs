@@ -120,6 +120,9 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
             shapes.save(&options.state);
         }
         pass.source = status;
+        for overdue in &pass.overdue {
+            tracing::warn!("{}", overdue.text(now));
+        }
         let took_out = if options.once {
             false
         } else {

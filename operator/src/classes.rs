@@ -76,7 +76,13 @@ pub fn parameters(name: &str, policy: &GpuSlicePolicy, pools: &[GpuPool]) -> Cla
             limit: c.limit,
             guarantee: c.guarantee.unwrap_or(0),
         }),
-        checkpoint_policy: spec.checkpoint_policy.clone(),
+        // The one that drains its workloads: its own, else its pool's.
+        checkpoint_policy: spec.checkpoint_policy.clone().or_else(|| {
+            pools
+                .iter()
+                .find(|p| p.metadata.name.as_deref() == Some(spec.pool.as_str()))
+                .and_then(|p| p.spec.checkpoint_policy.clone())
+        }),
     }
 }
 

@@ -148,6 +148,40 @@ fn pod_reference(namespace: &str, name: &str, uid: Option<String>) -> ObjectRefe
     }
 }
 
+/// An Event on each pod of a workload that missed its CheckpointPolicy's interval.
+pub(super) async fn tell_overdue(
+    recorder: &Recorder,
+    pass: &crate::pass::Pass,
+    now: chrono::DateTime<chrono::Utc>,
+) {
+    for overdue in &pass.overdue {
+        let Some(claim) = pass
+            .claims
+            .iter()
+            .find(|c| c.slice == overdue.slice && c.resource_claim.is_some())
+        else {
+            tracing::warn!("{}", overdue.text(now));
+            continue;
+        };
+        for (i, pod) in claim.pod_names.iter().enumerate() {
+            let Some((namespace, name)) = pod.split_once('/') else {
+                continue;
+            };
+            let event = Event {
+                type_: EventType::Warning,
+                reason: "CheckpointOverdue".into(),
+                note: Some(overdue.text(now)),
+                action: "WatchCheckpointInterval".into(),
+                secondary: None,
+            };
+            let regarding = pod_reference(namespace, name, claim.pods.get(i).cloned());
+            if let Err(e) = recorder.publish(&event, &regarding).await {
+                tracing::warn!("recording a checkpoint event: {e}");
+            }
+        }
+    }
+}
+
 /// An Event on each pod of a slice the watchdog found over its memory cap or compute limit.
 pub(super) async fn tell_overrun(
     recorder: &Recorder,

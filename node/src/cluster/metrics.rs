@@ -45,6 +45,7 @@ pub struct Metrics {
     slice_memory: Family<HolderLabel, Gauge>,
     slice_memory_used: Family<HolderLabel, Gauge>,
     slice_memory_peak: Family<HolderLabel, Gauge>,
+    slice_since_checkpoint: Family<HolderLabel, Gauge>,
     slice_holder: Family<HolderLabel, Gauge>,
     slice_refusals: Family<SliceKey, Counter>,
     slice_compute_used: Family<SliceKey, Counter<f64, AtomicU64>>,
@@ -208,6 +209,7 @@ impl Metrics {
             slice_memory: Family::default(),
             slice_memory_used: Family::default(),
             slice_memory_peak: Family::default(),
+            slice_since_checkpoint: Family::default(),
             slice_holder: Family::default(),
             slice_refusals: Family::default(),
             slice_compute_used: Family::default(),
@@ -334,6 +336,11 @@ impl Metrics {
             "slice_memory_peak_bytes",
             "The most the workload of a software slice held at once since it took the slice (the shim's ledger)",
             self.slice_memory_peak.clone(),
+        );
+        r.register(
+            "slice_seconds_since_checkpoint",
+            "Seconds since the workload of a slice last wrote its checkpoint-done marker (slices whose workload has written one); its CheckpointPolicy's interval is how often it should",
+            self.slice_since_checkpoint.clone(),
         );
         r.register(
             "slice_holder",
@@ -574,6 +581,15 @@ impl Metrics {
         self.slice_memory.clear();
         self.slice_memory_used.clear();
         self.slice_memory_peak.clear();
+        self.slice_since_checkpoint.clear();
+        let now = chrono::Utc::now();
+        let since_checkpoint = |label: &HolderLabel| {
+            if let Some(t) = pass.checkpoints.get(&label.slice) {
+                self.slice_since_checkpoint
+                    .get_or_create(label)
+                    .set((now - *t).num_seconds().max(0));
+            }
+        };
         self.slice_holder.clear();
         let mut last = self.counted.lock().unwrap_or_else(|p| p.into_inner());
         let mut counted = std::collections::HashSet::new();
@@ -602,6 +618,7 @@ impl Metrics {
             let usage = readings.compute.get(&gpu.index).map(|(u, _)| u);
             for slice in &gpu.slices {
                 let label = label(&slice.id, "software");
+                since_checkpoint(&label);
                 let key = SliceKey {
                     gpu: label.gpu.clone(),
                     slice: label.slice.clone(),
@@ -653,6 +670,7 @@ impl Metrics {
                     continue;
                 };
                 let label = label(&id, "mig");
+                since_checkpoint(&label);
                 self.slice_holder.get_or_create(&label).set(1);
                 self.slice_memory.get_or_create(&label).set(bytes(*total));
                 self.slice_memory_used

@@ -36,7 +36,7 @@ mod status;
 
 use evictions::StrayPods;
 use evictions::{ask_evictions, recut_devices, stale_allocations, unprepared_victims};
-use isolation::{isolate_faults, tell_faults, tell_overrun};
+use isolation::{isolate_faults, tell_faults, tell_overdue, tell_overrun};
 use status::{driver_check, io_condition, plan_spec, quarantine_condition, status};
 
 pub use metrics::{Metrics, Readings};
@@ -365,6 +365,7 @@ impl<'a> NodeLoop<'a> {
             ..ObjectReference::default()
         };
         tell_faults(&self.recorder, &gpu_node, &self.name, &notices).await;
+        tell_overdue(&self.recorder, &pass, now).await;
         self.record(&pass, &facts, started);
         let (outdated, driver_supported) = driver_check(
             &pass.inventory,

@@ -188,11 +188,14 @@ fn write_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), PluginErr
 
 /// The CDI spec (version 0.6.0) giving a container its slices.
 /// `devices`: each CDI device's name, its slice, and the claim's config of that slice.
+/// `checkpoint`: the CheckpointPolicy that drains the claim's workload, whose marker path,
+/// interval and signal the container is told.
 pub fn cdi_spec(
     state: &StateDir,
     paths: &Paths,
     devices: &[(String, SliceConfig, PathBuf)],
     cache_of: &dyn Fn(u32) -> Option<PathBuf>,
+    checkpoint: Option<&gpuslice_api::CheckpointPolicySpec>,
 ) -> serde_json::Value {
     let container_state = StateDir::new(CONTAINER_STATE);
     let preload = records(state).join("ld.so.preload");
@@ -203,6 +206,20 @@ pub fn cdi_spec(
                 format!("CUDA_VISIBLE_DEVICES={}", slice.device_uuid),
                 format!("NVIDIA_VISIBLE_DEVICES={}", slice.device_uuid),
             ];
+            if let Some(policy) = checkpoint {
+                use gpuslice_contract::env;
+                let marker = container_state.checkpoint_done(&slice.id);
+                env.push(format!("{}={}", env::CHECKPOINT_DONE, marker.display()));
+                env.push(format!(
+                    "{}={}",
+                    env::CHECKPOINT_SIGNAL,
+                    policy.signal.name()
+                ));
+                if let Some(interval) = policy.interval {
+                    let seconds = std::time::Duration::from(interval).as_secs();
+                    env.push(format!("{}={seconds}", env::CHECKPOINT_INTERVAL));
+                }
+            }
             let bind = |host: &Path, container: &Path, mode: &str| {
                 serde_json::json!({"hostPath": host, "containerPath": container,
                     "options": ["rbind", mode]})
@@ -321,6 +338,8 @@ struct Allocation {
     /// The policy its class names, and the memory cap it gives.
     policy: Option<String>,
     memory_limit: Option<u64>,
+    /// The CheckpointPolicy that drains its workload (the policy's, else its pool's).
+    checkpoint_policy: Option<String>,
     /// Each device: its CDI device name, the request it answers, and the slice in force.
     devices: Vec<(String, String, SliceConfig)>,
 }
@@ -400,6 +419,7 @@ impl Plugin {
             .map(|p| p.policy.clone())
             .find(|p| !p.is_empty());
         let memory_limit = parameters.iter().find_map(|p| p.memory_limit_bytes);
+        let checkpoint_policy = parameters.iter().find_map(|p| p.checkpoint_policy.clone());
         let results = allocated.results.unwrap_or_default();
         let slices = crate::gpu::slices::published(&self.state);
         let mut devices = Vec::new();
@@ -433,6 +453,7 @@ impl Plugin {
             pod_names,
             policy,
             memory_limit,
+            checkpoint_policy,
             devices,
         })
     }
@@ -451,6 +472,7 @@ impl Plugin {
             pod_names,
             policy,
             memory_limit,
+            checkpoint_policy,
             devices,
         } = self.allocation(claim).await?;
         let refuse = |reason: String| PluginError::Claim {
@@ -490,9 +512,25 @@ impl Plugin {
             )?;
             named.push((name.clone(), slice.clone(), path));
         }
-        let spec = cdi_spec(&self.state, &self.paths, &named, &|gpu| {
-            self.caches.root_for_gpu(gpu)
-        });
+        let checkpoint = match &checkpoint_policy {
+            Some(name) => Api::<gpuslice_api::CheckpointPolicy>::all(self.client.clone())
+                .get_opt(name)
+                .await
+                .map_err(|e| {
+                    refuse(format!(
+                        "reading its CheckpointPolicy {name:?}: {e}; the kubelet asks again"
+                    ))
+                })?
+                .map(|p| p.spec),
+            None => None,
+        };
+        let spec = cdi_spec(
+            &self.state,
+            &self.paths,
+            &named,
+            &|gpu| self.caches.root_for_gpu(gpu),
+            checkpoint.as_ref(),
+        );
         write_atomically(
             &self.paths.cdi_spec(&claim.uid),
             &serde_json::to_vec_pretty(&spec).unwrap_or_default(),
@@ -749,7 +787,22 @@ mod tests {
             &paths,
             &[("uid-gpu0-s1".into(), slice, claim_config.clone())],
             &|_| Some(PathBuf::from("/etc")),
+            Some(
+                &serde_yaml::from_str("{interval: 5m, signal: SIGUSR2, gracePeriod: 1m}").unwrap(),
+            ),
         );
+        // The workload is told where its marker goes, how often to checkpoint and by which signal
+        // it is asked to.
+        let env = spec["devices"][0]["containerEdits"]["env"]
+            .as_array()
+            .unwrap();
+        for want in [
+            "GPUSLICE_CHECKPOINT_DONE=/run/gpuslice/slices/gpu0-s1/checkpoint-done",
+            "GPUSLICE_CHECKPOINT_SIGNAL=SIGUSR2",
+            "GPUSLICE_CHECKPOINT_INTERVAL=300",
+        ] {
+            assert!(env.contains(&want.into()), "{want} not in {env:?}");
+        }
         let mounts = spec["devices"][0]["containerEdits"]["mounts"]
             .as_array()
             .unwrap();

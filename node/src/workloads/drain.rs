@@ -44,6 +44,8 @@ pub struct DrainPolicy {
     pub signal: Signal,
     pub grace: chrono::TimeDelta,
     pub required: bool,
+    /// How often the workload should checkpoint by itself.
+    pub interval: Option<std::time::Duration>,
 }
 
 impl DrainPolicy {
@@ -54,6 +56,7 @@ impl DrainPolicy {
             signal: spec.signal,
             grace: chrono::TimeDelta::from_std(grace).unwrap_or(chrono::TimeDelta::MAX),
             required: spec.required,
+            interval: spec.interval.map(std::time::Duration::from),
         }
     }
 }
@@ -480,6 +483,7 @@ mod tests {
             signal: Signal::Usr1,
             grace: chrono::TimeDelta::seconds(60),
             required,
+            interval: None,
         })
     }
 
