@@ -560,18 +560,27 @@ pub fn render_compaction(plans: &[PoolCompaction]) -> String {
     out
 }
 
+/// What a repository declares, as the elastic plan reads it.
+pub struct Declared<'a> {
+    pub pools: &'a [gpuslice_api::GpuPool],
+    pub policies: &'a [gpuslice_api::GpuSlicePolicy],
+    pub checkpoints: &'a [gpuslice_api::CheckpointPolicy],
+}
+
 /// What the elastic sets in force would do now: each pool's decision (and the re-cuts it
 /// stages) from the GPUs as the inventory has them (their shapes from the GpuNodes' spec, their
 /// work from the GpuNodes' claims) and the pods said to wait per policy. Pools read from Git
 /// carry no learned forecast: only the demand given counts.
 pub fn elastic(
-    pools: &[gpuslice_api::GpuPool],
-    policies: &[gpuslice_api::GpuSlicePolicy],
+    declared: &Declared,
     inventory: &Inventory,
     waiting: &BTreeMap<String, u32>,
     at: chrono::DateTime<chrono::Utc>,
 ) -> ElasticPlan {
     use gpuslice_operator::desired::{Allocated, NodeReport, Observed};
+    let Declared {
+        pools, policies, ..
+    } = *declared;
     let plan = gpuslice_planning::cluster::plan_cluster(pools, &inventory.nodes, at);
     let pool_of = |node: &str, gpu: u32| {
         plan.nodes
@@ -584,8 +593,8 @@ pub fn elastic(
     for (node, claims) in &inventory.claims {
         for claim in claims {
             let gpu = gpu_of_slice(&claim.slice);
+            let pool = gpu.and_then(|g| pool_of(node, g));
             allocated.push(Allocated {
-                pool: gpu.and_then(|g| pool_of(node, g)),
                 policy: claim.policy.clone(),
                 node: node.clone(),
                 gpu,
@@ -594,6 +603,24 @@ pub fn elastic(
                     .as_ref()
                     .and_then(gpuslice_api::chrono_of),
                 idle_since: claim.idle_since.as_ref().and_then(gpuslice_api::chrono_of),
+                max_loss: gpuslice_planning::shaping::max_loss_of(
+                    policies
+                        .iter()
+                        .find(|p| p.metadata.name.is_some() && p.metadata.name == claim.policy),
+                    pool.as_deref().and_then(|name| {
+                        pools
+                            .iter()
+                            .find(|p| p.metadata.name.as_deref() == Some(name))
+                    }),
+                    |name| {
+                        declared
+                            .checkpoints
+                            .iter()
+                            .find(|c| c.metadata.name.as_deref() == Some(name))
+                            .map(|c| &c.spec)
+                    },
+                ),
+                pool,
             });
         }
     }

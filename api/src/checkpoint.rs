@@ -40,7 +40,9 @@ pub struct CheckpointPolicySpec {
     /// When true a workload is never stopped: the transition waits until it exits or checkpoints.
     #[serde(default)]
     pub required: bool,
-    /// Most work a workload may lose to a preemption (Go duration); at least `interval`.
+    /// Most work a workload should lose to a preemption or an elastic re-cut (Go duration); at
+    /// least `interval`. Work is the GPU work since its last checkpoint; a workload past its
+    /// maxLoss is taken only when no other that fits is within its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub max_loss: Option<Duration>,

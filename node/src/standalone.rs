@@ -341,13 +341,24 @@ impl Shapes {
                     .and_then(|m| m.modified())
                     .ok()
                     .map(DateTime::<Utc>::from);
+                let pool = gpu.and_then(pool_of);
+                let max_loss = gpuslice_planning::shaping::max_loss_of(
+                    policies
+                        .iter()
+                        .find(|p| p.metadata.name.as_deref() == c.policy.as_deref()),
+                    pools
+                        .iter()
+                        .find(|p| p.metadata.name.as_deref() == pool.as_deref()),
+                    |name| config.checkpoints.get(name),
+                );
                 Allocated {
-                    pool: gpu.and_then(pool_of),
+                    pool,
                     policy: c.policy,
                     node: node.name.clone(),
                     gpu,
                     last_checkpoint,
                     idle_since: held.idle_since.get(&c.slice).copied(),
+                    max_loss,
                 }
             })
             .collect();

@@ -133,6 +133,9 @@ pub struct GpuNow {
     /// checkpoint until the workload stopped computing, or until now (0 when it holds none);
     /// `None` when one of them never wrote a checkpoint.
     pub loss: Option<f64>,
+    /// A drain now would lose more than a workload's CheckpointPolicy `maxLoss`: it goes after
+    /// every drain within its workloads' maxLoss.
+    pub past_max_loss: bool,
 }
 
 impl GpuNow {
@@ -185,11 +188,13 @@ pub struct Recut {
     pub minimum: bool,
 }
 
-/// Drains cost the work since the workloads' last checkpoints: the least first, a GPU whose
-/// loss is unknown last.
+/// Drains cost the work since the workloads' last checkpoints: those within their
+/// CheckpointPolicies' `maxLoss` first, then the least, a GPU whose loss is unknown last.
 fn by_loss(a: &GpuNow, b: &GpuNow) -> std::cmp::Ordering {
     let key = |g: &GpuNow| g.loss.unwrap_or(f64::INFINITY);
-    key(a).total_cmp(&key(b))
+    a.past_max_loss
+        .cmp(&b.past_max_loss)
+        .then(key(a).total_cmp(&key(b)))
 }
 
 /// The decision and why.
@@ -770,6 +775,7 @@ mod tests {
                 since_recut: None,
                 recutting: false,
                 loss: Some(0.0),
+                past_max_loss: false,
             })
             .collect()
     }
@@ -870,6 +876,38 @@ mod tests {
             "{}",
             d.reason
         );
+    }
+
+    #[test]
+    fn a_drain_within_its_max_loss_goes_before_a_smaller_one_past_its_own() {
+        // As the least-loss test (GPU 0's quarters keep serving the notebooks), but of the
+        // other two, GPU 2's notebook (1 min lost) is past its CheckpointPolicy's maxLoss and
+        // GPU 1's (20 min) is not: GPU 1 is drained.
+        let mut pool = gpus(&[0, 0, 0]);
+        for (g, loss) in pool
+            .iter_mut()
+            .zip([Some(1200.0), Some(1200.0), Some(60.0)])
+        {
+            g.busy = 1;
+            g.drainable = true;
+            g.loss = loss;
+        }
+        pool[2].past_max_loss = true;
+        let mut training = demand("training", 70, 100, 0, 1);
+        training.weight = 3.0;
+        let mut drain = rules();
+        drain.drain = true;
+        let notebooks = demand("notebook", 18, 25, 3, 0);
+        let d = decide_with(&pool, &[notebooks, training], &drain);
+        assert_eq!(d.recuts.len(), 1, "{d:?}");
+        assert_eq!((d.recuts[0].gpu, d.recuts[0].drain), (1, true));
+        // Without the maxLoss, the least loss: GPU 2.
+        pool[2].past_max_loss = false;
+        let notebooks = demand("notebook", 18, 25, 3, 0);
+        let mut training = demand("training", 70, 100, 0, 1);
+        training.weight = 3.0;
+        let d = decide_with(&pool, &[notebooks, training], &drain);
+        assert_eq!(d.recuts[0].gpu, 2, "{d:?}");
     }
 
     #[test]

@@ -381,6 +381,9 @@ pub struct Running {
     /// Work a preemption would lose ([`work_lost`]): seconds of GPU work since its last
     /// checkpoint, or since it started.
     pub loss_seconds: f64,
+    /// Its CheckpointPolicy's `maxLoss` (seconds): past it, it is taken only when no victim
+    /// within its own maxLoss fits.
+    pub max_loss_seconds: Option<f64>,
     /// Already being taken back: for which waiting pod (`namespace/name`), and why.
     pub taken_for: Option<(String, String)>,
 }
@@ -391,6 +394,14 @@ pub struct Running {
 pub fn work_lost(from: DateTime<Utc>, idle_since: Option<DateTime<Utc>>, at: DateTime<Utc>) -> f64 {
     let computed_until = idle_since.map_or(at, |idle| idle.min(at));
     (computed_until - from).num_milliseconds().max(0) as f64 / 1000.0
+}
+
+impl Running {
+    /// Whether taking it now would lose more than its CheckpointPolicy's `maxLoss`.
+    fn past_max_loss(&self) -> bool {
+        self.max_loss_seconds
+            .is_some_and(|most| self.loss_seconds > most)
+    }
 }
 
 /// A slice to take back, for whom and why.
@@ -406,7 +417,8 @@ pub struct Preempt {
 /// (`waiting`, in queue order): for each, at most one victim, whose device fits it, that is
 /// `preemptible`, and either of lower priority (`Priority`, `PriorityFair`) or, at equal
 /// priority, of a namespace that would stay at or above the waiting pod's namespace's weighted
-/// share after the move (`Fair`, `PriorityFair`); among those, the one that loses the least work.
+/// share after the move (`Fair`, `PriorityFair`); among those, one within its CheckpointPolicy's
+/// `maxLoss` before any past it, and the one that loses the least work.
 /// Preemptions already under way are kept while their pod still waits (never a second victim
 /// for it, never a victim twice). `Fifo` preempts nothing.
 pub fn preempt(
@@ -479,9 +491,13 @@ pub fn preempt(
                 })
             })
             .min_by(|(a, _), (b, _)| {
-                (a.loss_seconds, a.priority)
-                    .partial_cmp(&(b.loss_seconds, b.priority))
-                    .unwrap_or(std::cmp::Ordering::Equal)
+                a.past_max_loss()
+                    .cmp(&b.past_max_loss())
+                    .then(
+                        (a.loss_seconds, a.priority)
+                            .partial_cmp(&(b.loss_seconds, b.priority))
+                            .unwrap_or(std::cmp::Ordering::Equal),
+                    )
                     .then_with(|| a.claim.cmp(&b.claim))
             });
         if let Some((victim, reason)) = best {
@@ -795,6 +811,7 @@ mod tests {
             priority,
             preemptible: true,
             loss_seconds: loss,
+            max_loss_seconds: None,
             taken_for: None,
         }
     }
@@ -856,6 +873,34 @@ mod tests {
             )
             .is_empty()
         );
+    }
+
+    #[test]
+    fn a_victim_within_its_max_loss_goes_before_one_past_its_own() {
+        // `strict` would lose 15 min against a maxLoss of 10; `relaxed` 20 min against 30: the
+        // least loss alone would take `strict`, past what its CheckpointPolicy allows.
+        let urgent = pod("ml", "urgent", 1000, 5);
+        let mut strict = running("strict", "ml", 0, 900.0);
+        strict.max_loss_seconds = Some(600.0);
+        let mut relaxed = running("relaxed", "ml", 0, 1200.0);
+        relaxed.max_loss_seconds = Some(1800.0);
+        let take = |candidates: &[Running]| {
+            preempt(
+                SchedulingPolicy::PriorityFair,
+                &[&urgent],
+                &need(),
+                candidates,
+                &BTreeMap::new(),
+            )
+            .into_iter()
+            .map(|p| p.claim)
+            .collect::<Vec<_>>()
+        };
+        assert_eq!(take(&[strict.clone(), relaxed]), ["ml/relaxed"]);
+        // When every victim is past its maxLoss, the least loss still decides.
+        let mut over = running("over", "ml", 0, 1200.0);
+        over.max_loss_seconds = Some(600.0);
+        assert_eq!(take(&[strict, over]), ["ml/strict"]);
     }
 
     #[test]

@@ -32,7 +32,7 @@ const DEFAULT_MAX_IN_FLIGHT_PERCENT: u32 = 10;
 const DEFAULT_HORIZON: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// One device allocated to a workload.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Allocated {
     /// The GpuPool of the device (its `pool` attribute as published).
     pub pool: Option<String>,
@@ -46,9 +46,32 @@ pub struct Allocated {
     /// Since when its workload has not computed, as its agent reports it (`None`: computing, or
     /// not timed).
     pub idle_since: Option<DateTime<Utc>>,
+    /// Its CheckpointPolicy's `maxLoss` in seconds (its policy's, else its pool's).
+    pub max_loss: Option<f64>,
+}
+
+/// The `maxLoss` in seconds of the CheckpointPolicy that drains a workload of `policy` in
+/// `pool`: the policy's own CheckpointPolicy, else the pool's (`spec_of` finds one by name).
+pub fn max_loss_of<'a>(
+    policy: Option<&'a GpuSlicePolicy>,
+    pool: Option<&'a GpuPool>,
+    spec_of: impl Fn(&str) -> Option<&'a gpuslice_api::CheckpointPolicySpec>,
+) -> Option<f64> {
+    let name = policy
+        .and_then(|p| p.spec.checkpoint_policy.as_deref())
+        .or_else(|| pool.and_then(|p| p.spec.checkpoint_policy.as_deref()))?;
+    let most: std::time::Duration = spec_of(name)?.max_loss?.into();
+    Some(most.as_secs_f64())
 }
 
 impl Allocated {
+    /// Whether a drain at `at` would lose more than its `maxLoss` (never having checkpointed,
+    /// it may have lost any amount).
+    pub fn past_max_loss(&self, at: DateTime<Utc>) -> bool {
+        self.max_loss
+            .is_some_and(|most| self.loss(at).is_none_or(|loss| loss > most))
+    }
+
     /// Seconds of GPU work a drain would lose at `at`: from its last checkpoint until it stopped
     /// computing (or until now); `None` when it never checkpointed.
     pub fn loss(&self, at: DateTime<Utc>) -> Option<f64> {
@@ -586,6 +609,7 @@ fn gpu_now(
             .iter()
             .map(|a| a.loss(at))
             .try_fold(0.0, |most: f64, loss| Some(most.max(loss?))),
+        past_max_loss: held.iter().any(|a| a.past_max_loss(at)),
     }
 }
 
@@ -621,6 +645,7 @@ mod tests {
             gpu: Some(0),
             last_checkpoint: checkpoint.map(minutes),
             idle_since: idle.map(minutes),
+            max_loss: None,
         };
         // Computing since its checkpoint 30 minutes ago: 30 minutes lost.
         assert_eq!(notebook(Some(30), None).loss(at), Some(1800.0));
@@ -630,5 +655,17 @@ mod tests {
         assert_eq!(notebook(Some(30), Some(40)).loss(at), Some(0.0));
         // Never checkpointed: unknown, however idle.
         assert_eq!(notebook(None, Some(40)).loss(at), None);
+        // Past its maxLoss (15 min): 30 min computing is, 10 min is not; never checkpointed is.
+        let strict = |checkpoint, idle| Allocated {
+            max_loss: Some(900.0),
+            ..notebook(checkpoint, idle)
+        };
+        assert!(strict(Some(30), None).past_max_loss(at));
+        assert!(!strict(Some(30), Some(20)).past_max_loss(at));
+        assert!(strict(None, None).past_max_loss(at));
+        assert!(
+            !notebook(Some(30), None).past_max_loss(at),
+            "no maxLoss, no limit"
+        );
     }
 }

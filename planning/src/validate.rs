@@ -150,12 +150,6 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
     for checkpoint in &repo.checkpoints {
         let spec = &checkpoint.object.spec;
         let mut warn = |path: &str, what: &str| out.inert(checkpoint.doc, path, what);
-        if spec.max_loss.is_some() {
-            warn(
-                "spec.maxLoss",
-                "drains and preemptions choose the workload that loses least, whatever its maxLoss",
-            );
-        }
         if spec.storage.is_some() {
             warn(
                 "spec.storage",

@@ -85,12 +85,23 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         std::fs::read_to_string(&nodes).with_context(|| format!("reading {}", nodes.display()))?;
     let inventory = gpuslice::plan::parse_inventory(&nodes.display().to_string(), &text)?;
     let head_name = git_ref.clone().unwrap_or_else(|| "the working tree".into());
-    let Some((head, policies)) = config_of(&source, git_ref, path.clone(), at, &head_name)? else {
+    let Some((head, policies, checkpoints)) =
+        config_of(&source, git_ref, path.clone(), at, &head_name)?
+    else {
         return Ok(ExitCode::FAILURE);
     };
     if elastic {
         let waiting = waiting.into_iter().collect();
-        let plan = gpuslice::plan::elastic(&head, &policies, &inventory, &waiting, at);
+        let plan = gpuslice::plan::elastic(
+            &gpuslice::plan::Declared {
+                pools: &head,
+                policies: &policies,
+                checkpoints: &checkpoints,
+            },
+            &inventory,
+            &waiting,
+            at,
+        );
         match output {
             PlanOutput::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
             _ => print!("{}", gpuslice::plan::render_elastic(&plan)),
@@ -155,23 +166,25 @@ fn pools_of(
     at: chrono::DateTime<chrono::Utc>,
     revision: &str,
 ) -> anyhow::Result<Option<Vec<gpuslice_api::GpuPool>>> {
-    Ok(config_of(location, git_ref, sub_path, at, revision)?.map(|(pools, _)| pools))
+    Ok(config_of(location, git_ref, sub_path, at, revision)?.map(|(pools, ..)| pools))
 }
 
 /// The pools and policies of a source's revision; `None` (after saying why) when it does not
 /// validate.
+/// A revision's pools, policies and CheckpointPolicies.
+type Objects = (
+    Vec<gpuslice_api::GpuPool>,
+    Vec<gpuslice_api::GpuSlicePolicy>,
+    Vec<gpuslice_api::CheckpointPolicy>,
+);
+
 fn config_of(
     location: &str,
     git_ref: Option<String>,
     sub_path: Option<String>,
     at: chrono::DateTime<chrono::Utc>,
     revision: &str,
-) -> anyhow::Result<
-    Option<(
-        Vec<gpuslice_api::GpuPool>,
-        Vec<gpuslice_api::GpuSlicePolicy>,
-    )>,
-> {
+) -> anyhow::Result<Option<Objects>> {
     let spec = SourceSpec {
         location: location.to_string(),
         git_ref,
@@ -193,5 +206,6 @@ fn config_of(
     Ok(Some((
         repo.pools.into_iter().map(|p| p.object).collect(),
         repo.policies.into_iter().map(|p| p.object).collect(),
+        repo.checkpoints.into_iter().map(|p| p.object).collect(),
     )))
 }

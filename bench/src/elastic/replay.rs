@@ -325,6 +325,8 @@ impl Replay<'_> {
                         })
                         .fold(0.0, f64::max),
                 ),
+                // Checkpoints every 30 min, no maxLoss declared: the replay has none to keep.
+                past_max_loss: false,
             })
             .collect();
         let started = Instant::now();

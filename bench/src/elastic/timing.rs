@@ -23,6 +23,7 @@ pub fn decision_time(layouts: &[ModelSlots], shapes: &[Shape]) -> f64 {
             since_recut: Some(rng.random_range(0.0..7200.0)),
             recutting: rng.random::<f64>() < 0.01,
             loss: Some(rng.random_range(0.0..1800.0)),
+            past_max_loss: false,
         })
         .collect();
     let demand: Vec<Demand> = CLASSES
@@ -104,6 +105,7 @@ pub fn shaping_time() -> f64 {
                         gpu: Some(i),
                         last_checkpoint: None,
                         idle_since: None,
+                        max_loss: None,
                     });
                 }
             }

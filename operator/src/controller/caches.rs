@@ -386,8 +386,35 @@ pub(super) fn allocated(
                 gpu,
                 last_checkpoint,
                 idle_since,
+                // From the policies and pools: see `with_max_loss`.
+                max_loss: None,
             });
         }
     }
     out
+}
+
+/// Each allocated device's `maxLoss`: its policy's CheckpointPolicy's, else its pool's.
+pub(super) fn with_max_loss(
+    allocated: &mut [Allocated],
+    policies: &[GpuSlicePolicy],
+    pools: &[GpuPool],
+    checkpoints: &Store<CheckpointPolicy>,
+) {
+    let checkpoints = checkpoints.state();
+    for a in allocated {
+        let named = |name: &Option<String>, meta: &kube::core::ObjectMeta| {
+            name.is_some() && meta.name == *name
+        };
+        a.max_loss = gpuslice_planning::shaping::max_loss_of(
+            policies.iter().find(|p| named(&a.policy, &p.metadata)),
+            pools.iter().find(|p| named(&a.pool, &p.metadata)),
+            |name| {
+                checkpoints
+                    .iter()
+                    .find(|c| c.metadata.name.as_deref() == Some(name))
+                    .map(|c| &c.spec)
+            },
+        );
+    }
 }

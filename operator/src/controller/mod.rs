@@ -32,7 +32,7 @@ use tracing::Instrument as _;
 use crate::admission::allowed_namespaces;
 use crate::desired::{Observed, desired};
 use crate::election::Leadership;
-use caches::{Stores, allocated, cache, observe, watch_pods};
+use caches::{Stores, allocated, cache, observe, watch_pods, with_max_loss};
 use write::Writer;
 
 /// GpuNode writes in flight at once.
@@ -105,6 +105,7 @@ pub async fn run(
             pods: pods.clone(),
             pools: stores.pools.clone(),
             policies: stores.policies.clone(),
+            checkpoints: stores.checkpoints.clone(),
             slices: stores.slices.clone(),
             claims: stores.claims.clone(),
             gpu_nodes: stores.gpu_nodes.clone(),
@@ -208,6 +209,12 @@ impl Reconciler {
             .map(|p| (**p).clone())
             .collect();
         observed.allocated = allocated(&stores.slices, &stores.claims, &stores.gpu_nodes);
+        with_max_loss(
+            &mut observed.allocated,
+            &observed.policies,
+            &observed.pools,
+            &stores.checkpoints,
+        );
         observed.waiting = crate::queue::waiting_by_policy(&self.pods);
         observed.prometheus = self.signals.read();
         observed

@@ -101,6 +101,7 @@ mod tests {
             gpu: Some(gpu),
             last_checkpoint: None,
             idle_since: None,
+            max_loss: None,
         }
     }
 
@@ -286,6 +287,29 @@ mod tests {
             decision.contains("(losing at most 20 min of work since the last checkpoints)"),
             "{decision}"
         );
+    }
+
+    #[test]
+    fn a_drain_past_its_checkpoint_policys_max_loss_waits_behind_one_within_its_own() {
+        // GPU 0's notebook checkpointed 5 min ago under a maxLoss of 1 min; GPU 1's 20 min ago
+        // under 30 min: GPU 1 is drained for the training pod, though it loses more.
+        let mut observed = observed();
+        let t0 = at("2026-12-07T10:00:00Z");
+        let first = desired(&observed, t0);
+        written_back(&mut observed, &first);
+        let pool = &mut observed.pools[0].spec;
+        pool.checkpoint_policy = Some("ckpt".into());
+        pool.elastic.as_mut().unwrap().drain = ElasticDrain::Checkpointable;
+        let notebook = |gpu, minutes_ago, max_loss_minutes: f64| Allocated {
+            last_checkpoint: Some(t0 - TimeDelta::minutes(minutes_ago)),
+            max_loss: Some(max_loss_minutes * 60.0),
+            ..running("notebook", gpu)
+        };
+        observed.allocated = vec![notebook(0, 5, 1.0), notebook(1, 20, 30.0)];
+        observed.waiting.insert("train".into(), 1);
+        let out = desired(&observed, t0);
+        let staged: Vec<u32> = staged(&out).iter().map(|g| g.index).collect();
+        assert_eq!(staged, [1], "{:?}", out.pool_status["shared"].elastic);
     }
 
     #[test]

@@ -275,6 +275,7 @@ impl Agents {
 pub(super) struct Pass {
     pub(super) pools: Vec<Arc<GpuPool>>,
     pub(super) policies: Vec<Arc<GpuSlicePolicy>>,
+    pub(super) checkpoints: Vec<Arc<gpuslice_api::CheckpointPolicy>>,
     /// The pools as values, as policies' memory limits are computed from.
     pub(super) pool_list: Vec<GpuPool>,
     /// Every gpuslice device published, by (ResourceSlice pool, device name).
@@ -325,6 +326,7 @@ impl Pass {
         Pass {
             pools,
             policies,
+            checkpoints: caches.checkpoints.state(),
             pool_list,
             devices,
             allocated,

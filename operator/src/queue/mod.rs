@@ -61,6 +61,8 @@ pub struct Caches {
     pub pods: Store<Pod>,
     pub pools: Store<GpuPool>,
     pub policies: Store<GpuSlicePolicy>,
+    /// For the `maxLoss` of a victim's CheckpointPolicy.
+    pub checkpoints: Store<gpuslice_api::CheckpointPolicy>,
     pub slices: Store<PublishedSlice>,
     pub claims: Store<ResourceClaim>,
     pub gpu_nodes: Store<GpuNode>,

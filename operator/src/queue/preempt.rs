@@ -192,6 +192,16 @@ impl PoolPass<'_> {
                     loss_seconds: since.map_or(f64::MAX, |t| {
                         queue::work_lost(t, pass.agents.idle_since.get(&h.claim).copied(), wall)
                     }),
+                    max_loss_seconds: gpuslice_planning::shaping::max_loss_of(
+                        policy.map(|p| &**p),
+                        Some(self.pool),
+                        |name| {
+                            pass.checkpoints
+                                .iter()
+                                .find(|c| c.metadata.name.as_deref() == Some(name))
+                                .map(|c| &c.spec)
+                        },
+                    ),
                     taken_for: pass.agents.under_way.get(&h.claim).cloned(),
                 }
             })
