@@ -371,6 +371,27 @@ fn the_compaction_plan_empties_the_least_used_gpu_into_one_in_use() {
     );
 }
 
+/// `gpuslice plan REPO --nodes NODES --elastic --at 2026-12-07T10:00:00Z EXTRA…`: what it
+/// prints, which must be a success.
+fn plan_elastic(repo: &Path, nodes: &Path, extra: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .arg("plan")
+        .arg(repo)
+        .arg("--nodes")
+        .arg(nodes)
+        .args(["--at", "2026-12-07T10:00:00Z", "--elastic"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
 /// The README's worked example: `examples/gitops`'s research-h100 pool on the node of
 /// `examples/inventory/research-gpunodes.yaml`. Nothing waits: nothing moves, and the busy GPUs
 /// say why. Six notebooks wait: the idle GPU is cut in quarters, and of the three busy ones the
@@ -380,27 +401,11 @@ fn the_compaction_plan_empties_the_least_used_gpu_into_one_in_use() {
 fn the_readme_elastic_example_re_cuts_the_idle_gpu_and_drains_the_one_that_loses_nothing() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let run = |waiting: &str| {
-        let out = Command::new(BIN)
-            .arg("plan")
-            .arg(root.join("examples/gitops"))
-            .arg("--nodes")
-            .arg(root.join("examples/inventory/research-gpunodes.yaml"))
-            .args([
-                "--elastic",
-                "--at",
-                "2026-12-07T10:00:00Z",
-                "--waiting",
-                waiting,
-            ])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(
-            out.status.success(),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        text
+        plan_elastic(
+            &root.join("examples/gitops"),
+            &root.join("examples/inventory/research-gpunodes.yaml"),
+            &["--waiting", waiting],
+        )
     };
     let quiet = run("research-notebook=0");
     assert!(
@@ -454,22 +459,7 @@ fn the_elastic_plan_re_cuts_the_idle_gpu_for_waiting_pods_and_says_why() {
         ),
     )
     .unwrap();
-    let run = |extra: &[&str]| {
-        let out = Command::new(BIN)
-            .args(["plan", repo.to_str().unwrap(), "--nodes"])
-            .arg(&nodes)
-            .args(["--at", "2026-12-07T10:00:00Z", "--elastic"])
-            .args(extra)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(
-            out.status.success(),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        text
-    };
+    let run = |extra: &[&str]| plan_elastic(&repo, &nodes, extra);
     // Nothing waits: both GPUs keep their quarters.
     let quiet = run(&[]);
     assert!(

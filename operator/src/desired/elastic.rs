@@ -245,24 +245,31 @@ mod tests {
         assert!(spec(&out).gpus.iter().all(|g| g.next.is_none()));
     }
 
-    #[test]
-    fn the_drain_of_a_workload_idle_since_its_checkpoint_goes_first_and_loses_nothing() {
-        // Both GPUs hold a notebook that checkpointed 30 minutes ago; a training pod waits. The
-        // notebook on GPU 0 computes; the one on GPU 1 stopped computing before its checkpoint
-        // (its agent says so): draining GPU 1 loses nothing, so it goes, not GPU 0.
+    /// The pool as written back at `t0`, its work drainable (CheckpointPolicy `ckpt`,
+    /// `drain: Checkpointable`), and a training pod waiting.
+    fn training_waits_on_drainable_notebooks(t0: DateTime<Utc>) -> Observed {
         let mut observed = observed();
-        let t0 = at("2026-12-07T10:00:00Z");
         let first = desired(&observed, t0);
         written_back(&mut observed, &first);
         let pool = &mut observed.pools[0].spec;
         pool.checkpoint_policy = Some("ckpt".into());
         pool.elastic.as_mut().unwrap().drain = ElasticDrain::Checkpointable;
+        observed.waiting.insert("train".into(), 1);
+        observed
+    }
+
+    #[test]
+    fn the_drain_of_a_workload_idle_since_its_checkpoint_goes_first_and_loses_nothing() {
+        // Both GPUs hold a notebook that checkpointed 30 minutes ago; a training pod waits. The
+        // notebook on GPU 0 computes; the one on GPU 1 stopped computing before its checkpoint
+        // (its agent says so): draining GPU 1 loses nothing, so it goes, not GPU 0.
+        let t0 = at("2026-12-07T10:00:00Z");
+        let mut observed = training_waits_on_drainable_notebooks(t0);
         let checkpointed = |gpu, idle_since| Allocated {
             last_checkpoint: Some(t0 - TimeDelta::minutes(30)),
             idle_since,
             ..running("notebook", gpu)
         };
-        observed.waiting.insert("train".into(), 1);
         let recut = |observed: &Observed| {
             let out = desired(observed, t0);
             let staged: Vec<u32> = staged(&out).iter().map(|g| g.index).collect();
@@ -293,20 +300,14 @@ mod tests {
     fn a_drain_past_its_checkpoint_policys_max_loss_waits_behind_one_within_its_own() {
         // GPU 0's notebook checkpointed 5 min ago under a maxLoss of 1 min; GPU 1's 20 min ago
         // under 30 min: GPU 1 is drained for the training pod, though it loses more.
-        let mut observed = observed();
         let t0 = at("2026-12-07T10:00:00Z");
-        let first = desired(&observed, t0);
-        written_back(&mut observed, &first);
-        let pool = &mut observed.pools[0].spec;
-        pool.checkpoint_policy = Some("ckpt".into());
-        pool.elastic.as_mut().unwrap().drain = ElasticDrain::Checkpointable;
+        let mut observed = training_waits_on_drainable_notebooks(t0);
         let notebook = |gpu, minutes_ago, max_loss_minutes: f64| Allocated {
             last_checkpoint: Some(t0 - TimeDelta::minutes(minutes_ago)),
             max_loss: Some(max_loss_minutes * 60.0),
             ..running("notebook", gpu)
         };
         observed.allocated = vec![notebook(0, 5, 1.0), notebook(1, 20, 30.0)];
-        observed.waiting.insert("train".into(), 1);
         let out = desired(&observed, t0);
         let staged: Vec<u32> = staged(&out).iter().map(|g| g.index).collect();
         assert_eq!(staged, [1], "{:?}", out.pool_status["shared"].elastic);
