@@ -188,6 +188,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     }
     admission_takes_policies_by_name(&admin).await;
     admission_keeps_root_off_a_non_root_pool(&admin).await;
+    admission_mounts_checkpoint_storage(&admin).await;
 
     // The kubelet plugin inside the agent reads the claims it prepares; the agent may neither
     // evict pods (it asks the operator, which evicts only the asking node's) nor delete them.
@@ -640,6 +641,167 @@ async fn admission_keeps_root_off_a_non_root_pool(admin: &kube::Client) {
     pods.patch_ephemeral_containers("user-0", &dry, &debug(serde_json::json!({})))
         .await
         .unwrap();
+}
+
+/// A policy whose CheckpointPolicy has `storage`: every pod naming it (by label or by resource)
+/// gets the claim as volume `gpuslice-checkpoints`, mounted at the storage's path in each
+/// container and told as GPUSLICE_CHECKPOINT_DIR; a tenant cannot swap the volume, move the path
+/// or keep its own mount there. A policy whose CheckpointPolicy has none gets nothing.
+async fn admission_mounts_checkpoint_storage(admin: &kube::Client) {
+    gpuslice_testcluster::apply_all(
+        admin,
+        &gpuslice_testcluster::documents(
+            "apiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: kept}\nspec:\n  gracePeriod: 1m\n  storage: {persistentVolumeClaim: ckpt, mountPath: /ckpt}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: trainer}\nspec: {pool: h200-mig, memory: 8Gi, checkpointPolicy: kept}\n",
+        ),
+    )
+    .await;
+    let pods = Api::<Pod>::namespaced(admin.clone(), "web");
+    let trainer = |name: &str, extra: serde_json::Value| -> Pod {
+        let mut p = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "web", "labels": {"gpuslice.io/policy": "trainer"}},
+            "spec": {"containers": [
+                {"name": "main", "image": "example.com/app:1"},
+                {"name": "sidecar", "image": "example.com/log:1"}]}
+        });
+        json_merge(&mut p, extra);
+        serde_json::from_value(p).unwrap()
+    };
+    // The pod's volumes, and each container's mounts and variables, less the API server's own
+    // (the service account token).
+    let storage_of = |p: &Pod| -> (Vec<String>, Vec<Vec<String>>) {
+        let spec = p.spec.as_ref().unwrap();
+        let token = |name: &str| name.starts_with("kube-api-access-");
+        let volumes = spec
+            .volumes
+            .iter()
+            .flatten()
+            .filter(|v| !token(&v.name))
+            .map(|v| {
+                let source = match (&v.persistent_volume_claim, &v.empty_dir) {
+                    (Some(c), _) => format!("claim {}", c.claim_name),
+                    (_, Some(_)) => "emptyDir".to_string(),
+                    _ => "other".to_string(),
+                };
+                format!("{}: {source}", v.name)
+            })
+            .collect();
+        let containers =
+            spec.containers
+                .iter()
+                .map(|c| {
+                    let mounts = c.volume_mounts.iter().flatten().filter(|m| !token(&m.name));
+                    let env = c.env.iter().flatten();
+                    mounts
+                        .map(|m| format!("{} at {}", m.name, m.mount_path))
+                        .chain(env.map(|e| {
+                            format!("{}={}", e.name, e.value.as_deref().unwrap_or_default())
+                        }))
+                        .collect()
+                })
+                .collect();
+        (volumes, containers)
+    };
+    let ours = vec![
+        "gpuslice-checkpoints at /ckpt".to_string(),
+        format!("{}=/ckpt", gpuslice_contract::env::CHECKPOINT_DIR),
+    ];
+    // The operator writes the claim and the path into the admission parameters.
+    let stored = eventually(
+        "the checkpoint storage is mounted for policy trainer",
+        || {
+            let pods = pods.clone();
+            let p = trainer("trainer-0", serde_json::json!({}));
+            async move {
+                let stored = pods
+                    .create(&dry_post(), &p)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let got = storage_of(&stored);
+                (!got.0.is_empty())
+                    .then_some(got)
+                    .ok_or("not mounted".to_string())
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        stored,
+        (
+            vec!["gpuslice-checkpoints: claim ckpt".to_string()],
+            vec![ours.clone(), ours.clone()]
+        )
+    );
+    // By the policy's resource instead of the label: the same.
+    let by_resource = pod(
+        "trainer-1",
+        "web",
+        serde_json::json!({}),
+        serde_json::json!({"gpuslice.io/trainer": "1"}),
+    );
+    let stored = pods.create(&dry_post(), &by_resource).await.unwrap();
+    assert_eq!(
+        storage_of(&stored),
+        (
+            vec!["gpuslice-checkpoints: claim ckpt".to_string()],
+            vec![ours.clone()]
+        )
+    );
+    // A tenant's own variable and its own mount at the path give way to the policy's.
+    let moved = trainer(
+        "trainer-2",
+        serde_json::json!({"spec": {
+            "containers": [{"name": "main", "image": "example.com/app:1",
+                "env": [{"name": "GPUSLICE_CHECKPOINT_DIR", "value": "/etc"}],
+                "volumeMounts": [{"name": "scratch", "mountPath": "/ckpt"}]}],
+            "volumes": [{"name": "scratch", "emptyDir": {}}]}}),
+    );
+    let stored = pods.create(&dry_post(), &moved).await.unwrap();
+    let (volumes, containers) = storage_of(&stored);
+    assert!(
+        volumes.contains(&"gpuslice-checkpoints: claim ckpt".to_string()),
+        "{volumes:?}"
+    );
+    assert_eq!(containers[0], ours, "{containers:?}");
+    // A volume of that name of its own (another source) is refused.
+    let swapped = trainer(
+        "trainer-3",
+        serde_json::json!({"spec": {"volumes": [{"name": "gpuslice-checkpoints", "emptyDir": {}}]}}),
+    );
+    match pods.create(&dry_post(), &swapped).await {
+        Err(kube::Error::Api(e)) => assert!(
+            e.message.contains("gpuslice-checkpoints") && e.message.contains("volume type"),
+            "{}",
+            e.message
+        ),
+        other => panic!("a swapped checkpoint volume was stored: {other:?}"),
+    }
+    // `notebook` names no CheckpointPolicy with storage: nothing is added.
+    let notebook = pods
+        .create(
+            &dry_post(),
+            &pod(
+                "nb-1",
+                "web",
+                serde_json::json!({"gpuslice.io/policy": "notebook"}),
+                serde_json::json!({}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(storage_of(&notebook), (vec![], vec![vec![]]));
+}
+
+/// Merges `extra` into `base` (objects key by key; anything else replaces).
+fn json_merge(base: &mut serde_json::Value, extra: serde_json::Value) {
+    match (base, extra) {
+        (serde_json::Value::Object(b), serde_json::Value::Object(e)) => {
+            for (k, v) in e {
+                json_merge(b.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (b, e) => *b = e,
+    }
 }
 
 /// Asserts that `refusal` is a 403 whose message contains every one of `expected`.

@@ -122,8 +122,8 @@ async fn crds_are_established_and_every_example_is_accepted() {
         }
     }
     assert_eq!(
-        applied, 13,
-        "9 gpuslice objects, 2 namespaces and 2 workloads"
+        applied, 14,
+        "10 gpuslice objects, 2 namespaces and 2 workloads"
     );
     let pools: Api<DynamicObject> = Api::all_with(
         client.clone(),

@@ -2042,3 +2042,255 @@ async fn notebooks_waiting_on_a_gpu_in_halves_get_it_cut_in_quarters_after_check
         recut.reason
     );
 }
+
+/// A CheckpointPolicy's `storage`: the chart's admission mounts the claim into the pods of a
+/// policy that names it and tells them where. A pod whose claim does not exist waits in the
+/// queue, told why (condition and Event), until it does. Preempted after its checkpoint, the
+/// pod's replacement (its Deployment's next pod) finds the checkpoint its predecessor wrote and
+/// resumes from it.
+#[tokio::test]
+async fn a_preempted_pods_replacement_resumes_from_the_checkpoint_in_its_storage() {
+    // Day layout of shared-a100: four 20 GiB slices, preemption on.
+    let Some(mut setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    let client = setup.client.clone();
+    // The chart's admission policy that mounts checkpoint storage, and the operator writing the
+    // parameters it reads, as the chart runs it.
+    let helm = gpuslice_testcluster::built_tool("GPUSLICE_HELM", "helm", "")
+        .expect("helm, as install_chart_identities found it");
+    let storage_admission: Vec<serde_json::Value> =
+        gpuslice_testcluster::render_chart(&helm, gpuslice_testcluster::CHART_NAMESPACE, &[])
+            .into_iter()
+            .filter(|d| {
+                d["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("-checkpoint-storage."))
+            })
+            .collect();
+    assert_eq!(storage_admission.len(), 2, "the policy and its binding");
+    gpuslice_testcluster::apply_all(&client, &storage_admission).await;
+    let _ = setup.operator.0.kill();
+    let _ = setup.operator.0.wait();
+    setup.operator = gpuslice_testcluster::spawn_operator(
+        env!("CARGO_BIN_EXE_gpuslice"),
+        &setup.operator_kubeconfig,
+        Some(&setup.clock),
+        &[&format!(
+            "--admission-params={}/{}-policies",
+            gpuslice_testcluster::CHART_NAMESPACE,
+            gpuslice_testcluster::CHART_RELEASE
+        )],
+    );
+    apply_policies(
+        &setup,
+        "
+apiVersion: gpuslice.io/v1alpha1
+kind: CheckpointPolicy
+metadata: {name: kept}
+spec:
+  signal: SIGUSR1
+  gracePeriod: 60s
+  storage: {persistentVolumeClaim: checkpoints, mountPath: /ckpt}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: trainer}
+spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: kept}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: pinned}
+spec: {pool: shared-a100, memory: 8Gi, priority: low, preemptible: false}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: urgent}
+spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
+",
+        4,
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    // The API server loads the admission policy, and the operator writes its parameters, a
+    // moment later: a trainer pod sent as a dry run shows when both are in force.
+    let probe = policy_pod(&setup, "probe", "trainer", "true", true);
+    eventually("admission mounts the trainer's checkpoint storage", || {
+        let (pods, probe) = (pods.clone(), probe.clone());
+        async move {
+            let dry = PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            let stored = pods.create(&dry, &probe).await.map_err(|e| e.to_string())?;
+            let volumes = stored.spec.and_then(|s| s.volumes).unwrap_or_default();
+            volumes
+                .iter()
+                .any(|v| v.name == "gpuslice-checkpoints")
+                .then_some(())
+                .ok_or(format!("{volumes:?}"))
+        }
+    })
+    .await;
+
+    // The trainer counts steps, resumes from the step in its storage, and on the checkpoint
+    // signal writes its step there and says it has checkpointed.
+    let trainer = "step=0; \
+        if [ -f \"$GPUSLICE_CHECKPOINT_DIR/step\" ]; then step=$(cat \"$GPUSLICE_CHECKPOINT_DIR/step\"); echo \"resumed at step $step from $GPUSLICE_CHECKPOINT_DIR\"; fi; \
+        trap 'echo $step > \"$GPUSLICE_CHECKPOINT_DIR/step\"; touch \"$GPUSLICE_CHECKPOINT_DONE\"' USR1; \
+        while :; do step=$((step+1)); sleep 0.2; done";
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), "default");
+    deployments
+        .create(
+            &PostParams::default(),
+            &queued_deployment(&setup, "trainer", "trainer", trainer),
+        )
+        .await
+        .unwrap();
+    // Its claim does not exist yet: it waits, and says what to create.
+    let first = eventually("the trainer waits for its storage", || {
+        let pods = pods.clone();
+        async move {
+            let names = app_pods(&pods, "trainer").await;
+            let name = names.first().ok_or("no pod yet")?.clone();
+            match queued(&pods, &name).await {
+                Some((true, reason, message)) if reason == "CheckpointStorageMissing" => {
+                    Ok((name, message))
+                }
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    let (first, message) = first;
+    assert!(
+        message.contains("PersistentVolumeClaim default/checkpoints")
+            && message.contains("CheckpointPolicy kept")
+            && message.contains("create it in namespace default"),
+        "{message}"
+    );
+    let notes = pod_event_notes(&client, "CheckpointStorageMissing", &first)
+        .await
+        .unwrap();
+    assert_eq!(notes, [message]);
+
+    // The claim, bound to a folder of this host (world-writable: the pods run as user 1000).
+    let storage = setup.dir.path().join("checkpoints");
+    std::fs::create_dir_all(&storage).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&storage, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let volume = format!(
+        "
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: checkpoints-pv}}
+spec:
+  capacity: {{storage: 1Gi}}
+  accessModes: [ReadWriteOnce]
+  storageClassName: manual
+  persistentVolumeReclaimPolicy: Retain
+  hostPath: {{path: {}, type: Directory}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: checkpoints, namespace: default}}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: manual
+  volumeName: checkpoints-pv
+  resources: {{requests: {{storage: 1Gi}}}}
+",
+        storage.display()
+    );
+    gpuslice_testcluster::apply_all(&client, &gpuslice_testcluster::documents(&volume)).await;
+    wait_for_phases(&pods, &[first.as_str()], ["Running"]).await;
+    let started = setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == first)
+        .unwrap();
+    assert!(
+        !setup.kubelet.output(&started).contains("resumed"),
+        "nothing to resume from yet"
+    );
+
+    // The three other slices go to pods that may not be preempted; a high-priority pod then
+    // takes the trainer's slice, after its checkpoint.
+    for i in 0..3 {
+        let name = format!("pinned-{i}");
+        pods.create(
+            &PostParams::default(),
+            &policy_pod(
+                &setup,
+                &name,
+                "pinned",
+                "while :; do sleep 0.2; done",
+                false,
+            ),
+        )
+        .await
+        .unwrap();
+        wait_for_phases(&pods, &[name.as_str()], ["Running"]).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    pods.create(
+        &PostParams::default(),
+        &policy_pod(
+            &setup,
+            "urgent",
+            "urgent",
+            "while :; do sleep 0.2; done",
+            true,
+        ),
+    )
+    .await
+    .unwrap();
+    wait_for_phases(&pods, &["urgent", first.as_str()], ["Running", "gone"]).await;
+    let step: u64 = std::fs::read_to_string(storage.join("step"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        step > 0,
+        "the trainer had counted steps before its checkpoint"
+    );
+
+    // Its replacement waits while the urgent pod holds the slice, then resumes where it left off.
+    pods.delete("urgent", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    let second = eventually("the trainer's replacement runs", || {
+        let (pods, first) = (pods.clone(), first.clone());
+        async move {
+            running_pod(&pods, "trainer")
+                .await
+                .filter(|p| *p != first)
+                .ok_or(pod_states(&pods).await)
+        }
+    })
+    .await;
+    let resumed = setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == second)
+        .unwrap();
+    output_with(
+        &setup,
+        &resumed,
+        &format!("resumed at step {step} from /ckpt"),
+    )
+    .await;
+}
+
+/// The names of Deployment `app`'s pods.
+async fn app_pods(pods: &Api<Pod>, app: &str) -> Vec<String> {
+    pods.list(&ListParams::default().labels(&format!("app={app}")))
+        .await
+        .map(|l| l.items.into_iter().map(|p| p.name_any()).collect())
+        .unwrap_or_default()
+}

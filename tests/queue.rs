@@ -143,8 +143,8 @@ impl Harness {
                 .collect();
         assert_eq!(
             mutating.len(),
-            11,
-            "five policies, their bindings and the queued pods' PriorityClass"
+            13,
+            "six policies, their bindings and the queued pods' PriorityClass"
         );
         gpuslice_testcluster::apply_all(&client, &mutating).await;
         cluster.install_chart_identities().await.unwrap();

@@ -36,7 +36,7 @@ fn the_examples_pass_warning_only_about_fields_not_enforced_yet() {
     );
     let summary = text.lines().last().unwrap_or_default();
     assert!(summary.starts_with("ok: 0 errors, "), "{text}");
-    assert!(text.contains("9 gpuslice objects, 2 workloads"), "{text}");
+    assert!(text.contains("10 gpuslice objects, 2 workloads"), "{text}");
     let warnings: Vec<&str> = text.lines().filter(|l| l.contains("warning:")).collect();
     assert!(warnings.iter().all(|w| w.contains(INERT)), "{warnings:#?}");
     // The chart's admission policy enforces it.
@@ -44,11 +44,13 @@ fn the_examples_pass_warning_only_about_fields_not_enforced_yet() {
         !warnings.iter().any(|w| w.contains("namespaceSelector")),
         "{warnings:#?}"
     );
-    // Fault isolation, I/O limits, the dataset cache and compaction work: no longer warnings.
+    // Fault isolation, I/O limits, the dataset cache, compaction and checkpoint storage on a
+    // claim work: no longer warnings.
     assert!(
         !warnings.iter().any(|w| w.contains("spec.faultIsolation")
             || w.contains("spec.io")
-            || w.contains("spec.compaction")),
+            || w.contains("spec.compaction")
+            || w.contains("spec.storage")),
         "{warnings:#?}"
     );
 }

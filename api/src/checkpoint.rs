@@ -46,7 +46,9 @@ pub struct CheckpointPolicySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(pattern(crate::time::DURATION_PATTERN), length(max = 32))]
     pub max_loss: Option<Duration>,
-    /// Where checkpoints are written.
+    /// Where checkpoints are written, so that they outlive the pod: the chart's admission mounts
+    /// the claim into every container of a pod whose policy uses this CheckpointPolicy and tells
+    /// it the path (`GPUSLICE_CHECKPOINT_DIR`); the queue holds a pod until the claim exists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<CheckpointStorage>,
 }
@@ -95,7 +97,8 @@ impl Signal {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckpointStorage {
-    /// Name of a PersistentVolumeClaim in the workload's namespace.
+    /// Name of a PersistentVolumeClaim in the workload's namespace. Without one nothing is
+    /// mounted: the pod mounts a volume at `mountPath` itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub persistent_volume_claim: Option<String>,
     /// Absolute path at which the storage is mounted in the workload's containers.

@@ -103,6 +103,24 @@ impl WorkloadClass {
     }
 }
 
+impl GpuSlicePolicySpec {
+    /// The CheckpointPolicy that drains its workloads: its own, else its pool's (`pools` may
+    /// hold any pools; the one named `spec.pool` is used).
+    pub fn checkpoint_policy_in<'a>(
+        &'a self,
+        pools: impl IntoIterator<Item = &'a crate::GpuPool>,
+    ) -> Option<&'a str> {
+        self.checkpoint_policy.as_deref().or_else(|| {
+            pools
+                .into_iter()
+                .find(|p| p.metadata.name.as_deref() == Some(self.pool.as_str()))?
+                .spec
+                .checkpoint_policy
+                .as_deref()
+        })
+    }
+}
+
 fn one() -> u32 {
     1
 }

@@ -17,3 +17,7 @@ pub const CHECKPOINT_DONE: &str = "GPUSLICE_CHECKPOINT_DONE";
 pub const CHECKPOINT_INTERVAL: &str = "GPUSLICE_CHECKPOINT_INTERVAL";
 /// The signal that asks it to checkpoint now (`SIGUSR1`, …).
 pub const CHECKPOINT_SIGNAL: &str = "GPUSLICE_CHECKPOINT_SIGNAL";
+/// Where its CheckpointPolicy's `storage` (a PersistentVolumeClaim of the pod's namespace) is
+/// mounted in every container: checkpoints written there outlive the pod, so its replacement
+/// resumes from them. Set by the chart's admission with the volume, not by the agent.
+pub const CHECKPOINT_DIR: &str = "GPUSLICE_CHECKPOINT_DIR";

@@ -2,11 +2,13 @@
 //! one ConfigMap): for each `GpuSlicePolicy`, the namespaces whose pods may use it — `*` when it
 //! has no `namespaceSelector`, else the names of the namespaces its selector matches now,
 //! comma-separated. The API server checks a pod against them without calling us, so admission
-//! works while the operator is down (with the namespaces as last resolved).
+//! works while the operator is down (with the namespaces as last resolved). The mutating
+//! admission policies read the same ConfigMap: each policy's host CPU and memory, whether its
+//! pool requires non-root workloads, and where its checkpoints are stored.
 
 use std::collections::BTreeMap;
 
-use gpuslice_api::{GpuPool, GpuSlicePolicy};
+use gpuslice_api::{CheckpointPolicy, GpuPool, GpuSlicePolicy};
 use gpuslice_planning::cluster::selects;
 
 /// The key of a policy's host CPU (`cpu_<policy>`) and memory (`memory_<policy>`) requests:
@@ -58,6 +60,47 @@ pub fn non_root_policies(
             ))
         })
         .collect()
+}
+
+/// The pod volume the chart's admission adds for a CheckpointPolicy's `storage` (the pod may
+/// not declare a volume of that name itself: the API server refuses the merged volume).
+pub const CHECKPOINT_VOLUME: &str = "gpuslice-checkpoints";
+
+/// The key of the PersistentVolumeClaim (`ckptclaim_<policy>`) and of the mount path
+/// (`ckptpath_<policy>`) a policy's checkpoints go to.
+pub fn checkpoint_key(what: &str, policy: &str) -> String {
+    format!("ckpt{what}_{policy}")
+}
+
+/// For each policy whose CheckpointPolicy (its own, else its pool's) has `storage` naming a
+/// PersistentVolumeClaim: the claim and the mount path, as the mutating admission policy adds
+/// them to the pod (the volume, its mount in every container, and `GPUSLICE_CHECKPOINT_DIR`).
+pub fn checkpoint_storage(
+    policies: &[GpuSlicePolicy],
+    pools: &[GpuPool],
+    checkpoints: &[&CheckpointPolicy],
+) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for p in policies {
+        let Some(name) = p.metadata.name.as_deref() else {
+            continue;
+        };
+        let storage = p.spec.checkpoint_policy_in(pools).and_then(|ckpt| {
+            checkpoints
+                .iter()
+                .find(|c| c.metadata.name.as_deref() == Some(ckpt))?
+                .spec
+                .storage
+                .as_ref()
+        });
+        if let Some(storage) = storage
+            && let Some(claim) = &storage.persistent_volume_claim
+        {
+            out.insert(checkpoint_key("claim", name), claim.clone());
+            out.insert(checkpoint_key("path", name), storage.mount_path.clone());
+        }
+    }
+    out
 }
 
 /// Every namespace: the value for a policy without a `namespaceSelector`.
@@ -146,6 +189,52 @@ mod tests {
             marked,
             BTreeMap::from([("nonroot_notebook".to_string(), "true".to_string())])
         );
+    }
+
+    #[test]
+    fn checkpoint_storage_is_the_policys_own_checkpoint_policys_else_its_pools() {
+        let policies = [
+            policy(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: trainer}\nspec: {pool: shared, memory: 1Gi, checkpointPolicy: durable}",
+            ),
+            policy(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: notebook}\nspec: {pool: shared, memory: 1Gi}",
+            ),
+            policy(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: quick}\nspec: {pool: shared, memory: 1Gi, checkpointPolicy: fleeting}",
+            ),
+        ];
+        let pool: GpuPool = serde_yaml::from_str(
+            "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: shared}\nspec: {nodeSelector: {}, layout: {exclusive: {}}, checkpointPolicy: pooled}",
+        )
+        .unwrap();
+        let checkpoint = |name: &str, storage: &str| -> CheckpointPolicy {
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {{name: {name}}}\nspec: {{gracePeriod: 1m{storage}}}"
+            ))
+            .unwrap()
+        };
+        let durable = checkpoint(
+            "durable",
+            ", storage: {persistentVolumeClaim: ckpt, mountPath: /ckpt}",
+        );
+        let pooled = checkpoint(
+            "pooled",
+            ", storage: {persistentVolumeClaim: shared-ckpt, mountPath: /state}",
+        );
+        // Storage without a claim mounts nothing.
+        let fleeting = checkpoint("fleeting", ", storage: {mountPath: /tmp/ckpt}");
+        let got = checkpoint_storage(&policies, &[pool], &[&durable, &pooled, &fleeting]);
+        let want: BTreeMap<String, String> = [
+            ("ckptclaim_trainer", "ckpt"),
+            ("ckptpath_trainer", "/ckpt"),
+            ("ckptclaim_notebook", "shared-ckpt"),
+            ("ckptpath_notebook", "/state"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -77,12 +77,7 @@ pub fn parameters(name: &str, policy: &GpuSlicePolicy, pools: &[GpuPool]) -> Cla
             guarantee: c.guarantee.unwrap_or(0),
         }),
         // The one that drains its workloads: its own, else its pool's.
-        checkpoint_policy: spec.checkpoint_policy.clone().or_else(|| {
-            pools
-                .iter()
-                .find(|p| p.metadata.name.as_deref() == Some(spec.pool.as_str()))
-                .and_then(|p| p.spec.checkpoint_policy.clone())
-        }),
+        checkpoint_policy: spec.checkpoint_policy_in(pools).map(str::to_string),
     }
 }
 

@@ -150,10 +150,14 @@ fn inert_fields(repo: &Repo, out: &mut Findings) {
     for checkpoint in &repo.checkpoints {
         let spec = &checkpoint.object.spec;
         let mut warn = |path: &str, what: &str| out.inert(checkpoint.doc, path, what);
-        if spec.storage.is_some() {
+        if spec
+            .storage
+            .as_ref()
+            .is_some_and(|s| s.persistent_volume_claim.is_none())
+        {
             warn(
                 "spec.storage",
-                "the volume is not mounted for the workload; declare it in the pod",
+                "without persistentVolumeClaim nothing is mounted at mountPath: name a claim, or mount a volume there in the pod",
             );
         }
     }

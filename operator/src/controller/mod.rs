@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuslice_runtime::clock::Clock;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::Api;
 use kube::runtime::events::{Recorder, Reporter};
@@ -32,7 +32,7 @@ use tracing::Instrument as _;
 use crate::admission::allowed_namespaces;
 use crate::desired::{Observed, desired};
 use crate::election::Leadership;
-use caches::{Stores, allocated, cache, observe, watch_pods, with_max_loss};
+use caches::{Stores, allocated, cache, observe, trimmed_cache, watch_pods, with_max_loss};
 use write::Writer;
 
 /// GpuNode writes in flight at once.
@@ -92,6 +92,25 @@ pub async fn run(
             kind: "PriorityClass",
             message: e.to_string(),
         })?;
+    // The queue holds a pod whose checkpoint storage claim does not exist (it would never bind).
+    let volume_claims = trimmed_cache(
+        Api::<PersistentVolumeClaim>::all(client.clone()),
+        watcher::Config::default(),
+        queue_changed.clone(),
+        |c| {
+            c.spec = None;
+            c.status = None;
+            c.metadata.annotations = None;
+            c.metadata.labels = None;
+        },
+    );
+    volume_claims
+        .wait_until_ready()
+        .await
+        .map_err(|e| OperatorError::Cache {
+            kind: "PersistentVolumeClaim",
+            message: e.to_string(),
+        })?;
     tokio::spawn(crate::evictions::run(
         client.clone(),
         leadership.clone(),
@@ -110,6 +129,7 @@ pub async fn run(
             claims: stores.claims.clone(),
             gpu_nodes: stores.gpu_nodes.clone(),
             priority_classes,
+            volume_claims,
         },
         queue_changed,
         metrics.queue.clone(),
@@ -248,6 +268,12 @@ impl Reconciler {
             allowed.extend(crate::admission::non_root_policies(
                 &observed.policies,
                 &observed.pools,
+            ));
+            let checkpoints = stores.checkpoints.state();
+            allowed.extend(crate::admission::checkpoint_storage(
+                &observed.policies,
+                &observed.pools,
+                &checkpoints.iter().map(|c| &**c).collect::<Vec<_>>(),
             ));
             if self.params_written.as_ref() != Some(&allowed) {
                 match self.writer.apply_admission_params(params, &allowed).await {

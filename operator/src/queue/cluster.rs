@@ -292,6 +292,8 @@ pub(super) struct Pass {
     pub(super) agents: Agents,
     /// The pods that name a policy.
     pub(super) pods: Vec<Arc<Pod>>,
+    /// The PersistentVolumeClaims that exist, as (namespace, name).
+    pub(super) volume_claims: BTreeSet<(String, String)>,
     /// The operator's clock (windows, usage).
     pub(super) now: chrono::DateTime<chrono::Utc>,
     /// The real time (the API server's and the agents' timestamps).
@@ -323,6 +325,12 @@ impl Pass {
             .collect();
         let agents = Agents::of(&gpu_nodes);
         let pods = caches.pods.state();
+        let volume_claims = caches
+            .volume_claims
+            .state()
+            .iter()
+            .map(|c| (c.namespace().unwrap_or_default(), c.name_any()))
+            .collect();
         Pass {
             pools,
             policies,
@@ -336,6 +344,7 @@ impl Pass {
             classes,
             agents,
             pods,
+            volume_claims,
             now,
             wall,
             agent_timeout,

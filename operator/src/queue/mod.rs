@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use gpuslice_api::{FairShareStatus, GpuNode, GpuPool, GpuSlicePolicy, Preemption};
 use gpuslice_planning::queue::{EnginePlacer, FreeDevice};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::ResourceExt as _;
@@ -53,6 +53,10 @@ use preempt::FollowUp;
 pub const GATE: &str = "gpuslice.io/queue";
 /// The pod condition that says where a pod stands in the queue.
 pub const CONDITION: &str = "gpuslice.io/Queued";
+/// The reason a pod whose `gpuslice.io/expected-run-time` is unreadable waits (also an Event).
+pub const INVALID_RUN_TIME: &str = "InvalidExpectedRunTime";
+/// The reason a pod whose checkpoint storage claim does not exist waits (also an Event).
+pub const STORAGE_MISSING: &str = "CheckpointStorageMissing";
 /// The label that names a pod's policy.
 pub const POLICY_LABEL: &str = "gpuslice.io/policy";
 
@@ -67,6 +71,8 @@ pub struct Caches {
     pub claims: Store<ResourceClaim>,
     pub gpu_nodes: Store<GpuNode>,
     pub priority_classes: Store<PriorityClass>,
+    /// The PersistentVolumeClaims (names only): a pod's checkpoint storage must exist.
+    pub volume_claims: Store<PersistentVolumeClaim>,
 }
 
 /// The field manager of the preemptions the queue writes into `GpuNode.spec`.
@@ -83,16 +89,33 @@ pub fn waiting_by_policy(pods: &Store<Pod>) -> BTreeMap<String, u32> {
     out
 }
 
-/// Drops what the queue never reads of a cached pod: its status, containers and volumes (it reads
-/// labels, annotations, creation time, gates, node name and affinity).
+/// Drops what the queue never reads of a cached pod: its status, containers and volumes but the
+/// checkpoint storage's (it reads labels, annotations, creation time, gates, node name, affinity
+/// and that volume's claim).
 pub fn trim_pod(pod: &mut Pod) {
     pod.status = None;
     if let Some(spec) = &mut pod.spec {
         spec.containers.clear();
         spec.init_containers = None;
-        spec.volumes = None;
+        if let Some(volumes) = &mut spec.volumes {
+            volumes.retain(|v| v.name == crate::admission::CHECKPOINT_VOLUME);
+        }
         spec.tolerations = None;
     }
+}
+
+/// The PersistentVolumeClaim the pod's checkpoints are stored in (the chart's admission adds it
+/// for a policy whose CheckpointPolicy has `storage`).
+fn checkpoint_claim(pod: &Pod) -> Option<&str> {
+    pod.spec
+        .as_ref()?
+        .volumes
+        .as_ref()?
+        .iter()
+        .find(|v| v.name == crate::admission::CHECKPOINT_VOLUME)?
+        .persistent_volume_claim
+        .as_ref()
+        .map(|c| c.claim_name.as_str())
 }
 
 /// How long a pod means to run once admitted (`gpuslice.io/expected-run-time`, a duration such

@@ -10,7 +10,10 @@ use kube::ResourceExt as _;
 
 use super::cluster::{Pass, PoolPass};
 use super::messages::Telling;
-use super::{POLICY_LABEL, Plan, Queue, RUN_TIME_ANNOTATION, gated};
+use super::{
+    INVALID_RUN_TIME, POLICY_LABEL, Plan, Queue, RUN_TIME_ANNOTATION, STORAGE_MISSING,
+    checkpoint_claim, gated,
+};
 
 impl Queue {
     /// Plans one pool: tells the pods whose annotation is unreadable, decays and records the
@@ -26,11 +29,8 @@ impl Queue {
         plan: &mut Plan,
     ) -> Vec<String> {
         let at = PoolPass::new(pass, pool);
-        let (waiting, unreadable) = at.waiting();
-        for (pod, message) in unreadable {
-            plan.tell
-                .push((pod, "InvalidExpectedRunTime".into(), message));
-        }
+        let (waiting, held) = at.waiting();
+        plan.tell.extend(held);
         let shares = at.shares(&mut self.usage, &waiting, elapsed);
         if let Some(fair_share) = at.fair_share(&shares) {
             plan.fair_share.insert(at.name.clone(), fair_share);
@@ -83,11 +83,12 @@ impl Queue {
 }
 
 impl PoolPass<'_> {
-    /// The pool's gated pods, and apart the pods (`namespace/name`) whose expected run time is
-    /// unreadable, each with what to tell it.
-    fn waiting(&self) -> (Vec<Waiting>, Vec<(String, String)>) {
+    /// The pool's gated pods, and apart the pods (`namespace/name`) held out of line until
+    /// their owner fixes them, each with the reason and message to tell it: an unreadable expected
+    /// run time, checkpoint storage that does not exist.
+    fn waiting(&self) -> (Vec<Waiting>, Vec<(String, String, String)>) {
         let (pass, now) = (self.pass, self.pass.now);
-        let mut unreadable: Vec<(String, String)> = Vec::new();
+        let mut held: Vec<(String, String, String)> = Vec::new();
         let waiting: Vec<Waiting> = pass
             .pods
             .iter()
@@ -107,12 +108,31 @@ impl PoolPass<'_> {
                     Ok(run_time) => run_time.map(|d| now + d),
                     Err(message) => {
                         // It waits, out of line, until its annotation is fixed.
-                        unreadable.push((key, message));
+                        held.push((key, INVALID_RUN_TIME.into(), message));
                         return None;
                     }
                 };
+                let namespace = p.namespace().unwrap_or_default();
+                if let Some(claim) = checkpoint_claim(p)
+                    && !pass
+                        .volume_claims
+                        .contains(&(namespace.clone(), claim.to_string()))
+                {
+                    // kube-scheduler would never bind it: it waits until the claim exists.
+                    let of = spec
+                        .and_then(|s| s.spec.checkpoint_policy_in(&pass.pool_list))
+                        .map_or(String::new(), |c| format!(" of CheckpointPolicy {c}"));
+                    held.push((
+                        key,
+                        STORAGE_MISSING.into(),
+                        format!(
+                            "PersistentVolumeClaim {namespace}/{claim} (the checkpoint storage{of}, policy {policy}) does not exist: create it in namespace {namespace}; the pod waits until then"
+                        ),
+                    ));
+                    return None;
+                }
                 Some(Waiting {
-                    namespace: p.namespace().unwrap_or_default(),
+                    namespace,
                     name: p.name_any(),
                     priority: spec.map_or(0, |s| {
                         queue::priority_in_force(
@@ -132,7 +152,7 @@ impl PoolPass<'_> {
                 })
             })
             .collect();
-        (waiting, unreadable)
+        (waiting, held)
     }
 
     /// The pool's fragmentation over its `free` devices, its policies weighed by their demand:

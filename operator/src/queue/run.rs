@@ -13,7 +13,10 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Client, ResourceExt as _};
 use tokio::sync::Notify;
 
-use super::{Caches, MANAGER, POLICY_LABEL, Plan, Queue, QueueMetrics, api, gated};
+use super::{
+    Caches, INVALID_RUN_TIME, MANAGER, POLICY_LABEL, Plan, Queue, QueueMetrics, STORAGE_MISSING,
+    api, gated,
+};
 use crate::election::Leadership;
 
 /// A pass at least this often (usage accrues; devices come and go).
@@ -200,18 +203,41 @@ impl Writer {
         }
     }
 
-    /// Writes the waiting pods' conditions, remembering what each was told.
+    /// Writes the waiting pods' conditions, remembering what each was told. A pod held until
+    /// its owner fixes it also gets a Warning Event, once each time it is told something new.
     async fn tell(&self, tell: Vec<(String, String, String)>, told: &mut Told) {
         for (key, reason, message) in tell {
             let Some((namespace, name)) = key.split_once('/') else {
                 continue;
             };
+            if [INVALID_RUN_TIME, STORAGE_MISSING].contains(&reason.as_str()) {
+                self.warn_pod(&key, &reason, &message).await;
+            }
             match api::tell(&self.client, namespace, name, &reason, &message).await {
                 Ok(()) => {
                     told.insert(key, (reason, message));
                 }
                 Err(e) => tracing::debug!("pod {key}: its queue condition: {e}"),
             }
+        }
+    }
+
+    /// Records a Warning Event on the cached pod `key`.
+    async fn warn_pod(&self, key: &str, reason: &str, note: &str) {
+        let Some(pod) = self.pod(key) else { return };
+        let event = Event {
+            type_: EventType::Warning,
+            reason: reason.into(),
+            note: Some(note.into()),
+            action: "Queue".into(),
+            secondary: None,
+        };
+        if let Err(e) = self
+            .recorder
+            .publish(&event, &kube::Resource::object_ref(&*pod, &()))
+            .await
+        {
+            tracing::warn!("pod {key}: recording an Event: {e}");
         }
     }
 
