@@ -872,6 +872,20 @@ async fn a_window_change_checkpoints_evicts_and_reschedules_a_pod_onto_the_new_l
     assert_eq!(value(&new, "info_total"), 9 << 30, "{new}");
 }
 
+/// Two policies of pool shared-a100 whose pods may not be preempted: `pinned` (priority low)
+/// and `urgent` (high), for the preemption tests.
+const PINNED_AND_URGENT: &str = "---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: pinned}
+spec: {pool: shared-a100, memory: 8Gi, priority: low, preemptible: false}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: urgent}
+spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
+";
+
 /// A pod of `policy` (by label and its extended resource) running `script`; `gated`: waiting
 /// in the operator's queue, as the chart's admission policy would have created it.
 fn policy_pod(setup: &Setup, name: &str, policy: &str, script: &str, gated: bool) -> Pod {
@@ -977,18 +991,8 @@ apiVersion: gpuslice.io/v1alpha1
 kind: GpuSlicePolicy
 metadata: {name: careful}
 spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: must-checkpoint}
----
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuSlicePolicy
-metadata: {name: pinned}
-spec: {pool: shared-a100, memory: 8Gi, priority: low, preemptible: false}
----
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuSlicePolicy
-metadata: {name: urgent}
-spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
 ";
-    apply_policies(&setup, policies, 6).await;
+    apply_policies(&setup, &format!("{policies}{PINNED_AND_URGENT}"), 6).await;
     let marker = "touch \"$(dirname \"$GPUSLICE_SLICE_CONFIG\")/checkpoint-done\"";
     let idle = "while :; do sleep 0.2; done";
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -2082,9 +2086,7 @@ async fn a_preempted_pods_replacement_resumes_from_the_checkpoint_in_its_storage
             gpuslice_testcluster::CHART_RELEASE
         )],
     );
-    apply_policies(
-        &setup,
-        "
+    let policies = "
 apiVersion: gpuslice.io/v1alpha1
 kind: CheckpointPolicy
 metadata: {name: kept}
@@ -2097,20 +2099,8 @@ apiVersion: gpuslice.io/v1alpha1
 kind: GpuSlicePolicy
 metadata: {name: trainer}
 spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: kept}
----
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuSlicePolicy
-metadata: {name: pinned}
-spec: {pool: shared-a100, memory: 8Gi, priority: low, preemptible: false}
----
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuSlicePolicy
-metadata: {name: urgent}
-spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
-",
-        4,
-    )
-    .await;
+";
+    apply_policies(&setup, &format!("{policies}{PINNED_AND_URGENT}"), 4).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     // The API server loads the admission policy, and the operator writes its parameters, a
     // moment later: a trainer pod sent as a dry run shows when both are in force.

@@ -170,13 +170,7 @@ impl Stores {
             )
         });
         if let Some(namespaces) = &namespaces {
-            namespaces
-                .wait_until_ready()
-                .await
-                .map_err(|e| OperatorError::Cache {
-                    kind: "Namespace",
-                    message: e.to_string(),
-                })?;
+            filled(namespaces, "Namespace").await?;
         }
         for (kind, ready) in [
             ("GpuPool", pools.wait_until_ready().await),
@@ -231,13 +225,23 @@ pub(super) async fn watch_pods(
             }
         });
     }
-    pods.wait_until_ready()
+    filled(&pods, "Pod").await?;
+    Ok(pods)
+}
+
+/// Waits until the cache of `kind` has filled.
+pub(super) async fn filled<K>(store: &Store<K>, kind: &'static str) -> Result<(), OperatorError>
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    store
+        .wait_until_ready()
         .await
         .map_err(|e| OperatorError::Cache {
-            kind: "Pod",
+            kind,
             message: e.to_string(),
-        })?;
-    Ok(pods)
+        })
 }
 
 pub(super) fn observe(

@@ -32,7 +32,7 @@ use tracing::Instrument as _;
 use crate::admission::allowed_namespaces;
 use crate::desired::{Observed, desired};
 use crate::election::Leadership;
-use caches::{Stores, allocated, cache, observe, trimmed_cache, watch_pods, with_max_loss};
+use caches::{Stores, allocated, cache, filled, observe, trimmed_cache, watch_pods, with_max_loss};
 use write::Writer;
 
 /// GpuNode writes in flight at once.
@@ -85,13 +85,7 @@ pub async fn run(
         watcher::Config::default(),
         queue_changed.clone(),
     );
-    priority_classes
-        .wait_until_ready()
-        .await
-        .map_err(|e| OperatorError::Cache {
-            kind: "PriorityClass",
-            message: e.to_string(),
-        })?;
+    filled(&priority_classes, "PriorityClass").await?;
     // The queue holds a pod whose checkpoint storage claim does not exist (it would never bind).
     let volume_claims = trimmed_cache(
         Api::<PersistentVolumeClaim>::all(client.clone()),
@@ -104,13 +98,7 @@ pub async fn run(
             c.metadata.labels = None;
         },
     );
-    volume_claims
-        .wait_until_ready()
-        .await
-        .map_err(|e| OperatorError::Cache {
-            kind: "PersistentVolumeClaim",
-            message: e.to_string(),
-        })?;
+    filled(&volume_claims, "PersistentVolumeClaim").await?;
     tokio::spawn(crate::evictions::run(
         client.clone(),
         leadership.clone(),

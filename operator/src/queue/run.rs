@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use gpuslice_api::Preemption;
 use gpuslice_runtime::clock::Clock;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, ResourceExt as _};
@@ -186,20 +186,8 @@ impl Writer {
             let Some(object) = self.caches.pools.get(&ObjectRef::new(pool)) else {
                 continue;
             };
-            let event = Event {
-                type_: EventType::Warning,
-                reason: (*reason).into(),
-                note: Some(note.clone()),
-                action: "Preempt".into(),
-                secondary: None,
-            };
-            if let Err(e) = self
-                .recorder
-                .publish(&event, &kube::Resource::object_ref(&*object, &()))
-                .await
-            {
-                tracing::warn!("GpuPool/{pool}: recording an Event: {e}");
-            }
+            let on = kube::Resource::object_ref(&*object, &());
+            self.warning(&on, reason, note, "Preempt").await;
         }
     }
 
@@ -224,20 +212,27 @@ impl Writer {
 
     /// Records a Warning Event on the cached pod `key`.
     async fn warn_pod(&self, key: &str, reason: &str, note: &str) {
-        let Some(pod) = self.pod(key) else { return };
+        if let Some(pod) = self.pod(key) {
+            let on = kube::Resource::object_ref(&*pod, &());
+            self.warning(&on, reason, note, "Queue").await;
+        }
+    }
+
+    /// Records a Warning Event `reason` on `on`; a failure is logged.
+    async fn warning(&self, on: &ObjectReference, reason: &str, note: &str, action: &str) {
         let event = Event {
             type_: EventType::Warning,
             reason: reason.into(),
             note: Some(note.into()),
-            action: "Queue".into(),
+            action: action.into(),
             secondary: None,
         };
-        if let Err(e) = self
-            .recorder
-            .publish(&event, &kube::Resource::object_ref(&*pod, &()))
-            .await
-        {
-            tracing::warn!("pod {key}: recording an Event: {e}");
+        if let Err(e) = self.recorder.publish(&event, on).await {
+            tracing::warn!(
+                "{}/{}: recording an Event: {e}",
+                on.kind.as_deref().unwrap_or_default(),
+                on.name.as_deref().unwrap_or_default()
+            );
         }
     }
 
