@@ -118,7 +118,7 @@ pub fn run(
     let mut send = |request: &Request| writer.write_all(&socket::line(request)).map_err(lost);
     send(&Request::Want(want.clone()))?;
     let mut replies = BufReader::new(stream);
-    let (slice, config, device_uuid) = loop {
+    let (slice, config, device_uuid, checkpoint) = loop {
         let mut line = String::new();
         if replies.read_line(&mut line).map_err(lost)? == 0 {
             return Err(RunError::Lost("no answer".into()));
@@ -131,7 +131,8 @@ pub fn run(
                 slice,
                 config,
                 device_uuid,
-            } => break (slice, config, device_uuid),
+                checkpoint,
+            } => break (slice, config, device_uuid, checkpoint),
             Reply::Refused { reason } => return Err(RunError::Refused(reason)),
             other => return Err(RunError::Lost(format!("unexpected answer {other:?}"))),
         }
@@ -148,6 +149,12 @@ pub fn run(
         .env("NVIDIA_VISIBLE_DEVICES", &device_uuid)
         .env(env::SLICE_CONFIG, &config)
         .env(env::SLICE, &slice)
+        // How the agent will ask it to checkpoint, and where it says it has.
+        .envs(
+            checkpoint
+                .iter()
+                .flat_map(|c| c.env(&state.checkpoint_done(&slice))),
+        )
         .spawn()
         .map_err(|source| RunError::Spawn {
             command: command[0].clone(),

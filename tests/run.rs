@@ -202,13 +202,14 @@ fn slices_are_granted_held_busy_queued_and_given_back() {
 }
 
 /// Draining a claimed slice follows the claim's policy's CheckpointPolicy; a claim made without
-/// a policy (or whose policy names none) is drained with the pool's.
+/// a policy (or whose policy names none) is drained with the pool's. Each workload is told that
+/// one: its signal, its interval, where its marker goes.
 #[test]
 fn the_claims_checkpoint_policy_wins_over_the_pools() {
     let dir = tempfile::tempdir().unwrap();
     let source = dir.path().join("gitops");
     std::fs::create_dir_all(&source).unwrap();
-    let checkpoints = "---\napiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: pool-wide}\nspec: {signal: SIGTERM, gracePeriod: 1h, required: true}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: careful}\nspec: {signal: SIGUSR1, gracePeriod: 1h, required: true}\n";
+    let checkpoints = "---\napiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: pool-wide}\nspec: {signal: SIGTERM, gracePeriod: 1h, required: true}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {name: careful}\nspec: {signal: SIGUSR1, interval: 5m, gracePeriod: 1h, required: true}\n";
     let config = |slices: u32, memory: &str| {
         pool(slices, memory)
             .replace(
@@ -233,14 +234,22 @@ fn the_claims_checkpoint_policy_wins_over_the_pools() {
     let workload = |name: &str| {
         let seen = dir.path().join(name);
         format!(
-            "trap 'echo USR1 >> {seen}' USR1; trap 'echo TERM >> {seen}' TERM; echo ready; while [ ! -e {end} ]; do sleep 0.1; done",
+            "trap 'echo USR1 >> {seen}' USR1; trap 'echo TERM >> {seen}' TERM; echo \"told $GPUSLICE_CHECKPOINT_SIGNAL every ${{GPUSLICE_CHECKPOINT_INTERVAL:-(none)}} s, marker $GPUSLICE_CHECKPOINT_DONE\"; echo ready; while [ ! -e {end} ]; do sleep 0.1; done",
             seen = seen.display(),
             end = end.display()
         )
     };
-    for (name, args) in [
-        ("with-policy", ["--policy", "small"]),
-        ("without", ["--memory", "20Gi"]),
+    for (name, args, told) in [
+        (
+            "with-policy",
+            ["--policy", "small"],
+            "told SIGUSR1 every 300 s, marker ",
+        ),
+        (
+            "without",
+            ["--memory", "20Gi"],
+            "told SIGTERM every (none) s, marker ",
+        ),
     ] {
         let child = children.keep(
             run(&state, &args)
@@ -250,10 +259,20 @@ fn the_claims_checkpoint_policy_wins_over_the_pools() {
                 .spawn()
                 .unwrap(),
         );
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        out.read_line(&mut line).unwrap();
+        let marker = line
+            .trim()
+            .strip_prefix(told)
+            .unwrap_or_else(|| panic!("{line}"));
+        assert!(
+            marker.starts_with(state.join("slices/gpu0-s").to_str().unwrap())
+                && marker.ends_with("/checkpoint-done"),
+            "{line}"
+        );
+        line.clear();
+        out.read_line(&mut line).unwrap();
         assert_eq!(line.trim(), "ready");
     }
     // A re-slicing needs both claimed slices: each workload is asked to checkpoint.

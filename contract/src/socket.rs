@@ -75,6 +75,9 @@ pub enum Reply {
         slice: String,
         config: PathBuf,
         device_uuid: String,
+        /// The CheckpointPolicy that drains the workload (its policy's, else its GPU's pool's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint: Option<Checkpointing>,
     },
     Refused {
         reason: String,
@@ -91,6 +94,34 @@ pub enum Reply {
     ResetTaken {
         gpus: String,
     },
+}
+
+/// What a workload is told of the CheckpointPolicy that drains it (its marker goes to
+/// `<state>/slices/<slice>/checkpoint-done`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Checkpointing {
+    /// The signal that asks it to checkpoint now (`SIGUSR1`, …).
+    pub signal: String,
+    /// Seconds between the checkpoints it should take (the policy's `interval`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval_seconds: Option<u64>,
+}
+
+impl Checkpointing {
+    /// The environment that tells a workload: its marker's path (`marker`, as the workload sees
+    /// it), the signal, the interval when there is one.
+    pub fn env(&self, marker: &std::path::Path) -> Vec<(&'static str, String)> {
+        use crate::env;
+        let mut out = vec![
+            (env::CHECKPOINT_DONE, marker.display().to_string()),
+            (env::CHECKPOINT_SIGNAL, self.signal.clone()),
+        ];
+        if let Some(seconds) = self.interval_seconds {
+            out.push((env::CHECKPOINT_INTERVAL, seconds.to_string()));
+        }
+        out
+    }
 }
 
 /// The agent's answer to [`Request::Compute`] when it takes the process on.

@@ -428,6 +428,12 @@ impl Agent {
                 io: self.io.as_ref().ok().cloned(),
                 host: self.host.clone(),
                 bandwidth: bandwidth.clone(),
+                checkpointing: gpu_pools(&pass.plan, config)
+                    .filter_map(|(index, _, spec)| {
+                        let policy = config.checkpoints.get(spec.checkpoint_policy.as_ref()?)?;
+                        Some((index, crate::workloads::claims::checkpointing(policy)))
+                    })
+                    .collect(),
             });
         self.socket
             .claims

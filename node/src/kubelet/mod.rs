@@ -207,18 +207,9 @@ pub fn cdi_spec(
                 format!("NVIDIA_VISIBLE_DEVICES={}", slice.device_uuid),
             ];
             if let Some(policy) = checkpoint {
-                use gpuslice_contract::env;
                 let marker = container_state.checkpoint_done(&slice.id);
-                env.push(format!("{}={}", env::CHECKPOINT_DONE, marker.display()));
-                env.push(format!(
-                    "{}={}",
-                    env::CHECKPOINT_SIGNAL,
-                    policy.signal.name()
-                ));
-                if let Some(interval) = policy.interval {
-                    let seconds = std::time::Duration::from(interval).as_secs();
-                    env.push(format!("{}={seconds}", env::CHECKPOINT_INTERVAL));
-                }
+                let told = crate::workloads::claims::checkpointing(policy).env(&marker);
+                env.extend(told.into_iter().map(|(k, v)| format!("{k}={v}")));
             }
             let bind = |host: &Path, container: &Path, mode: &str| {
                 serde_json::json!({"hostPath": host, "containerPath": container,

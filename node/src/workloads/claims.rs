@@ -11,7 +11,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-use gpuslice_contract::socket::{self, Reply, Request, Want};
+use gpuslice_contract::socket::{self, Checkpointing, Reply, Request, Want};
 use gpuslice_contract::{SliceConfig, StateDir};
 use gpuslice_source::last_good::Config;
 use serde::Serialize;
@@ -35,6 +35,8 @@ pub struct Need {
     pub host: crate::protections::hostlimit::HostLimit,
     /// Only this slice ([`Want::slice`]: a workload's slice claimed again).
     pub only: Option<String>,
+    /// The policy's own CheckpointPolicy, as its workload is told (else its GPU's pool's).
+    pub checkpoint: Option<Checkpointing>,
 }
 
 impl Need {
@@ -111,6 +113,8 @@ pub struct Limits {
     pub host: Option<crate::protections::hostlimit::HostCgroups>,
     /// Each GPU's I/O limit per slice (bytes/s, from its pool's `io.bandwidthPerSlice`).
     pub bandwidth: BTreeMap<u32, u64>,
+    /// Each GPU's pool's CheckpointPolicy, as a workload there whose policy names none is told.
+    pub checkpointing: BTreeMap<u32, Checkpointing>,
 }
 
 impl Board {
@@ -433,13 +437,13 @@ impl Claims {
             .and_then(|p| self.lock().policies.get(p).map(|n| n.host))
             .unwrap_or_default();
         self.confine(client, &granted, host);
-        let device_uuid = crate::gpu::slices::read_config(state, &granted)
-            .map(|c| c.device_uuid)
-            .unwrap_or_default();
+        let slice = crate::gpu::slices::read_config(state, &granted).ok();
+        let checkpoint = self.checkpointing(&want, slice.as_ref().map(|s| s.gpu));
         if send(&Reply::Granted {
             slice: granted,
             config,
-            device_uuid,
+            device_uuid: slice.map(|c| c.device_uuid).unwrap_or_default(),
+            checkpoint,
         })
         .is_ok()
         {
@@ -456,6 +460,17 @@ impl Claims {
             }
         }
         self.leave(conn)
+    }
+
+    /// What a workload granted a slice of GPU `gpu` for `want` is told of its CheckpointPolicy:
+    /// its policy's own, else the GPU's pool's (the one that drains it).
+    fn checkpointing(&self, want: &Want, gpu: Option<u32>) -> Option<Checkpointing> {
+        let board = self.lock();
+        let own = want
+            .policy
+            .as_ref()
+            .and_then(|p| board.policies.get(p)?.checkpoint.clone());
+        own.or_else(|| board.limits.checkpointing.get(&gpu?).cloned())
     }
 
     fn leave(&self, conn: u64) -> std::io::Result<()> {
@@ -495,6 +510,16 @@ fn resolve(want: &Want, policies: &BTreeMap<String, Need>) -> Result<Need, Strin
     Ok(need)
 }
 
+/// What a workload drained with CheckpointPolicy `spec` is told.
+pub fn checkpointing(spec: &gpuslice_api::CheckpointPolicySpec) -> Checkpointing {
+    Checkpointing {
+        signal: spec.signal.name().to_string(),
+        interval_seconds: spec
+            .interval
+            .map(|i| std::time::Duration::from(i).as_secs()),
+    }
+}
+
 /// What each policy of a config needs: its memory plus its pool's headroom, its compute limit.
 pub fn needs(config: &Config) -> BTreeMap<String, Need> {
     config
@@ -530,6 +555,11 @@ pub fn needs(config: &Config) -> BTreeMap<String, Need> {
                     pool: Some(spec.pool.clone()),
                     host,
                     only: None,
+                    checkpoint: spec
+                        .checkpoint_policy
+                        .as_ref()
+                        .and_then(|c| config.checkpoints.get(c))
+                        .map(checkpointing),
                 },
             )
         })
