@@ -2163,6 +2163,29 @@ spec: {pool: shared-a100, memory: 8Gi, priority: low, checkpointPolicy: kept}
         .await
         .unwrap();
     assert_eq!(notes, [message]);
+    // Its CheckpointPolicy says so too.
+    let kept_ready = |want: &'static str| {
+        let checkpoints: Api<gpuslice_api::CheckpointPolicy> = Api::all(client.clone());
+        async move {
+            let c = checkpoints.get("kept").await.map_err(|e| e.to_string())?;
+            let ready = c
+                .status
+                .and_then(|s| s.conditions.into_iter().find(|c| c.type_ == "Ready"))
+                .ok_or("no Ready condition")?;
+            (ready.reason == want)
+                .then_some(ready.message.clone())
+                .ok_or(format!("{}: {}", ready.reason, ready.message))
+        }
+    };
+    let missing = eventually(
+        "CheckpointPolicy kept says where its claim is missing",
+        || kept_ready("StorageClaimMissing"),
+    )
+    .await;
+    assert!(
+        missing.contains("\"checkpoints\" does not exist in namespace(s) default, where 1 pod(s)"),
+        "{missing}"
+    );
 
     // The claim, bound to a folder of this host (world-writable: the pods run as user 1000).
     let storage = setup.dir.path().join("checkpoints");
@@ -2196,6 +2219,7 @@ spec:
     );
     gpuslice_testcluster::apply_all(&client, &gpuslice_testcluster::documents(&volume)).await;
     wait_for_phases(&pods, &[first.as_str()], ["Running"]).await;
+    eventually("CheckpointPolicy kept is in use", || kept_ready("InUse")).await;
     let started = setup
         .kubelet
         .containers()

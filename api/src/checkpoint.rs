@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Signal","type":"string","jsonPath":".spec.signal"}"#,
     printcolumn = r#"{"name":"Grace","type":"string","jsonPath":".spec.gracePeriod"}"#,
     printcolumn = r#"{"name":"Required","type":"boolean","jsonPath":".spec.required"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -111,7 +112,8 @@ pub struct CheckpointStorage {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckpointPolicyStatus {
-    /// `Ready` with a reason and message; lists problems such as a missing PersistentVolumeClaim.
+    /// `Ready`: `InUse` (the policies and pools whose workloads it drains), `Unused`, or not
+    /// Ready with `StorageClaimMissing` (the namespaces where pods wait for its storage claim).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

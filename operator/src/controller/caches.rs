@@ -215,18 +215,21 @@ pub(super) async fn watch_pods(
         pods_changed.clone(),
         crate::queue::trim_pod,
     );
-    {
-        let (queue_changed, changed) = (queue_changed.clone(), changed.clone());
-        tokio::spawn(async move {
-            loop {
-                pods_changed.notified().await;
-                queue_changed.notify_one();
-                changed.notify_one();
-            }
-        });
-    }
+    fan_out(pods_changed, [queue_changed.clone(), changed.clone()]);
     filled(&pods, "Pod").await?;
     Ok(pods)
+}
+
+/// Wakes each of `to` whenever `from` is notified.
+pub(super) fn fan_out<const N: usize>(from: Arc<Notify>, to: [Arc<Notify>; N]) {
+    tokio::spawn(async move {
+        loop {
+            from.notified().await;
+            for t in &to {
+                t.notify_one();
+            }
+        }
+    });
 }
 
 /// Waits until the cache of `kind` has filled.
@@ -291,7 +294,12 @@ pub(super) fn observe(
         pools,
         policies: Vec::new(),
         allocated: Vec::new(),
-        checkpoint_policies: checkpoints.state().iter().map(|c| c.name_any()).collect(),
+        checkpoints: checkpoints
+            .state()
+            .iter()
+            .map(|c| (c.name_any(), (**c).clone()))
+            .collect(),
+        storage_missing: BTreeMap::new(),
         nodes: reports,
         waiting: BTreeMap::new(),
         prometheus: BTreeMap::new(),

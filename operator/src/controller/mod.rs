@@ -32,7 +32,9 @@ use tracing::Instrument as _;
 use crate::admission::allowed_namespaces;
 use crate::desired::{Observed, desired};
 use crate::election::Leadership;
-use caches::{Stores, allocated, cache, filled, observe, trimmed_cache, watch_pods, with_max_loss};
+use caches::{
+    Stores, allocated, cache, fan_out, filled, observe, trimmed_cache, watch_pods, with_max_loss,
+};
 use write::Writer;
 
 /// GpuNode writes in flight at once.
@@ -86,11 +88,17 @@ pub async fn run(
         queue_changed.clone(),
     );
     filled(&priority_classes, "PriorityClass").await?;
-    // The queue holds a pod whose checkpoint storage claim does not exist (it would never bind).
+    // The queue holds a pod whose checkpoint storage claim does not exist (it would never bind);
+    // the CheckpointPolicy's status says so.
+    let claims_changed = Arc::new(Notify::new());
+    fan_out(
+        claims_changed.clone(),
+        [queue_changed.clone(), changed.clone()],
+    );
     let volume_claims = trimmed_cache(
         Api::<PersistentVolumeClaim>::all(client.clone()),
         watcher::Config::default(),
-        queue_changed.clone(),
+        claims_changed,
         |c| {
             c.spec = None;
             c.status = None;
@@ -117,7 +125,7 @@ pub async fn run(
             claims: stores.claims.clone(),
             gpu_nodes: stores.gpu_nodes.clone(),
             priority_classes,
-            volume_claims,
+            volume_claims: volume_claims.clone(),
         },
         queue_changed,
         metrics.queue.clone(),
@@ -145,6 +153,7 @@ pub async fn run(
     let mut reconciler = Reconciler {
         stores,
         pods,
+        volume_claims,
         writer,
         clock,
         leadership,
@@ -168,6 +177,8 @@ pub async fn run(
 struct Reconciler {
     stores: Stores,
     pods: Store<Pod>,
+    /// The PersistentVolumeClaims (names only): checkpoint storage pods wait for.
+    volume_claims: Store<PersistentVolumeClaim>,
     writer: Writer,
     clock: Clock,
     leadership: Leadership,
@@ -224,6 +235,7 @@ impl Reconciler {
             &stores.checkpoints,
         );
         observed.waiting = crate::queue::waiting_by_policy(&self.pods);
+        observed.storage_missing = crate::queue::storage_missing(&self.pods, &self.volume_claims);
         observed.prometheus = self.signals.read();
         observed
     }
@@ -243,7 +255,10 @@ impl Reconciler {
             .await;
         self.catch_up = due;
         let mut failed = failed
-            + self.writer.apply_policies(want, &stores.policies).await
+            + self
+                .writer
+                .apply_policies(want, &stores.policies, &stores.checkpoints)
+                .await
             + self.writer.apply_classes(want, &stores.classes).await;
         if let (Some(params), Some(namespaces)) = (&self.admission, &stores.namespaces) {
             let labelled: Vec<(String, BTreeMap<String, String>)> = namespaces

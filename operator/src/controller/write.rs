@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 
 use futures::StreamExt as _;
 use gpuslice_api::dra;
-use gpuslice_api::{GpuNode, GpuPool, GpuPoolStatus, GpuSlicePolicy};
+use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use gpuslice_api::{CheckpointPolicy, GpuNode, GpuPool, GpuPoolStatus, GpuSlicePolicy};
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::resource::v1::DeviceClass;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
@@ -141,27 +142,64 @@ impl Writer {
 }
 
 impl Writer {
+    /// Writes the policies' and the CheckpointPolicies' status where it changed. Returns how
+    /// many writes failed.
     pub(super) async fn apply_policies(
         &self,
         want: &crate::desired::DesiredState,
         policies: &Store<GpuSlicePolicy>,
+        checkpoints: &Store<CheckpointPolicy>,
     ) -> u64 {
-        let api: Api<GpuSlicePolicy> = Api::all(self.client.clone());
+        self.apply_status(
+            &want.policy_status,
+            policies,
+            |p| p.status.clone(),
+            |s| &mut s.conditions,
+        )
+        .await
+            + self
+                .apply_status(
+                    &want.checkpoint_status,
+                    checkpoints,
+                    |c| c.status.clone(),
+                    |s| &mut s.conditions,
+                )
+                .await
+    }
+
+    /// Writes each object's `status` of `statuses` that differs from the cached one's (`current`),
+    /// keeping its conditions' (`conditions`) transition times.
+    async fn apply_status<K, S>(
+        &self,
+        statuses: &BTreeMap<String, S>,
+        cached: &Store<K>,
+        current: impl Fn(&K) -> Option<S>,
+        conditions: impl Fn(&mut S) -> &mut Vec<Condition>,
+    ) -> u64
+    where
+        K: Resource<DynamicType = (), Scope = kube::core::ClusterResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+        S: Clone + Default + PartialEq + serde::Serialize,
+    {
+        let api: Api<K> = Api::all(self.client.clone());
+        let kind = K::kind(&());
         let params = PatchParams::apply(MANAGER).force();
         let mut failed = 0;
-        for (name, status) in &want.policy_status {
-            let old = policies
+        for (name, status) in statuses {
+            let mut old = cached
                 .get(&reflector::ObjectRef::new(name))
-                .and_then(|p| p.status.clone())
+                .and_then(|o| current(&o))
                 .unwrap_or_default();
             let mut status = status.clone();
-            keep_transition_times(&mut status.conditions, &old.conditions);
+            keep_transition_times(conditions(&mut status), conditions(&mut old));
             if status == old {
                 continue;
             }
-            let patch = apply_body("GpuSlicePolicy", name, "status", &status);
+            let patch = apply_body(&kind, name, "status", &status);
             if let Err(e) = api.patch_status(name, &params, &Patch::Apply(&patch)).await {
-                tracing::warn!("GpuSlicePolicy/{name}: writing status: {e}");
+                tracing::warn!("{kind}/{name}: writing status: {e}");
                 failed += 1;
             }
         }

@@ -21,7 +21,7 @@ mod status;
 pub use events::{PoolEvent, events};
 use observed::in_force;
 pub use observed::{Allocated, NodeReport, Observed};
-use status::{policy_status, pool_status};
+use status::{checkpoint_status, policy_status, pool_status};
 
 /// What should be written.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -32,6 +32,8 @@ pub struct DesiredState {
     pub pool_status: BTreeMap<String, GpuPoolStatus>,
     /// GpuSlicePolicy name → its status.
     pub policy_status: BTreeMap<String, GpuSlicePolicyStatus>,
+    /// CheckpointPolicy name → its status.
+    pub checkpoint_status: BTreeMap<String, gpuslice_api::CheckpointPolicyStatus>,
     /// DeviceClass name → the class of a policy.
     pub device_classes: BTreeMap<String, DeviceClass>,
     /// When a window opens or closes next: reconcile again then.
@@ -100,6 +102,10 @@ pub fn desired(observed: &Observed, at: DateTime<Utc>) -> DesiredState {
         let name = policy.metadata.name.clone().unwrap_or_default();
         let status = policy_status(observed, &plan, policy);
         out.policy_status.insert(name, status);
+    }
+    for (name, checkpoint) in &observed.checkpoints {
+        let status = checkpoint_status(observed, checkpoint);
+        out.checkpoint_status.insert(name.clone(), status);
     }
     out
 }
@@ -514,5 +520,75 @@ mod tests {
                 degraded.message
             );
         }
+    }
+
+    #[test]
+    fn a_checkpoint_policy_says_whose_work_it_drains_and_which_namespaces_lack_its_claim() {
+        let checkpoint = |name: &str, storage: &str| -> gpuslice_api::CheckpointPolicy {
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: CheckpointPolicy\nmetadata: {{name: {name}, generation: 2}}\nspec: {{gracePeriod: 1m{storage}}}"
+            ))
+            .unwrap()
+        };
+        let policy = |name: &str, ckpt: &str| -> gpuslice_api::GpuSlicePolicy {
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {{name: {name}}}\nspec: {{pool: soft, memory: 8Gi{ckpt}}}"
+            ))
+            .unwrap()
+        };
+        let soft = SOFT.replace("spec:\n", "spec:\n  checkpointPolicy: pooled\n");
+        let mut observed = Observed {
+            pools: vec![pool(&soft)],
+            policies: vec![
+                policy("trainer", ", checkpointPolicy: kept"),
+                policy("notebook", ""),
+            ],
+            checkpoints: [
+                checkpoint(
+                    "kept",
+                    ", storage: {persistentVolumeClaim: ckpt, mountPath: /ckpt}",
+                ),
+                checkpoint("pooled", ""),
+                checkpoint("spare", ""),
+            ]
+            .into_iter()
+            .map(|c| (c.metadata.name.clone().unwrap(), c))
+            .collect(),
+            ..Observed::default()
+        };
+        let ready = |out: &DesiredState, name: &str| {
+            let c = &out.checkpoint_status[name].conditions[0];
+            (c.status.clone(), c.reason.clone(), c.message.clone())
+        };
+        let out = desired(&observed, at("2026-12-02T10:00:00Z"));
+        assert_eq!(
+            ready(&out, "kept"),
+            (
+                "True".into(),
+                "InUse".into(),
+                "drains the workloads of policies trainer".into()
+            )
+        );
+        assert_eq!(
+            ready(&out, "pooled").2,
+            "drains the workloads of policies notebook and on the GPUs of pools soft"
+        );
+        assert_eq!(ready(&out, "spare").1, "Unused");
+        assert_eq!(out.checkpoint_status["spare"].observed_generation, Some(2));
+        // Trainers wait in two namespaces for the claim: not Ready, and where to create it.
+        observed.storage_missing = [(
+            "trainer".to_string(),
+            [("ml".to_string(), 2), ("nlp".to_string(), 1)].into(),
+        )]
+        .into();
+        let out = desired(&observed, at("2026-12-02T10:00:00Z"));
+        assert_eq!(
+            ready(&out, "kept"),
+            (
+                "False".into(),
+                "StorageClaimMissing".into(),
+                "spec.storage.persistentVolumeClaim: PersistentVolumeClaim \"ckpt\" does not exist in namespace(s) ml, nlp, where 3 pod(s) wait for it: create it there".into()
+            )
+        );
     }
 }

@@ -1,9 +1,11 @@
 //! The cluster as the operator read it: what [`super::desired`] is built from.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use gpuslice_api::{GpuAssignment, GpuNodeSpec, GpuPool, GpuSlicePolicy, NodeInventory};
+use gpuslice_api::{
+    CheckpointPolicy, GpuAssignment, GpuNodeSpec, GpuPool, GpuSlicePolicy, NodeInventory,
+};
 
 /// What the agent of a node reported, and what it has applied.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -31,8 +33,11 @@ pub struct Observed {
     pub policies: Vec<GpuSlicePolicy>,
     /// Every gpuslice device allocated now.
     pub allocated: Vec<Allocated>,
-    /// Names of the CheckpointPolicies that exist.
-    pub checkpoint_policies: BTreeSet<String>,
+    /// The CheckpointPolicies that exist, by name.
+    pub checkpoints: BTreeMap<String, CheckpointPolicy>,
+    /// Policy → namespace → its pods waiting in the queue for checkpoint storage whose claim
+    /// does not exist in that namespace.
+    pub storage_missing: BTreeMap<String, BTreeMap<String, u32>>,
     pub nodes: Vec<NodeReport>,
     /// Policy name → pods naming it that wait in the queue.
     pub waiting: BTreeMap<String, u32>,

@@ -6,7 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use chrono::{DateTime, Utc};
 use gpuslice_api::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use gpuslice_api::{
-    GpuNodeSpec, GpuPool, GpuPoolStatus, GpuSlicePolicy, GpuSlicePolicyStatus, SliceCounts,
+    CheckpointPolicy, CheckpointPolicyStatus, GpuNodeSpec, GpuPool, GpuPoolStatus, GpuSlicePolicy,
+    GpuSlicePolicyStatus, SliceCounts,
 };
 use gpuslice_planning::cluster::{ClusterPlan, GpuPlan, PoolTiming};
 use gpuslice_planning::transition::Desired;
@@ -120,7 +121,7 @@ fn pool_problems(
 ) -> Vec<String> {
     let mut problems: Vec<String> = Vec::new();
     if let Some(cp) = &pool.spec.checkpoint_policy
-        && !observed.checkpoint_policies.contains(cp)
+        && !observed.checkpoints.contains_key(cp)
     {
         problems.push(format!(
             "spec.checkpointPolicy: CheckpointPolicy {cp:?} does not exist; create it or remove the reference"
@@ -342,6 +343,93 @@ pub(super) fn policy_status(
     }
 }
 
+/// The status of CheckpointPolicy `checkpoint`: whose workloads it drains (the policies that
+/// name it, else whose pool does, and those pools), and, when its storage claim does not exist
+/// in namespaces where pods wait for it, that (not Ready).
+pub(super) fn checkpoint_status(
+    observed: &Observed,
+    checkpoint: &CheckpointPolicy,
+) -> CheckpointPolicyStatus {
+    let name = checkpoint.metadata.name.as_deref().unwrap_or_default();
+    let policies: Vec<&str> = observed
+        .policies
+        .iter()
+        .filter(|p| p.spec.checkpoint_policy_in(&observed.pools) == Some(name))
+        .filter_map(|p| p.metadata.name.as_deref())
+        .collect();
+    let pools: Vec<&str> = observed
+        .pools
+        .iter()
+        .filter(|p| p.spec.checkpoint_policy.as_deref() == Some(name))
+        .filter_map(|p| p.metadata.name.as_deref())
+        .collect();
+    let mut missing: BTreeMap<&str, u32> = BTreeMap::new();
+    for (namespace, pods) in policies
+        .iter()
+        .filter_map(|p| observed.storage_missing.get(*p))
+        .flatten()
+    {
+        *missing.entry(namespace).or_default() += pods;
+    }
+    let (ready, reason, message) = if !missing.is_empty() {
+        let claim = checkpoint
+            .spec
+            .storage
+            .as_ref()
+            .and_then(|s| s.persistent_volume_claim.as_deref())
+            .unwrap_or_default();
+        let waiting: u32 = missing.values().sum();
+        let namespaces: Vec<&str> = missing.into_keys().collect();
+        (
+            false,
+            "StorageClaimMissing",
+            format!(
+                "spec.storage.persistentVolumeClaim: PersistentVolumeClaim {claim:?} does not exist in namespace(s) {}, where {waiting} pod(s) wait for it: create it there",
+                few(&namespaces)
+            ),
+        )
+    } else if policies.is_empty() && pools.is_empty() {
+        (
+            true,
+            "Unused",
+            "no GpuSlicePolicy or GpuPool names it".to_string(),
+        )
+    } else {
+        let mut whose = Vec::new();
+        if !policies.is_empty() {
+            whose.push(format!("of policies {}", few(&policies)));
+        }
+        if !pools.is_empty() {
+            whose.push(format!("on the GPUs of pools {}", few(&pools)));
+        }
+        (
+            true,
+            "InUse",
+            format!("drains the workloads {}", whose.join(" and ")),
+        )
+    };
+    CheckpointPolicyStatus {
+        conditions: vec![condition(
+            "Ready",
+            ready,
+            reason,
+            message,
+            checkpoint.metadata.generation,
+        )],
+        observed_generation: checkpoint.metadata.generation,
+    }
+}
+
+/// Up to ten names, comma-separated, then how many more.
+fn few(names: &[&str]) -> String {
+    const SHOWN: usize = 10;
+    let mut out = names[..names.len().min(SHOWN)].join(", ");
+    if names.len() > SHOWN {
+        out.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    out
+}
+
 /// The GPUs of `pool` in the plan: node, plan, and the memory their agents report.
 fn pool_gpus<'p>(
     observed: &Observed,
@@ -393,7 +481,7 @@ fn policy_ready(
         );
     };
     if let Some(cp) = &spec.checkpoint_policy
-        && !observed.checkpoint_policies.contains(cp)
+        && !observed.checkpoints.contains_key(cp)
     {
         return (
             false,

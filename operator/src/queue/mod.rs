@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::ResourceExt as _;
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 
 use crate::published::PublishedSlice;
 
@@ -84,6 +84,32 @@ pub fn waiting_by_policy(pods: &Store<Pod>) -> BTreeMap<String, u32> {
     for pod in pods.state().iter().filter(|p| gated(p)) {
         if let Some(policy) = pod.labels().get(POLICY_LABEL) {
             *out.entry(policy.clone()).or_default() += 1;
+        }
+    }
+    out
+}
+
+/// Policy name → namespace → its pods waiting at the gate for checkpoint storage whose claim
+/// does not exist there (the queue holds them).
+pub fn storage_missing(
+    pods: &Store<Pod>,
+    volume_claims: &Store<PersistentVolumeClaim>,
+) -> BTreeMap<String, BTreeMap<String, u32>> {
+    let mut out: BTreeMap<String, BTreeMap<String, u32>> = BTreeMap::new();
+    for pod in pods.state().iter().filter(|p| gated(p)) {
+        let (Some(policy), Some(claim)) = (pod.labels().get(POLICY_LABEL), checkpoint_claim(pod))
+        else {
+            continue;
+        };
+        let namespace = pod.namespace().unwrap_or_default();
+        if volume_claims
+            .get(&ObjectRef::new(claim).within(&namespace))
+            .is_none()
+        {
+            *out.entry(policy.clone())
+                .or_default()
+                .entry(namespace)
+                .or_default() += 1;
         }
     }
     out
