@@ -31,6 +31,9 @@ pub struct Board {
     pub memory_mhz: u32,
     pub max_video_mhz: u32,
     pub bar1_mib: u64,
+    /// NVLink links to the board's NVSwitches (SXM boards of an HGX baseboard: every GPU
+    /// reaches every other); 0 on PCIe cards (NVLink bridges between pairs are not modelled).
+    pub nvlinks: u32,
 }
 
 const AMPERE: (u32, (i32, i32)) = (NVML_DEVICE_ARCH_AMPERE, (8, 0));
@@ -46,6 +49,7 @@ const fn row(
     memory_mhz: u32,
     max_video_mhz: u32,
     bar1_mib: u64,
+    nvlinks: u32,
 ) -> Board {
     Board {
         name,
@@ -60,22 +64,24 @@ const fn row(
         memory_mhz,
         max_video_mhz,
         bar1_mib,
+        nvlinks,
     }
 }
 
 // name, PCI device, architecture, (min limit, idle, TDP) W, (idle, max) graphics MHz,
-// memory MHz, max video MHz, BAR1 MiB
+// memory MHz, max video MHz, BAR1 MiB, NVLink links (A100 SXM4: 12 third-generation links;
+// H100/H200 SXM5: 18 fourth-generation links, per NVIDIA's datasheets)
 #[rustfmt::skip]
 const BOARDS: &[Board] = &[
-    row("NVIDIA A100-SXM4-40GB", 0x20b0, AMPERE, (100, 50, 400), (210, 1410), 1215, 1290, 65536),
-    row("NVIDIA A100-PCIE-40GB", 0x20f1, AMPERE, (150, 35, 250), (210, 1410), 1215, 1290, 65536),
-    row("NVIDIA A100-SXM4-80GB", 0x20b2, AMPERE, (100, 60, 400), (210, 1410), 1593, 1290, 131072),
-    row("NVIDIA A100 80GB PCIe", 0x20b5, AMPERE, (150, 40, 300), (210, 1410), 1512, 1290, 131072),
-    row("NVIDIA A30",            0x20b7, AMPERE, (100, 30, 165), (210, 1440), 1215, 1305, 32768),
-    row("NVIDIA H100 80GB HBM3", 0x2330, HOPPER, (200, 70, 700), (345, 1980), 2619, 1755, 131072),
-    row("NVIDIA H100 PCIe",      0x2331, HOPPER, (200, 50, 350), (345, 1755), 1593, 1755, 131072),
-    row("NVIDIA H100 NVL",       0x2321, HOPPER, (200, 60, 400), (345, 1785), 2619, 1755, 131072),
-    row("NVIDIA H200",           0x2335, HOPPER, (200, 75, 700), (345, 1980), 3201, 1755, 262144),
+    row("NVIDIA A100-SXM4-40GB", 0x20b0, AMPERE, (100, 50, 400), (210, 1410), 1215, 1290, 65536, 12),
+    row("NVIDIA A100-PCIE-40GB", 0x20f1, AMPERE, (150, 35, 250), (210, 1410), 1215, 1290, 65536, 0),
+    row("NVIDIA A100-SXM4-80GB", 0x20b2, AMPERE, (100, 60, 400), (210, 1410), 1593, 1290, 131072, 12),
+    row("NVIDIA A100 80GB PCIe", 0x20b5, AMPERE, (150, 40, 300), (210, 1410), 1512, 1290, 131072, 0),
+    row("NVIDIA A30",            0x20b7, AMPERE, (100, 30, 165), (210, 1440), 1215, 1305, 32768, 0),
+    row("NVIDIA H100 80GB HBM3", 0x2330, HOPPER, (200, 70, 700), (345, 1980), 2619, 1755, 131072, 18),
+    row("NVIDIA H100 PCIe",      0x2331, HOPPER, (200, 50, 350), (345, 1755), 1593, 1755, 131072, 0),
+    row("NVIDIA H100 NVL",       0x2321, HOPPER, (200, 60, 400), (345, 1785), 2619, 1755, 131072, 0),
+    row("NVIDIA H200",           0x2335, HOPPER, (200, 75, 700), (345, 1980), 3201, 1755, 262144, 18),
 ];
 
 /// The board of a GPU NVML names `model`: its own row, else its catalog entry's.

@@ -15,7 +15,9 @@
 //!   real ranges ([`board`]); modes (compute, persistence, ECC, display), P-state, ECC counts;
 //! - MIG: mode, GPU- and compute-instance profiles, placements, creation and destruction, MIG
 //!   device handles, their ids and UUIDs;
-//! - event sets for XID critical errors injected into the model ([`events`]).
+//! - event sets for XID critical errors injected into the model ([`events`]);
+//! - topology: common ancestors, peer-to-peer status and NVLink state ([`topology`]: SXM boards
+//!   are NVLink boards, PCIe cards are not).
 //!
 //! Board-level queries answer `NVML_ERROR_NOT_SUPPORTED` where the real board does (fan speed on
 //! passively cooled data-centre boards; temperature, power, clocks and utilisation on MIG device
@@ -41,6 +43,7 @@ mod board;
 mod events;
 mod mig;
 mod monitor;
+mod topology;
 
 use gpuslice_emulator::{Machine, NvmlError, Store};
 use nvml_wrapper_sys::bindings::{

@@ -59,16 +59,7 @@ struct Node {
 
 impl Node {
     fn new() -> Node {
-        let dir = tempfile::tempdir().unwrap();
-        let lib = dir.path().join("lib");
-        std::fs::create_dir_all(&lib).unwrap();
-        for (name, built) in [
-            ("libnvidia-ml.so.1", "libnvidia_ml.so"),
-            ("libgpuslice.so", "libgpuslice.so"),
-        ] {
-            std::fs::copy(deps().join(built), lib.join(name)).unwrap();
-        }
-        let node: gpuslice_api::NodeInventory = serde_yaml::from_str(
+        Node::of(
             "name: n
 gpus:
 - {index: 0, model: NVIDIA H200, uuid: GPU-aaaa}
@@ -78,7 +69,20 @@ gpus:
   mig: {enabled: true, instances: [{profile: 3g.71gb, placement: {start: 4, size: 4}, uuid: MIG-bbbb}]}
 ",
         )
-        .unwrap();
+    }
+
+    /// The node `inventory` (YAML) describes.
+    fn of(inventory: &str) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        for (name, built) in [
+            ("libnvidia-ml.so.1", "libnvidia_ml.so"),
+            ("libgpuslice.so", "libgpuslice.so"),
+        ] {
+            std::fs::copy(deps().join(built), lib.join(name)).unwrap();
+        }
+        let node: gpuslice_api::NodeInventory = serde_yaml::from_str(inventory).unwrap();
         let state = dir.path().join("machine.json");
         Store::create(&state, &Machine::from_inventory(&node).unwrap()).unwrap();
         Node { dir, state }
@@ -86,7 +90,16 @@ gpus:
 
     /// Runs the tool; its header and one JSON value per device.
     fn monitor(&self, python: &str, env: &[(&str, &Path)]) -> (Value, Vec<Value>) {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/monitor.py");
+        let mut lines = self.run(python, "monitor.py", env).into_iter();
+        let header = lines.next().expect("a header line");
+        (header, lines.collect())
+    }
+
+    /// Runs `tests/<script>` with pynvml on this node; one JSON value per line it prints.
+    fn run(&self, python: &str, script: &str, env: &[(&str, &Path)]) -> Vec<Value> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests")
+            .join(script);
         let out = Command::new(python)
             .arg(script)
             .env("LD_LIBRARY_PATH", self.dir.path().join("lib"))
@@ -100,12 +113,61 @@ gpus:
             "{stdout}\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let mut lines = stdout
+        stdout
             .lines()
-            .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("{e}: {l}")));
-        let header = lines.next().expect("a header line");
-        (header, lines.collect())
+            .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect()
     }
+}
+
+/// `nvidia-smi topo -m` in pynvml (`tests/topology.py`) on an 8-GPU H100 SXM board and on a
+/// two-card A100 PCIe box: pairs share a PCIe switch, halves a CPU socket; every SXM GPU reaches
+/// every other over NVLink with all 18 links up, the PCIe cards have no NVLink at all.
+#[test]
+fn a_pynvml_topology_tool_sees_an_nvlink_board_and_a_pcie_only_box() {
+    let Some(python) = python() else { return };
+    let gpus = |model: &str, n: u32| -> String {
+        (0..n)
+            .map(|i| format!("- {{index: {i}, model: {model}}}\n"))
+            .collect()
+    };
+    let board = Node::of(&format!(
+        "name: hgx\ngpus:\n{}",
+        gpus("NVIDIA H100 80GB HBM3", 8)
+    ));
+    let topo = &board.run(&python, "topology.py", &[])[0];
+    assert_eq!(
+        topo["matrix"][0],
+        serde_json::json!(["X", "PXB", "NODE", "NODE", "SYS", "SYS", "SYS", "SYS"])
+    );
+    assert_eq!(
+        topo["matrix"][5],
+        serde_json::json!(["SYS", "SYS", "SYS", "SYS", "PXB", "X", "NODE", "NODE"])
+    );
+    for (a, row) in topo["nvlink"].as_array().unwrap().iter().enumerate() {
+        for (b, peer) in row.as_array().unwrap().iter().enumerate() {
+            assert_eq!(peer, &Value::Bool(a != b), "GPU {a} to GPU {b}: {topo}");
+        }
+    }
+    assert_eq!(
+        topo["links"],
+        serde_json::json!([18, 18, 18, 18, 18, 18, 18, 18])
+    );
+
+    let pcie = Node::of(&format!(
+        "name: box\ngpus:\n{}",
+        gpus("NVIDIA A100 80GB PCIe", 2)
+    ));
+    let topo = &pcie.run(&python, "topology.py", &[])[0];
+    assert_eq!(
+        topo["matrix"],
+        serde_json::json!([["X", "PXB"], ["PXB", "X"]])
+    );
+    assert_eq!(
+        topo["nvlink"],
+        serde_json::json!([[false, false], [false, false]])
+    );
+    assert_eq!(topo["links"], serde_json::json!([null, null]));
 }
 
 #[test]
