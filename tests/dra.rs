@@ -1801,3 +1801,153 @@ async fn a_slice_gpuslice_run_holds_is_not_prepared_for_a_pod_as_well() {
     let (_run, slice, _) = hold_slice(&running, "a100-a", "notebook");
     assert_ne!(gpuslice_api::dra::device_name(&slice), device);
 }
+
+/// The agents publish each GPU's NVLink domain (`nvlinkDomain`, from NVML's peer-to-peer
+/// status): every GPU of an 8-GPU H100 SXM board shares one, the two cards of an A100 PCIe box
+/// have none. A claim for two whole GPUs that must share an NVLink domain (a `matchAttribute`
+/// constraint, what a policy's `topology: nvlink` asks) is allocated by kube-scheduler on the
+/// board and never on the PCIe pair, though both have two free GPUs.
+#[tokio::test]
+async fn a_two_gpu_claim_that_needs_nvlink_gets_an_nvlink_pair_never_a_pcie_one() {
+    const CLOCK: &str = "2026-12-02T10:00:00Z";
+    let Some(cluster) = ControlPlane::start(Components::all()).await.unwrap() else {
+        return;
+    };
+    let client = cluster.client_with_crds().await;
+    if !cluster.install_chart_identities().await.unwrap() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut processes = Vec::new();
+    for (name, model, gpus) in [
+        ("hgx", "NVIDIA H100 80GB HBM3", 8),
+        ("pcie", "NVIDIA A100 80GB PCIe", 2),
+    ] {
+        cluster
+            .create_node(name, &[("gpuslice.io/pool", "whole")], &[])
+            .await
+            .unwrap();
+        let lines: String = (0..gpus)
+            .map(|i| format!("- {{index: {i}, model: {model}}}\n"))
+            .collect();
+        std::fs::write(
+            dir.path().join(format!("{name}.yaml")),
+            format!("name: {name}\ngpus:\n{lines}"),
+        )
+        .unwrap();
+        processes.push(spawn_agent(&cluster, dir.path(), name, CLOCK, &[]).await);
+    }
+    processes.push(gpuslice_testcluster::spawn_operator(
+        env!("CARGO_BIN_EXE_gpuslice"),
+        &cluster.operator_kubeconfig().await.unwrap(),
+        Some(CLOCK),
+        &[],
+    ));
+    gpuslice_testcluster::apply_all(
+        &client,
+        &gpuslice_testcluster::documents(
+            "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: whole}\nspec:\n  nodeSelector: {matchLabels: {gpuslice.io/pool: whole}}\n  layout: {exclusive: {}}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: trainer}\nspec: {pool: whole, memory: 70Gi}\n",
+        ),
+    )
+    .await;
+    gpuslice_testcluster::wait_for_device_classes(&client, 1).await;
+
+    // What each node publishes of each GPU: its NVLink domain, if any.
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let domains = eventually("both nodes publish their GPUs", || {
+        let slices = slices.clone();
+        async move {
+            let mut domains: BTreeMap<String, Vec<Option<String>>> = BTreeMap::new();
+            for s in slices
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                for d in s.spec.devices.iter().flatten() {
+                    let domain = d
+                        .attributes
+                        .as_ref()
+                        .and_then(|a| a.get(gpuslice_api::dra::attribute::NVLINK_DOMAIN))
+                        .and_then(|a| a.string.clone());
+                    domains
+                        .entry(s.spec.node_name.clone().unwrap_or_default())
+                        .or_default()
+                        .push(domain);
+                }
+            }
+            (domains.get("hgx").map(Vec::len) == Some(8)
+                && domains.get("pcie").map(Vec::len) == Some(2))
+            .then_some(domains.clone())
+            .ok_or_else(|| format!("{domains:?}"))
+        }
+    })
+    .await;
+    let board: BTreeSet<&Option<String>> = domains["hgx"].iter().collect();
+    assert_eq!(board.len(), 1, "one domain on the board: {domains:?}");
+    assert!(
+        board
+            .first()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|d| d.starts_with("GPU-")),
+        "{domains:?}"
+    );
+    assert_eq!(domains["pcie"], [None, None]);
+
+    // A pod per node, each asking for two of the policy's devices on one NVLink domain.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    for node in ["pcie", "hgx"] {
+        let claim: ResourceClaim = serde_json::from_value(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": format!("pair-{node}")},
+            "spec": {"devices": {
+                "requests": [{"name": "gpus", "exactly": {
+                    "deviceClassName": "trainer.gpuslice.io", "allocationMode": "ExactCount", "count": 2}}],
+                "constraints": [{"requests": ["gpus"],
+                    "matchAttribute": format!("gpuslice.io/{}", gpuslice_api::dra::attribute::NVLINK_DOMAIN)}]
+            }}
+        }))
+        .unwrap();
+        claims.create(&PostParams::default(), &claim).await.unwrap();
+        let mut p = pod(&format!("pair-{node}"), "trainer");
+        let spec = p.spec.as_mut().unwrap();
+        spec.node_selector =
+            Some([("kubernetes.io/hostname".to_string(), node.to_string())].into());
+        spec.resource_claims = Some(vec![
+            serde_json::from_value(
+                serde_json::json!({"name": "gpus", "resourceClaimName": format!("pair-{node}")}),
+            )
+            .unwrap(),
+        ]);
+        spec.containers[0].resources = Some(
+            serde_json::from_value(serde_json::json!({"claims": [{"name": "gpus"}]})).unwrap(),
+        );
+        pods.create(&PostParams::default(), &p).await.unwrap();
+    }
+    let (bound, waiting) = settled(
+        &pods,
+        1,
+        1,
+        "the board's pair is placed, the PCIe one waits",
+    )
+    .await;
+    assert_eq!(bound, [("pair-hgx".to_string(), "hgx".to_string())]);
+    assert!(
+        waiting[0].starts_with("pair-pcie: ") && waiting[0].contains("cannot allocate all claims"),
+        "{waiting:?}"
+    );
+    let allocated = claims.get("pair-hgx").await.unwrap();
+    let devices: Vec<String> = allocated
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| r.device)
+        .collect();
+    assert_eq!(devices.len(), 2, "{devices:?}");
+    drop(processes);
+}

@@ -58,6 +58,11 @@ pub mod attribute {
     pub const MIG_PROFILE: &str = "migProfile";
     /// The slice id the agent uses on the node (`gpu0-s1`, `gpu0-mig4-1g.18gb`, `gpu1`) (string).
     pub const SLICE: &str = "slice";
+    /// The GPUs joined by NVLink that the slice's GPU belongs to, named by the UUID of the
+    /// lowest-indexed of them (string; absent on a GPU without NVLink peers). Slices with the same
+    /// value can exchange data over NVLink: a claim's `matchAttribute` constraint on it keeps its
+    /// devices on one NVLink domain.
+    pub const NVLINK_DOMAIN: &str = "nvlinkDomain";
 }
 
 /// Device capacities (`device.capacity["gpuslice.io"].<name>`).

@@ -359,6 +359,11 @@ pub struct GpuInventory {
     /// Processes running on the whole GPU (outside MIG instances).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub processes: Vec<GpuProcess>,
+    /// The GPUs of the node (indices) this one reaches over NVLink, as NVML's peer-to-peer
+    /// status says; empty on a GPU without NVLink. Its slices carry the DRA attribute
+    /// `nvlinkDomain` (the UUID of the lowest-indexed GPU it is joined with).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nvlink_peers: Vec<u32>,
 }
 
 /// MIG mode of a GPU and its GPU instances.

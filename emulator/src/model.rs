@@ -291,6 +291,8 @@ impl Machine {
                         }),
                         slices: Vec::new(),
                         processes: procs(None),
+                        // Topology is the NVML library's (from its board facts).
+                        nvlink_peers: Vec::new(),
                     }
                 })
                 .collect(),

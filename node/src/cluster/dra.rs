@@ -43,6 +43,37 @@ fn capacity_of(value: String) -> DeviceCapacity {
     }
 }
 
+/// The NVLink domain of GPU `index`: the UUID (else `gpu<index>`) of the lowest-indexed GPU it is
+/// joined with through NVLink, directly or through others; `None` without NVLink peers.
+fn nvlink_domain(inventory: &NodeInventory, index: u32) -> Option<String> {
+    let peers = |i: u32| {
+        inventory
+            .gpus
+            .iter()
+            .find(|g| g.index == i)
+            .map_or(&[][..], |g| g.nvlink_peers.as_slice())
+    };
+    if peers(index).is_empty() {
+        return None;
+    }
+    let mut joined = std::collections::BTreeSet::from([index]);
+    let mut next = vec![index];
+    while let Some(i) = next.pop() {
+        for &p in peers(i) {
+            if joined.insert(p) {
+                next.push(p);
+            }
+        }
+    }
+    let lowest = *joined.first()?;
+    let uuid = inventory
+        .gpus
+        .iter()
+        .find(|g| g.index == lowest)
+        .and_then(|g| g.uuid.clone());
+    Some(uuid.unwrap_or_else(|| format!("gpu{lowest}")))
+}
+
 /// The devices of this node: one per slice in force on a GPU the spec assigns, smallest first
 /// (the scheduler tries devices in the order they are published, so a request lands on the
 /// smallest slice that fits it). `offer` says, per slice, whether it is offered (`None`: not
@@ -101,6 +132,9 @@ pub fn devices(
             ),
             (attribute::SLICE.to_string(), string(&slice.id)),
         ]);
+        if let Some(domain) = nvlink_domain(inventory, gpu.index) {
+            attributes.insert(attribute::NVLINK_DOMAIN.to_string(), string(&domain));
+        }
         if slice.kind == SliceKind::Mig
             && let Some(instance) = gpu.mig.as_ref().and_then(|m| {
                 m.instances
@@ -360,6 +394,22 @@ gpus:
         let capacity = software.capacity.as_ref().unwrap();
         assert_eq!(capacity["memory"].value.0, "20Gi");
         assert_eq!(capacity["compute"].value.0, "25");
+    }
+
+    #[test]
+    fn gpus_joined_by_nvlink_directly_or_through_others_share_a_domain() {
+        let mut inventory = node();
+        // GPU 1 reaches 2 and 2 reaches 1 (a bridge); GPU 0 has no NVLink.
+        inventory.gpus[1].nvlink_peers = vec![2];
+        inventory.gpus[2].nvlink_peers = vec![1];
+        assert_eq!(nvlink_domain(&inventory, 0), None);
+        assert_eq!(nvlink_domain(&inventory, 2).as_deref(), Some("GPU-1"));
+        assert_eq!(nvlink_domain(&inventory, 1).as_deref(), Some("GPU-1"));
+        let published = devices(&inventory, &[assignment(2, "infer")], &|_, _| {
+            Some(Vec::new())
+        });
+        let domain = &published[0].attributes.as_ref().unwrap()[attribute::NVLINK_DOMAIN];
+        assert_eq!(domain.string.as_deref(), Some("GPU-1"));
     }
 
     #[test]

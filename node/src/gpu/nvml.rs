@@ -85,6 +85,9 @@ pub struct GpuTelemetry {
 /// The GPUs of this machine, through NVML.
 pub struct NvmlGpus {
     nvml: Nvml,
+    /// Each GPU's NVLink peers, read once: the wiring of a board does not change while the
+    /// driver is loaded.
+    nvlink: std::sync::OnceLock<Vec<Vec<u32>>>,
 }
 
 /// Whether a profile-info call says the profile is not there: not supported on this GPU, or an
@@ -110,7 +113,10 @@ impl NvmlGpus {
             path: path.map(|p| p.display().to_string()),
             source,
         })?;
-        Ok(NvmlGpus { nvml })
+        Ok(NvmlGpus {
+            nvml,
+            nvlink: std::sync::OnceLock::new(),
+        })
     }
 
     fn device(&self, gpu: u32) -> Result<nvml_wrapper::Device<'_>, NvmlError> {
@@ -140,6 +146,12 @@ impl NvmlGpus {
         let mut gpus = Vec::new();
         for index in 0..count {
             gpus.push(self.read_gpu(index)?);
+        }
+        let peers = self
+            .nvlink
+            .get_or_init(|| (0..count).map(|i| self.nvlink_peers(i, count)).collect());
+        for gpu in &mut gpus {
+            gpu.nvlink_peers = peers.get(gpu.index as usize).cloned().unwrap_or_default();
         }
         Ok(NodeInventory {
             name: node.to_string(),
@@ -240,7 +252,31 @@ impl NvmlGpus {
                 .filter(|p| p.gpu_instance_id.is_none())
                 .map(to_process)
                 .collect(),
+            // Filled in once every GPU is read.
+            nvlink_peers: Vec::new(),
         })
+    }
+
+    /// The GPUs (of `count`) that GPU `index` reaches over NVLink: NVML's peer-to-peer status
+    /// for the NVLink capability. A driver that cannot say (no NVLink, an old driver) leaves it
+    /// empty: multi-GPU placement then sees no NVLink, which is the safe answer.
+    fn nvlink_peers(&self, index: u32, count: u32) -> Vec<u32> {
+        let Ok(device) = self.device(index) else {
+            return Vec::new();
+        };
+        (0..count)
+            .filter(|&other| other != index)
+            .filter(|&other| {
+                self.device(other).is_ok_and(|peer| {
+                    device
+                        .p2p_status(
+                            &peer,
+                            nvml_wrapper::enum_wrappers::device::P2pCapabilitiesIndex::NvLink,
+                        )
+                        .is_ok_and(|s| s == nvml_wrapper::enum_wrappers::device::P2pStatus::Ok)
+                })
+            })
+            .collect()
     }
 
     /// The MIG device UUID of each GPU instance, by instance id. Best effort: a driver that cannot
