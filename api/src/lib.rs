@@ -50,6 +50,9 @@ pub const VERSION: &str = "v1alpha1";
 pub const API_VERSION: &str = "gpuslice.io/v1alpha1";
 /// The label a workload's pod template carries to name its `GpuSlicePolicy`.
 pub const POLICY_LABEL: &str = "gpuslice.io/policy";
+/// The pod volume the chart's admission adds for a CheckpointPolicy's `storage` (a pod may not
+/// declare a volume of that name itself: the API server refuses the merged volume).
+pub const CHECKPOINT_VOLUME: &str = "gpuslice-checkpoints";
 
 /// `GpuPool.status.activeWindow` while no window is open (a name no window may take).
 pub const DEFAULT_WINDOW: &str = "default";

@@ -62,10 +62,6 @@ pub fn non_root_policies(
         .collect()
 }
 
-/// The pod volume the chart's admission adds for a CheckpointPolicy's `storage` (the pod may
-/// not declare a volume of that name itself: the API server refuses the merged volume).
-pub const CHECKPOINT_VOLUME: &str = "gpuslice-checkpoints";
-
 /// The key of the PersistentVolumeClaim (`ckptclaim_<policy>`) and of the mount path
 /// (`ckptpath_<policy>`) a policy's checkpoints go to.
 pub fn checkpoint_key(what: &str, policy: &str) -> String {

@@ -55,6 +55,10 @@ pub struct WorkloadRef {
     pub via_annotation: bool,
     /// Its containers that may run as root (`runAsNonRoot` not true), as field paths.
     pub root_containers: Vec<String>,
+    /// The namespace its pods are created in.
+    pub namespace: String,
+    /// Where its pod template declares a volume named [`gpuslice_api::CHECKPOINT_VOLUME`].
+    pub checkpoint_volume: Option<String>,
 }
 
 /// Everything a repository declares, typed.
@@ -66,6 +70,8 @@ pub struct Repo {
     /// Names of other objects of our kinds (GpuNode), for the uniqueness check.
     pub others: Vec<Located<(Kind, String)>>,
     pub workloads: Vec<WorkloadRef>,
+    /// The PersistentVolumeClaims it declares, as (namespace, name).
+    pub volume_claims: Vec<(String, String)>,
 }
 
 /// Runs every whole-repository check. `now` anchors the search for overlapping windows.
@@ -120,6 +126,9 @@ pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
                 ),
             );
         }
+        if let Some(policy) = policies.get(w.policy.as_str()) {
+            check_checkpoint_storage(repo, w, &policy.object, &checkpoints, &mut out);
+        }
         if !policies.contains_key(w.policy.as_str()) {
             out.error(
                 w.doc,
@@ -132,6 +141,52 @@ pub fn check(repo: &Repo, now: DateTime<Utc>) -> Vec<Finding> {
         }
     }
     out.0
+}
+
+/// A workload whose policy's CheckpointPolicy (its own, else its pool's) mounts storage: it may
+/// not declare the volume admission adds, and the claim should exist in its namespace.
+fn check_checkpoint_storage(
+    repo: &Repo,
+    w: &WorkloadRef,
+    policy: &GpuSlicePolicy,
+    checkpoints: &BTreeMap<&str, &CheckpointPolicy>,
+    out: &mut Findings,
+) {
+    let pools = repo.pools.iter().map(|p| &p.object);
+    let Some(name) = policy.spec.checkpoint_policy_in(pools) else {
+        return;
+    };
+    let Some(claim) = checkpoints
+        .get(name)
+        .and_then(|c| c.spec.storage.as_ref()?.persistent_volume_claim.as_ref())
+    else {
+        return;
+    };
+    if let Some(path) = &w.checkpoint_volume {
+        out.error(
+            w.doc,
+            path,
+            format!(
+                "{} declares the volume {} itself: admission adds it from CheckpointPolicy {name:?}'s storage (claim {claim:?}), and the API server would refuse pods with both; remove it (the claim is mounted at spec.storage.mountPath, told as GPUSLICE_CHECKPOINT_DIR)",
+                w.display,
+                gpuslice_api::CHECKPOINT_VOLUME
+            ),
+        );
+    }
+    let declared = repo
+        .volume_claims
+        .iter()
+        .any(|(ns, c)| *ns == w.namespace && c == claim);
+    if !declared {
+        out.warn(
+            w.doc,
+            &w.path,
+            format!(
+                "{}'s pods get PersistentVolumeClaim {claim:?} of namespace {} (CheckpointPolicy {name:?}'s storage), which this repository does not declare: create it there (here or in the cluster), or the queue holds the pods (reason CheckpointStorageMissing)",
+                w.display, w.namespace
+            ),
+        );
+    }
 }
 
 /// What a warning about a field no code acts on yet says; each goes away in the change that

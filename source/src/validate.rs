@@ -193,6 +193,11 @@ fn read_document<'a>(
     });
     let d = &docs[index];
     let Some((group, version)) = api_version.split_once('/') else {
+        if kind == "PersistentVolumeClaim" {
+            let namespace = str_at(value, "/metadata/namespace").unwrap_or("default");
+            repo.volume_claims
+                .push((namespace.to_string(), name.to_string()));
+        }
         read_workload(index, d, kind, repo);
         return;
     };
@@ -325,6 +330,17 @@ fn read_workload(index: usize, d: &DocRef, kind: &str, repo: &mut Repo) {
         .pointer(&format!("{pointer}/spec"))
         .map(|spec| root_containers(spec, &spec_path))
         .unwrap_or_default();
+    let checkpoint_volume = d
+        .doc
+        .value
+        .pointer(&format!("{pointer}/spec/volumes"))
+        .and_then(Value::as_array)
+        .and_then(|volumes| {
+            volumes
+                .iter()
+                .position(|v| v["name"] == gpuslice_api::CHECKPOINT_VOLUME)
+        })
+        .map(|i| format!("{spec_path}.volumes[{i}]"));
     repo.workloads.push(WorkloadRef {
         doc: index,
         display,
@@ -332,6 +348,8 @@ fn read_workload(index: usize, d: &DocRef, kind: &str, repo: &mut Repo) {
         path: format!("{meta_path}.{field}.{POLICY_LABEL}"),
         via_annotation,
         root_containers,
+        namespace: namespace.to_string(),
+        checkpoint_volume,
     });
 }
 

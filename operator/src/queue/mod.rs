@@ -124,7 +124,7 @@ pub fn trim_pod(pod: &mut Pod) {
         spec.containers.clear();
         spec.init_containers = None;
         if let Some(volumes) = &mut spec.volumes {
-            volumes.retain(|v| v.name == crate::admission::CHECKPOINT_VOLUME);
+            volumes.retain(|v| v.name == gpuslice_api::CHECKPOINT_VOLUME);
         }
         spec.tolerations = None;
     }
@@ -138,7 +138,7 @@ fn checkpoint_claim(pod: &Pod) -> Option<&str> {
         .volumes
         .as_ref()?
         .iter()
-        .find(|v| v.name == crate::admission::CHECKPOINT_VOLUME)?
+        .find(|v| v.name == gpuslice_api::CHECKPOINT_VOLUME)?
         .persistent_volume_claim
         .as_ref()
         .map(|c| c.claim_name.as_str())
