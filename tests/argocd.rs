@@ -14,7 +14,7 @@ use gpuslice_testcluster::repo_root as root;
 use gpuslice_testcluster::{Components, ControlPlane, KillOnDrop, built_tool, free_port};
 use kube::api::{Api, ApiResource, DynamicObject};
 
-const KINDS: [&str; 3] = ["GpuPool", "GpuSlicePolicy", "GpuNode"];
+const KINDS: [&str; 4] = ["GpuPool", "GpuSlicePolicy", "GpuNode", "CheckpointPolicy"];
 
 /// `helm template` of the chart's argocd-health.yaml, its Argo CD health checks enabled.
 fn render_health_checks(helm: &Path) -> std::process::Output {
@@ -476,6 +476,8 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
         ("GpuPool", "research-h100"),
         ("GpuSlicePolicy", "research-notebook"),
         ("GpuSlicePolicy", "research-training"),
+        ("CheckpointPolicy", "standard"),
+        ("CheckpointPolicy", "durable"),
         ("Deployment", "llm-inference"),
         ("Job", "bert-finetune"),
     ] {

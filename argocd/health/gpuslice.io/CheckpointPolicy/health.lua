@@ -1,0 +1,1 @@
+../../../../charts/gpuslice/files/argocd-health/CheckpointPolicy/health.lua
