@@ -352,17 +352,39 @@ async fn the_charts_own_pods_run_and_a_workload_gets_its_slice() {
         "spec": spec,
     }))
     .unwrap();
-    // Admitted once the operator has written the policy into the admission parameters.
-    eventually("the notebook is admitted", || {
-        let (pods, workload) = (pods.clone(), workload.clone());
+    // Admitted once the operator has written the policy into the admission parameters, and
+    // stored as the mutating policies leave it (asking for the policy's slice, at the queue's
+    // gate) once the API server has loaded them: each policy loads on its own, a moment after it
+    // is created, so a pod stored before they all are is deleted and sent again.
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    eventually("the notebook is admitted and mutated", || {
+        let (pods, workload, dry) = (pods.clone(), workload.clone(), dry.clone());
         async move {
-            pods.create(&PostParams::default(), &workload)
+            let stored = pods
+                .create(&dry, &workload)
                 .await
-                .map(|_| ())
-                .map_err(|e| e.to_string())
+                .map_err(|e| e.to_string())?;
+            let spec = stored.spec.unwrap_or_default();
+            let asks = spec.containers[0]
+                .resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .is_some_and(|l| l.contains_key("gpuslice.io/notebook"));
+            let gated = spec
+                .scheduling_gates
+                .is_some_and(|g| g.iter().any(|g| g.name == "gpuslice.io/queue"));
+            (asks && gated)
+                .then_some(())
+                .ok_or_else(|| "stored without the slice or the gate".to_string())
         }
     })
     .await;
+    pods.create(&PostParams::default(), &workload)
+        .await
+        .unwrap();
     let done = tokio::time::timeout(
         std::time::Duration::from_secs(150),
         eventually("the notebook ends", || {
