@@ -1223,15 +1223,21 @@ async fn the_kubelet_plugin_prepares_allocated_slices() {
             .iter()
             .filter_map(|e| e.as_str())
             .collect();
+        let claim_env: Vec<&str> = spec["containerEdits"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e.as_str())
+            .collect();
         assert!(
-            env.contains(
+            claim_env.contains(
                 &format!(
                     "CUDA_VISIBLE_DEVICES={}",
                     config["deviceUuid"].as_str().unwrap()
                 )
                 .as_str()
             ),
-            "{env:?}"
+            "{claim_env:?}"
         );
         // The pool's CheckpointPolicy `standard` (every 5m, SIGUSR1): the notebook is told where
         // its marker goes, how often to checkpoint, and by which signal it is asked to.

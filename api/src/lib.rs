@@ -31,7 +31,7 @@ pub use node::{
 };
 pub use policy::{
     ComputeShare, GpuSlicePolicy, GpuSlicePolicySpec, GpuSlicePolicyStatus, HostResources,
-    WorkloadClass,
+    Topology, WorkloadClass,
 };
 pub use pool::{
     CACHE_ROOT, Compaction, CompactionMove, CompactionStatus, DriverMinimum, Elastic, ElasticDrain,

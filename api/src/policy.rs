@@ -38,10 +38,19 @@ pub struct GpuSlicePolicySpec {
     /// Compute share in percent of a GPU: a cap, and optionally a guarantee under contention.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute: Option<ComputeShare>,
-    /// Number of slices each workload (pod) gets. Default 1.
+    /// Number of slices each workload (pod) gets, all on one node: the queue admits a pod only
+    /// when that many fitting slices are free on one node (never some of them). In a cluster a
+    /// labelled pod's first container gets `gpuslice.io/<policy>: <count>`. Default 1.
+    /// More than one needs a pool whose slices are whole GPUs or MIG instances: a container
+    /// is capped to one software slice.
     #[serde(default = "one")]
     #[schemars(range(min = 1, max = 64))]
     pub count: u32,
+    /// Where a pod's `count` slices must be: `nvlink` keeps them on GPUs of one NVLink domain
+    /// (device attribute `gpuslice.io/nvlinkDomain`), so a pod is never given a PCIe-only set.
+    /// Omitted: any GPUs of one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology: Option<Topology>,
     /// `low`, `normal` or `high`, or the name of a PriorityClass. Default `normal`.
     #[serde(default = "normal")]
     #[schemars(length(min = 1, max = 253))]
@@ -81,6 +90,14 @@ pub struct HostResources {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))").message("memory must be a positive quantity such as 64Gi"))]
     pub memory: Option<Size>,
+}
+
+/// A placement constraint on a pod's slices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Topology {
+    /// All on GPUs joined by NVLink (one NVLink domain).
+    Nvlink,
 }
 
 /// The kind of work a policy is for (a metrics label only).

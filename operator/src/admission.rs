@@ -62,6 +62,35 @@ pub fn non_root_policies(
         .collect()
 }
 
+/// The key of a policy's slice count (`count_<policy>`), and of the ResourceClaimTemplate its
+/// pods get a claim from instead of the extended resource (`template_<policy>`).
+pub fn ask_key(what: &str, policy: &str) -> String {
+    format!("{what}_{policy}")
+}
+
+/// For each policy asking for more than one slice, its `count` (the quantity admission puts in
+/// a labelled pod's limits); for each with a `topology`, the ResourceClaimTemplate the queue
+/// writes for it (admission adds a claim from it rather than the extended resource, which
+/// carries no constraint).
+pub fn slice_asks(policies: &[GpuSlicePolicy]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for p in policies {
+        let Some(name) = p.metadata.name.as_deref() else {
+            continue;
+        };
+        if p.spec.count > 1 {
+            out.insert(ask_key("count", name), p.spec.count.to_string());
+        }
+        if p.spec.topology.is_some() {
+            out.insert(
+                ask_key("template", name),
+                gpuslice_api::dra::device_class_name(name),
+            );
+        }
+    }
+    out
+}
+
 /// The key of the PersistentVolumeClaim (`ckptclaim_<policy>`) and of the mount path
 /// (`ckptpath_<policy>`) a policy's checkpoints go to.
 pub fn checkpoint_key(what: &str, policy: &str) -> String {

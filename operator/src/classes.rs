@@ -11,7 +11,7 @@ use gpuslice_api::dra::{self, ClassCompute, ClassParameters, attribute, capacity
 use gpuslice_api::{GpuPool, GpuSlicePolicy, bytes_of};
 use k8s_openapi::api::resource::v1::{
     CELDeviceSelector, DeviceClass, DeviceClassConfiguration, DeviceClassSpec, DeviceSelector,
-    OpaqueDeviceConfiguration,
+    OpaqueDeviceConfiguration, ResourceClaimTemplate,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
@@ -81,6 +81,62 @@ pub fn parameters(name: &str, policy: &GpuSlicePolicy, pools: &[GpuPool]) -> Cla
     }
 }
 
+/// The name of the request in a policy's ResourceClaimTemplate, and of the pod's claim the
+/// chart's admission adds for it.
+pub const TEMPLATE_REQUEST: &str = "gpuslice";
+
+/// The ResourceClaimTemplate, in `namespace`, of a policy with a `topology`: its `count` devices
+/// of the policy's DeviceClass, all with one `nvlinkDomain` (a constraint the extended resource
+/// cannot carry, so the chart's admission gives such a policy's labelled pods a claim from this
+/// template instead). Named like the DeviceClass; deleted with the policy.
+pub fn claim_template(
+    policy: &GpuSlicePolicy,
+    namespace: &str,
+    manager: &str,
+) -> Option<ResourceClaimTemplate> {
+    let name = policy.metadata.name.clone()?;
+    policy.spec.topology?;
+    let class = dra::device_class_name(&name);
+    let constraint = format!("{}/{}", dra::DRIVER, attribute::NVLINK_DOMAIN);
+    let spec = serde_json::json!({
+        "spec": {"devices": {
+            "requests": [{"name": TEMPLATE_REQUEST, "exactly": {
+                "deviceClassName": class,
+                "allocationMode": "ExactCount",
+                "count": policy.spec.count,
+            }}],
+            "constraints": [{"requests": [TEMPLATE_REQUEST], "matchAttribute": constraint}],
+        }}
+    });
+    Some(ResourceClaimTemplate {
+        metadata: ObjectMeta {
+            name: Some(class),
+            namespace: Some(namespace.to_string()),
+            labels: Some(BTreeMap::from([
+                (dra::MANAGED_BY_LABEL.to_string(), manager.to_string()),
+                (dra::POLICY_CLASS_LABEL.to_string(), name.clone()),
+            ])),
+            owner_references: owner(policy, &name),
+            ..ObjectMeta::default()
+        },
+        spec: serde_json::from_value(spec).ok()?,
+    })
+}
+
+/// The policy as the owner of what is written for it.
+fn owner(policy: &GpuSlicePolicy, name: &str) -> Option<Vec<OwnerReference>> {
+    policy.metadata.uid.clone().map(|uid| {
+        vec![OwnerReference {
+            api_version: gpuslice_api::API_VERSION.to_string(),
+            kind: "GpuSlicePolicy".to_string(),
+            name: name.to_string(),
+            uid,
+            controller: Some(true),
+            block_owner_deletion: None,
+        }]
+    })
+}
+
 /// The DeviceClass of every policy whose pool exists, by class name. A policy read before its
 /// pool (separate watches) gets no class yet: one written then would carry no pool headroom, and
 /// a pod allocated meanwhile would keep that smaller cap.
@@ -107,16 +163,7 @@ pub fn device_classes(
                     ])),
                     // Deleting the policy deletes its class (the operator also removes classes
                     // whose policy is gone, in case it was down then).
-                    owner_references: policy.metadata.uid.clone().map(|uid| {
-                        vec![OwnerReference {
-                            api_version: gpuslice_api::API_VERSION.to_string(),
-                            kind: "GpuSlicePolicy".to_string(),
-                            name: name.clone(),
-                            uid,
-                            controller: Some(true),
-                            block_owner_deletion: None,
-                        }]
-                    }),
+                    owner_references: owner(policy, &name),
                     ..ObjectMeta::default()
                 },
                 spec: DeviceClassSpec {

@@ -54,6 +54,8 @@ struct Attributes {
     kind: Option<Attribute>,
     #[serde(rename = "gpuIndex")]
     gpu_index: Option<Attribute>,
+    #[serde(rename = "nvlinkDomain")]
+    nvlink_domain: Option<Attribute>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -88,6 +90,11 @@ impl PublishedDevice {
             .as_ref()
             .and_then(|k| k.string.as_deref())
             .is_some_and(|k| k == dra::kind::SOFTWARE)
+    }
+
+    /// The NVLink domain of its GPU; none for a GPU without NVLink peers.
+    pub fn nvlink_domain(&self) -> Option<&str> {
+        self.attributes.nvlink_domain.as_ref()?.string.as_deref()
     }
 
     pub fn gpu_index(&self) -> Option<i64> {
@@ -160,6 +167,7 @@ mod tests {
                             dra::attribute::POOL: {"string": "shared-a100"},
                             dra::attribute::KIND: {"string": dra::kind::SOFTWARE},
                             dra::attribute::GPU_INDEX: {"int": 1},
+                            dra::attribute::NVLINK_DOMAIN: {"string": "GPU-0b1c"},
                             "model": {"string": "NVIDIA A100-SXM4-80GB"}
                         },
                         "capacity": {
@@ -182,12 +190,18 @@ mod tests {
         assert_eq!(soft.pool(), Some("shared-a100"));
         assert!(soft.is_software());
         assert_eq!(soft.gpu_index(), Some(1));
+        assert_eq!(soft.nvlink_domain(), Some("GPU-0b1c"));
         assert_eq!(soft.memory_bytes(), 20 << 30);
         assert_eq!(soft.compute(), 25);
         assert!(soft.is_tainted());
         assert_eq!(
-            (whole.pool(), whole.is_software(), whole.gpu_index()),
-            (None, false, None)
+            (
+                whole.pool(),
+                whole.is_software(),
+                whole.gpu_index(),
+                whole.nvlink_domain()
+            ),
+            (None, false, None, None)
         );
         assert!(!whole.is_tainted());
     }

@@ -59,6 +59,10 @@ pub struct Waiting {
     pub created: DateTime<Utc>,
     /// When it would end if admitted now (its declared expected run time), if it declares one.
     pub runs_until: Option<DateTime<Utc>>,
+    /// How many slices it takes, all on one node (its policy's `count`).
+    pub count: u32,
+    /// Its slices must share an NVLink domain (its policy's `topology: nvlink`).
+    pub nvlink: bool,
 }
 
 impl Waiting {
@@ -99,6 +103,8 @@ pub struct FreeDevice {
     pub slices_on_gpu: u32,
     /// When a window change next re-cuts its GPU, if one does.
     pub recut_at: Option<DateTime<Utc>>,
+    /// The NVLink domain of its GPU (device attribute `nvlinkDomain`); none without NVLink.
+    pub nvlink_domain: Option<String>,
 }
 
 /// What a policy's pod needs of a device.
@@ -311,8 +317,60 @@ impl Placer for EnginePlacer {
     }
 }
 
-/// One pass of the queue: the pods in `order`, each admitted onto a node with a free device its
-/// policy's need fits (that device is then taken), or left waiting with its place and reason.
+/// The devices `pod` could be given, per node: a node counts only with at least `pod.count` of
+/// them (on one NVLink domain when the pod needs NVLink; then only such domains' devices).
+fn candidates<'a>(
+    pod: &Waiting,
+    usable: impl Iterator<Item = &'a FreeDevice>,
+) -> BTreeMap<String, Vec<FreeDevice>> {
+    let count = pod.count.max(1) as usize;
+    let mut groups: BTreeMap<(&str, Option<&str>), Vec<&FreeDevice>> = BTreeMap::new();
+    for d in usable {
+        let domain = d.nvlink_domain.as_deref();
+        if pod.nvlink && count > 1 && domain.is_none() {
+            continue;
+        }
+        let domain = if pod.nvlink { domain } else { None };
+        groups.entry((&d.node, domain)).or_default().push(d);
+    }
+    let mut out: BTreeMap<String, Vec<FreeDevice>> = BTreeMap::new();
+    for ((node, _), devices) in groups {
+        if devices.len() >= count {
+            out.entry(node.to_string())
+                .or_default()
+                .extend(devices.into_iter().cloned());
+        }
+    }
+    out
+}
+
+/// The devices the allocator takes for `pod` on its node's `candidates`: the `count` smallest
+/// of the group (NVLink domain) with the fewest that still holds them, so larger sets stay whole.
+fn taken_on(pod: &Waiting, candidates: &[FreeDevice]) -> Vec<FreeDevice> {
+    let count = pod.count.max(1) as usize;
+    let mut groups: BTreeMap<Option<&str>, Vec<&FreeDevice>> = BTreeMap::new();
+    for d in candidates {
+        let domain = if pod.nvlink {
+            d.nvlink_domain.as_deref()
+        } else {
+            None
+        };
+        groups.entry(domain).or_default().push(d);
+    }
+    let Some(mut group) = groups
+        .into_values()
+        .filter(|g| g.len() >= count)
+        .min_by_key(Vec::len)
+    else {
+        return Vec::new();
+    };
+    group.sort_by_key(|d| (d.memory_bytes, d.compute, d.device.clone()));
+    group.into_iter().take(count).cloned().collect()
+}
+
+/// One pass of the queue: the pods in `order`, each admitted onto a node where all of its
+/// `count` slices are free and fit its policy's need (those devices are then taken), or left
+/// waiting with its place and reason; never some of its slices.
 pub fn decide(
     pods: &[Waiting],
     order: &[usize],
@@ -332,17 +390,13 @@ pub fn decide(
                 .push((pod.key(), place, Reason::UnknownPolicy));
             continue;
         };
-        let usable = |d: &FreeDevice| need.fits(d) && pod.outlived_by(d);
-        let mut candidates: BTreeMap<String, Vec<FreeDevice>> = BTreeMap::new();
-        for d in free.iter().filter(|d| usable(d)) {
-            candidates
-                .entry(d.node.clone())
-                .or_default()
-                .push(d.clone());
-        }
+        let candidates = candidates(
+            pod,
+            free.iter().filter(|d| need.fits(d) && pod.outlived_by(d)),
+        );
         if candidates.is_empty() {
             place += 1;
-            let reason = if free.iter().any(|d| need.fits(d)) {
+            let reason = if candidates_of(pod, &free, need) {
                 Reason::WindowChangeAhead
             } else {
                 Reason::NoSliceFits
@@ -351,19 +405,16 @@ pub fn decide(
             continue;
         }
         let node = placer.pick(&candidates);
-        // The smallest usable device of that node is the one the allocator will take.
-        let taken = free
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.node == node && usable(d))
-            .min_by_key(|(_, d)| (d.memory_bytes, d.compute, d.device.clone()))
-            .map(|(i, _)| i);
-        if let Some(t) = taken {
-            free.remove(t);
-        }
+        let taken = taken_on(pod, candidates.get(&node).map_or(&[][..], Vec::as_slice));
+        free.retain(|d| !(d.node == node && taken.iter().any(|t| t.device == d.device)));
         decision.admit.push((pod.key(), node));
     }
     decision
+}
+
+/// Whether some node holds all of the pod's slices when window changes are not counted.
+fn candidates_of(pod: &Waiting, free: &[FreeDevice], need: &Need) -> bool {
+    !candidates(pod, free.iter().filter(|d| need.fits(d))).is_empty()
 }
 
 /// A pod's slice the queue may take back: a candidate victim.
@@ -420,7 +471,7 @@ pub struct Preempt {
 /// share after the move (`Fair`, `PriorityFair`); among those, one within its CheckpointPolicy's
 /// `maxLoss` before any past it, and the one that loses the least work.
 /// Preemptions already under way are kept while their pod still waits (never a second victim
-/// for it, never a victim twice). `Fifo` preempts nothing.
+/// for it, never a victim twice). `Fifo` preempts nothing, nor does a pod of several slices.
 pub fn preempt(
     policy: SchedulingPolicy,
     waiting: &[&Waiting],
@@ -459,6 +510,11 @@ pub fn preempt(
     };
     for pod in waiting {
         if out.iter().any(|p| p.for_pod == pod.key()) {
+            continue;
+        }
+        // Taking back one slice never seats a pod of several: it waits for them to free up
+        // rather than evict a workload for nothing.
+        if pod.count > 1 {
             continue;
         }
         let Some(need) = needs.get(&pod.policy) else {
@@ -541,6 +597,8 @@ mod tests {
             priority,
             created: at(second),
             runs_until: None,
+            count: 1,
+            nvlink: false,
         }
     }
 
@@ -657,7 +715,81 @@ mod tests {
             compute: 25,
             slices_on_gpu: 4,
             recut_at: None,
+            nvlink_domain: None,
         }
+    }
+
+    #[test]
+    fn a_pod_of_several_slices_gets_all_of_them_on_one_node_or_waits() {
+        let gpu = |node: &str, i: u32, domain: Option<&str>| FreeDevice {
+            slices_on_gpu: 0,
+            nvlink_domain: domain.map(str::to_string),
+            ..device(node, i, &format!("{node}-gpu{i}"), 80)
+        };
+        let needs = BTreeMap::from([(
+            "trainer".to_string(),
+            Need {
+                memory_bytes: 70 << 30,
+                compute: 0,
+            },
+        )]);
+        let ask = |name: &str, count: u32, nvlink: bool| Waiting {
+            policy: "trainer".into(),
+            count,
+            nvlink,
+            ..pod("ml", name, 0, 0)
+        };
+        // Three free on one board, two on another: a 4-GPU pod takes none of them.
+        let three_and_two: Vec<FreeDevice> = (0..3)
+            .map(|i| gpu("hgx-a", i, Some("A")))
+            .chain((0..2).map(|i| gpu("hgx-b", i, Some("B"))))
+            .collect();
+        let pods = [ask("four", 4, false), ask("two", 2, false)];
+        let d = decide(
+            &pods,
+            &[0, 1],
+            &needs,
+            &three_and_two,
+            &mut EnginePlacer::default(),
+        );
+        assert_eq!(d.wait, [("ml/four".to_string(), 1, Reason::NoSliceFits)]);
+        // The 2-GPU pod behind it goes, onto the node where two are free (the fewest that hold
+        // it), so the three stay together.
+        assert_eq!(d.admit, [("ml/two".to_string(), "hgx-b".to_string())]);
+
+        // A fourth frees up on the first board: the 4-GPU pod takes all four, and nothing is
+        // left there for the next one.
+        let mut four = three_and_two.clone();
+        four.push(gpu("hgx-a", 3, Some("A")));
+        let pods = [ask("four", 4, false), ask("another", 4, false)];
+        let d = decide(&pods, &[0, 1], &needs, &four, &mut First);
+        assert_eq!(d.admit, [("ml/four".to_string(), "hgx-a".to_string())]);
+        assert_eq!(d.wait, [("ml/another".to_string(), 1, Reason::NoSliceFits)]);
+
+        // NVLink: a PCIe pair (no domain) and a pair split over two domains never serve; a
+        // pair on one domain does.
+        let pcie = [gpu("pcie", 0, None), gpu("pcie", 1, None)];
+        let split = [
+            gpu("two-islands", 0, Some("X")),
+            gpu("two-islands", 4, Some("Y")),
+        ];
+        let pods = [ask("pair", 2, true)];
+        for free in [&pcie[..], &split[..]] {
+            let d = decide(&pods, &[0], &needs, free, &mut First);
+            assert_eq!(d.wait, [("ml/pair".to_string(), 1, Reason::NoSliceFits)]);
+        }
+        let d = decide(&[ask("pair", 2, false)], &[0], &needs, &pcie, &mut First);
+        assert_eq!(d.admit, [("ml/pair".to_string(), "pcie".to_string())]);
+        let joined: Vec<FreeDevice> = split
+            .iter()
+            .cloned()
+            .chain([gpu("two-islands", 5, Some("Y"))])
+            .collect();
+        let d = decide(&pods, &[0], &needs, &joined, &mut First);
+        assert_eq!(
+            d.admit,
+            [("ml/pair".to_string(), "two-islands".to_string())]
+        );
     }
 
     #[test]
@@ -807,6 +939,7 @@ mod tests {
                 compute: 100,
                 slices_on_gpu: 4,
                 recut_at: None,
+                nvlink_domain: None,
             },
             priority,
             preemptible: true,

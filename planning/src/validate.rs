@@ -189,19 +189,47 @@ fn check_checkpoint_storage(
     }
 }
 
+/// A policy's `count` and `topology` against its pool: several software slices cannot be capped
+/// in one container, and a topology constrains only several slices.
+fn check_count(
+    doc: usize,
+    spec: &gpuslice_api::GpuSlicePolicySpec,
+    pool: &GpuPool,
+    out: &mut Findings,
+) {
+    if spec.count > 1 {
+        let software: Vec<String> = layouts(pool)
+            .into_iter()
+            .filter(|(_, _, layout)| layout.software.is_some())
+            .map(|(_, what, _)| what)
+            .collect();
+        if !software.is_empty() {
+            out.error(
+                doc,
+                "spec.count",
+                format!(
+                    "count {} on pool {:?}, which gives software slices in {}: a container is capped to one software slice, so its pods would never start; set count to 1, or use a pool of whole GPUs (exclusive) or MIG instances",
+                    spec.count,
+                    spec.pool,
+                    software.join(" and ")
+                ),
+            );
+        }
+    } else if spec.topology.is_some() {
+        out.warn(
+            doc,
+            "spec.topology",
+            "it constrains where a pod's slices are relative to each other, and with count 1 there is one: it has no effect; remove it, or raise count".to_string(),
+        );
+    }
+}
+
 /// What a warning about a field no code acts on yet says; each goes away in the change that
 /// makes its field work.
 pub const NOT_ENFORCED: &str = "declared but not enforced yet";
 
 /// Warns about every field that is accepted but has no effect yet, so nobody relies on it.
 fn inert_fields(repo: &Repo, out: &mut Findings) {
-    for policy in &repo.policies {
-        let spec = &policy.object.spec;
-        let mut warn = |path: &str, what: &str| out.inert(policy.doc, path, what);
-        if spec.count > 1 {
-            warn("spec.count", "a workload gets one slice");
-        }
-    }
     for checkpoint in &repo.checkpoints {
         let spec = &checkpoint.object.spec;
         let mut warn = |path: &str, what: &str| out.inert(checkpoint.doc, path, what);
@@ -591,6 +619,7 @@ fn check_policy(
         );
         return;
     };
+    check_count(doc, spec, &pool.object, out);
     let Ok(memory) = spec.memory.bytes() else {
         return;
     };

@@ -186,7 +186,8 @@ fn write_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), PluginErr
     Ok(())
 }
 
-/// The CDI spec (version 0.6.0) giving a container its slices.
+/// The CDI spec (version 0.6.0) giving a container its slices: each device its node, mounts and
+/// checkpoint variables; the claim's devices together are the ones CUDA sees.
 /// `devices`: each CDI device's name, its slice, and the claim's config of that slice.
 /// `checkpoint`: the CheckpointPolicy that drains the claim's workload, whose marker path,
 /// interval and signal the container is told.
@@ -199,13 +200,11 @@ pub fn cdi_spec(
 ) -> serde_json::Value {
     let container_state = StateDir::new(CONTAINER_STATE);
     let preload = records(state).join("ld.so.preload");
+    let named = devices;
     let devices: Vec<serde_json::Value> = devices
         .iter()
         .map(|(name, slice, claim_config)| {
-            let mut env = vec![
-                format!("CUDA_VISIBLE_DEVICES={}", slice.device_uuid),
-                format!("NVIDIA_VISIBLE_DEVICES={}", slice.device_uuid),
-            ];
+            let mut env = Vec::new();
             if let Some(policy) = checkpoint {
                 let marker = container_state.checkpoint_done(&slice.id);
                 let told = crate::workloads::claims::checkpointing(policy).env(&marker);
@@ -272,7 +271,22 @@ pub fn cdi_spec(
             })
         })
         .collect();
-    serde_json::json!({"cdiVersion": "0.6.0", "kind": CDI_KIND, "devices": devices})
+    // Which devices the container sees is the claim's, not each device's: a device's own
+    // variable would name only itself, and the last one the runtime applied would win.
+    let visible: Vec<&str> = named
+        .iter()
+        .map(|(_, s, _)| s.device_uuid.as_str())
+        .collect();
+    let visible = visible.join(",");
+    serde_json::json!({
+        "cdiVersion": "0.6.0",
+        "kind": CDI_KIND,
+        "containerEdits": {"env": [
+            format!("CUDA_VISIBLE_DEVICES={visible}"),
+            format!("NVIDIA_VISIBLE_DEVICES={visible}"),
+        ]},
+        "devices": devices,
+    })
 }
 
 /// The device nodes a slice's container needs: its GPU's, by the minor number NVML gave (NVML's
@@ -471,6 +485,20 @@ impl Plugin {
             name: claim.name.clone(),
             reason,
         };
+        let software: Vec<&str> = devices
+            .iter()
+            .filter(|(_, _, s)| s.kind == SliceKind::Software)
+            .map(|(_, _, s)| s.id.as_str())
+            .collect();
+        if software.len() > 1 {
+            // The shim caps a container to one slice config: a second would go uncounted in its
+            // GPU's ledger, and that GPU's other tenants would find its memory gone.
+            return Err(refuse(format!(
+                "it was allocated {} software slices ({}), and a container is capped to one: ask for one software slice per claim, or use a pool of whole GPUs or MIG instances for several",
+                software.len(),
+                software.join(", ")
+            )));
+        }
         let ids: Vec<String> = devices.iter().map(|(_, _, s)| s.id.clone()).collect();
         let key = format!("{}/{}", claim.namespace, claim.name);
         self.claims.pin(&ids, &key).map_err(|held| {

@@ -268,6 +268,7 @@ impl Reconciler {
                 .collect();
             let mut allowed = allowed_namespaces(&observed.policies, &labelled);
             allowed.extend(crate::admission::host_requests(&observed.policies));
+            allowed.extend(crate::admission::slice_asks(&observed.policies));
             allowed.extend(crate::admission::non_root_policies(
                 &observed.policies,
                 &observed.pools,

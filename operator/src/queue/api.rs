@@ -1,8 +1,10 @@
 //! The queue's writes to the API server, one object each: a pod admitted, a node's preemptions,
-//! a pool's fair share and compaction round, a waiting pod's condition.
+//! a pool's fair share and compaction round, a waiting pod's condition, a policy's
+//! ResourceClaimTemplate.
 
 use gpuslice_api::{FairShareStatus, GpuNode, GpuPool, Preemption};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt as _};
 
@@ -143,5 +145,30 @@ pub(super) async fn tell(
     Api::<Pod>::namespaced(client.clone(), namespace)
         .patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch))
         .await?;
+    Ok(())
+}
+
+/// Writes a policy's ResourceClaimTemplate. Its spec cannot change, so one of an older count is
+/// replaced (claims made from it keep theirs).
+pub(super) async fn apply_claim_template(
+    client: &Client,
+    template: &ResourceClaimTemplate,
+) -> Result<(), kube::Error> {
+    let api: Api<ResourceClaimTemplate> =
+        Api::namespaced(client.clone(), &template.namespace().unwrap_or_default());
+    let name = template.name_any();
+    let mut body = serde_json::to_value(template).unwrap_or_default();
+    body["apiVersion"] = "resource.k8s.io/v1".into();
+    body["kind"] = "ResourceClaimTemplate".into();
+    let params = PatchParams::apply(MANAGER).force();
+    match api.patch(&name, &params, &Patch::Apply(&body)).await {
+        Err(kube::Error::Api(e)) if e.code == 422 => {
+            api.delete(&name, &Default::default()).await?;
+            api.patch(&name, &params, &Patch::Apply(&body)).await?;
+        }
+        other => {
+            other?;
+        }
+    }
     Ok(())
 }

@@ -75,6 +75,7 @@ fn published(
                             compute: u32::try_from(device.compute()).unwrap_or(0),
                             slices_on_gpu: 0,
                             recut_at: recut_at.get(&(node.clone(), gpu)).copied(),
+                            nvlink_domain: device.nvlink_domain().map(str::to_string),
                         },
                         tainted: device.is_tainted() || reshaping.contains(&(node.clone(), gpu)),
                         software,

@@ -54,12 +54,16 @@ impl Telling<'_> {
     fn why(&self, pod: &str, place: usize, reason: Reason) -> (&'static str, String) {
         let pool_name = &self.at.name;
         let taking = self.preempted.iter().find(|p| p.for_pod == pod);
-        let policy = self
-            .waiting
-            .iter()
-            .find(|w| w.key() == pod)
-            .map(|w| w.policy.clone())
-            .unwrap_or_default();
+        let asking = self.waiting.iter().find(|w| w.key() == pod);
+        let policy = asking.map(|w| w.policy.clone()).unwrap_or_default();
+        let wanted = match asking {
+            Some(w) if w.count > 1 => format!(
+                "no {} free slices of pool {pool_name} that fit policy {policy} are on one {}",
+                w.count,
+                if w.nvlink { "NVLink domain" } else { "node" }
+            ),
+            _ => format!("no free slice of pool {pool_name} fits policy {policy}"),
+        };
         match (reason, taking) {
             (Reason::NoSliceFits | Reason::WindowChangeAhead, Some(p)) => (
                 "Preempting",
@@ -73,7 +77,7 @@ impl Telling<'_> {
             (Reason::NoSliceFits, None) => (
                 "NoSliceFits",
                 format!(
-                    "no free slice of pool {pool_name} fits policy {policy}{}",
+                    "{wanted}{}",
                     // Beyond the exact places it would rewrite every pod at each
                     // admission.
                     if place <= EXACT_PLACES {

@@ -131,6 +131,8 @@ impl PoolPass<'_> {
                     ));
                     return None;
                 }
+                let count =
+                    slices_asked(p, &policy).unwrap_or_else(|| spec.map_or(1, |s| s.spec.count));
                 Some(Waiting {
                     namespace,
                     name: p.name_any(),
@@ -149,6 +151,10 @@ impl PoolPass<'_> {
                         .and_then(|t| gpuslice_api::chrono_of(&t))
                         .unwrap_or(now),
                     runs_until,
+                    count,
+                    nvlink: spec.is_some_and(|s| {
+                        s.spec.topology == Some(gpuslice_api::Topology::Nvlink)
+                    }),
                 })
             })
             .collect();
@@ -223,4 +229,31 @@ fn expected_run_time(pod: &Pod) -> Result<Option<chrono::Duration>, String> {
     chrono::Duration::from_std(duration)
         .map(Some)
         .map_err(|_| refused())
+}
+
+/// The slices of `policy` a pod's containers ask for (`gpuslice.io/<policy>` limits; an init
+/// container's are given back before the next starts, so the most any one asks counts beside
+/// the sum of the others): none when it asks by label or claim only.
+fn slices_asked(pod: &k8s_openapi::api::core::v1::Pod, policy: &str) -> Option<u32> {
+    let spec = pod.spec.as_ref()?;
+    let resource = format!("gpuslice.io/{policy}");
+    let asked = |c: &k8s_openapi::api::core::v1::Container| -> Option<u32> {
+        let q = c.resources.as_ref()?.limits.as_ref()?.get(&resource)?;
+        q.0.parse().ok()
+    };
+    let running: Option<u32> = spec
+        .containers
+        .iter()
+        .filter_map(asked)
+        .reduce(|a, b| a.saturating_add(b));
+    let init: Option<u32> = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .filter_map(asked)
+        .max();
+    match (running, init) {
+        (None, None) => None,
+        (r, i) => Some(r.unwrap_or(0).max(i.unwrap_or(0))),
+    }
 }

@@ -51,6 +51,7 @@ pub async fn run(
             let wall = chrono::Utc::now();
             let plan = queue.plan(&writer.caches, clock.now(), wall, agent_timeout);
             writer.metrics.record_plan(&plan);
+            writer.claim_templates(&mut queue.templates).await;
             writer.admit(&plan, &mut queue.told, wall).await;
             writer.take_back(&plan).await;
             writer.record(&plan).await;
@@ -165,6 +166,46 @@ impl Writer {
         );
     }
 
+    /// Writes the ResourceClaimTemplate of each policy with a `topology` into the namespaces of
+    /// its waiting pods (admission gave them a claim from it): before their gate is lifted, so
+    /// their claims exist when kube-scheduler looks. `written` remembers what was applied.
+    async fn claim_templates(&self, written: &mut BTreeSet<(String, String, u32)>) {
+        let policies: BTreeMap<String, Arc<gpuslice_api::GpuSlicePolicy>> = self
+            .caches
+            .policies
+            .state()
+            .into_iter()
+            .filter(|p| p.spec.topology.is_some())
+            .map(|p| (p.name_any(), p))
+            .collect();
+        if policies.is_empty() {
+            return;
+        }
+        for pod in self.caches.pods.state().iter().filter(|p| gated(p)) {
+            let Some(policy) = pod.labels().get(POLICY_LABEL).and_then(|n| policies.get(n)) else {
+                continue;
+            };
+            let namespace = pod.namespace().unwrap_or_default();
+            let key = (namespace.clone(), policy.name_any(), policy.spec.count);
+            if written.contains(&key) {
+                continue;
+            }
+            let Some(template) = crate::classes::claim_template(policy, &namespace, MANAGER) else {
+                continue;
+            };
+            match api::apply_claim_template(&self.client, &template).await {
+                Ok(()) => {
+                    written.insert(key);
+                }
+                Err(e) => tracing::warn!(
+                    "ResourceClaimTemplate {namespace}/{}: writing it for policy {}: {e}",
+                    template.name_any(),
+                    policy.name_any()
+                ),
+            }
+        }
+    }
+
     /// Records the pools' compaction rounds, then the namespaces' use of each pool.
     async fn record(&self, plan: &Plan) {
         for (pool, round) in &plan.compaction {
@@ -198,11 +239,13 @@ impl Writer {
             let Some((namespace, name)) = key.split_once('/') else {
                 continue;
             };
-            if [INVALID_RUN_TIME, STORAGE_MISSING].contains(&reason.as_str()) {
-                self.warn_pod(&key, &reason, &message).await;
-            }
             match api::tell(&self.client, namespace, name, &reason, &message).await {
                 Ok(()) => {
+                    // After the condition is written: a failed write tells again next pass,
+                    // which would repeat the Event.
+                    if [INVALID_RUN_TIME, STORAGE_MISSING].contains(&reason.as_str()) {
+                        self.warn_pod(&key, &reason, &message).await;
+                    }
                     told.insert(key, (reason, message));
                 }
                 Err(e) => tracing::debug!("pod {key}: its queue condition: {e}"),
