@@ -93,6 +93,8 @@ async fn states(client: &Client) -> Vec<(String, Option<String>, bool, Option<(S
 /// `pool`, its agent, and the operator, on a clock started at `clock`.
 struct Harness {
     agent: KillOnDrop,
+    /// The agents of nodes added after the first.
+    _more_agents: Vec<KillOnDrop>,
     operator: KillOnDrop,
     operator_args: Vec<String>,
     clock: String,
@@ -109,6 +111,49 @@ async fn spawn_operator(cluster: &ControlPlane, clock: &str, args: &[String]) ->
         &cluster.operator_kubeconfig().await.unwrap(),
         Some(clock),
         &args,
+    )
+}
+
+/// A kwok node labelled for `pool` with `cpu` CPUs, and its agent on emulated `gpus` (models),
+/// as the chart's agent identity; its state under `dir/node`.
+async fn spawn_node_agent(
+    cluster: &ControlPlane,
+    dir: &std::path::Path,
+    node: &str,
+    pool: &str,
+    cpu: &str,
+    gpus: &[&str],
+    clock: &str,
+) -> KillOnDrop {
+    cluster
+        .create_node(node, &[("gpuslice.io/pool", pool)], &[("cpu", cpu)])
+        .await
+        .unwrap();
+    let agent_kubeconfig = cluster.agent_kubeconfig(node).await.unwrap();
+    let dir = dir.join(node);
+    std::fs::create_dir_all(&dir).unwrap();
+    let node_file = dir.join("node.yaml");
+    let gpu_lines: String = gpus
+        .iter()
+        .enumerate()
+        .map(|(i, model)| format!("- {{index: {i}, model: {model}}}\n"))
+        .collect();
+    std::fs::write(&node_file, format!("name: {node}\ngpus:\n{gpu_lines}")).unwrap();
+    KillOnDrop(
+        gpuslice_testcluster::agent_command(
+            env!("CARGO_BIN_EXE_gpuslice"),
+            "2s",
+            &node_file,
+            &dir.join("state"),
+            &dir.join("kubelet"),
+            &dir.join("cdi"),
+        )
+        .env("KUBECONFIG", &agent_kubeconfig)
+        .env("GPUSLICE_CLOCK_START", clock)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap(),
     )
 }
 
@@ -148,37 +193,13 @@ impl Harness {
         );
         gpuslice_testcluster::apply_all(&client, &mutating).await;
         cluster.install_chart_identities().await.unwrap();
-        cluster
-            .create_node(node, &[("gpuslice.io/pool", pool)], &[("cpu", cpu)])
-            .await
-            .unwrap();
-        let agent_kubeconfig = cluster.agent_kubeconfig(node).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let node_file = dir.path().join("node.yaml");
-        let gpu_lines: String = (0..gpus)
-            .map(|i| format!("- {{index: {i}, model: NVIDIA A100-SXM4-80GB}}\n"))
-            .collect();
-        std::fs::write(&node_file, format!("name: {node}\ngpus:\n{gpu_lines}")).unwrap();
-        let bin = env!("CARGO_BIN_EXE_gpuslice");
-        let agent = KillOnDrop(
-            gpuslice_testcluster::agent_command(
-                bin,
-                "2s",
-                &node_file,
-                &dir.path().join("state"),
-                &dir.path().join("kubelet"),
-                &dir.path().join("cdi"),
-            )
-            .env("KUBECONFIG", &agent_kubeconfig)
-            .env("GPUSLICE_CLOCK_START", clock)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-        );
+        let gpus = vec!["NVIDIA A100-SXM4-80GB"; gpus as usize];
+        let agent = spawn_node_agent(&cluster, dir.path(), node, pool, cpu, &gpus, clock).await;
         let operator = spawn_operator(&cluster, clock, &operator_args).await;
         Some(Harness {
             agent,
+            _more_agents: Vec::new(),
             operator,
             operator_args,
             clock: clock.to_string(),
@@ -186,6 +207,21 @@ impl Harness {
             cluster,
             _dir: dir,
         })
+    }
+
+    /// Another node of `pool` with these GPUs, and its agent.
+    async fn add_node(&mut self, node: &str, pool: &str, gpus: &[&str]) {
+        let agent = spawn_node_agent(
+            &self.cluster,
+            self._dir.path(),
+            node,
+            pool,
+            "64",
+            gpus,
+            &self.clock,
+        )
+        .await;
+        self._more_agents.push(agent);
     }
 
     /// Stops the operator and starts a new one.
@@ -1334,4 +1370,262 @@ spec: {pool: dwell, memory: 30Gi}
         ["gpuslice-test"],
         "only the applier writes the spec"
     );
+}
+
+/// The devices allocated to the ResourceClaims pod `name` owns (its extended resource's, or
+/// its claim made from a template): (node, device).
+async fn claimed_devices(client: &Client, name: &str) -> Vec<(String, String)> {
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let mut out = Vec::new();
+    for claim in claims.list(&ListParams::default()).await.unwrap() {
+        let owned = claim
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.kind == "Pod" && o.name == name);
+        if !owned {
+            continue;
+        }
+        let results = claim
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .unwrap_or_default();
+        out.extend(results.into_iter().map(|r| (r.pool, r.device)));
+    }
+    out.sort();
+    out
+}
+
+/// Each published device's NVLink domain, by (node, device).
+async fn nvlink_domains(client: &Client) -> std::collections::BTreeMap<(String, String), String> {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let mut out = std::collections::BTreeMap::new();
+    for s in slices.list(&ListParams::default()).await.unwrap() {
+        for d in s.spec.devices.iter().flatten() {
+            let domain = d
+                .attributes
+                .as_ref()
+                .and_then(|a| a.get(gpuslice_api::dra::attribute::NVLINK_DOMAIN))
+                .and_then(|a| a.string.clone());
+            if let Some(domain) = domain {
+                out.insert((s.spec.pool.name.clone(), d.name.clone()), domain);
+            }
+        }
+    }
+    out
+}
+
+/// `count > 1`: a pod gets all of its GPUs on one node or waits (never some of them), and a
+/// `topology: nvlink` pod is never given a PCIe-only pair, through the chart's admission (the
+/// policy's count as the extended resource's quantity; a claim from the policy's
+/// ResourceClaimTemplate, which the queue writes, for the topology), the queue and
+/// kube-scheduler.
+#[tokio::test]
+async fn a_pod_of_several_gpus_gets_them_all_on_one_node_and_an_nvlink_pair_never_a_pcie_one() {
+    let params = format!(
+        "--admission-params={}/{}-policies",
+        gpuslice_testcluster::CHART_NAMESPACE,
+        gpuslice_testcluster::CHART_RELEASE
+    );
+    let Some(mut h) = Harness::start_with(CLOCK, "hgx", "whole", "64", 8, &[params.as_str()]).await
+    else {
+        return;
+    };
+    h.add_node("pcie", "whole", &["NVIDIA A100 80GB PCIe"; 2])
+        .await;
+    let client = h.client.clone();
+    h.apply_and_wait(
+        &gpuslice_testcluster::documents(
+            "apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: whole}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: whole}}
+  layout: {exclusive: {}}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: quad}
+spec: {pool: whole, memory: 70Gi, count: 4}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: pair}
+spec: {pool: whole, memory: 70Gi, count: 2}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: nvpair}
+spec: {pool: whole, memory: 70Gi, count: 2, topology: nvlink}
+",
+        ),
+        3,
+    )
+    .await;
+    let domains = eventually("both nodes publish their GPUs", || {
+        let client = client.clone();
+        async move {
+            let d = nvlink_domains(&client).await;
+            (d.keys().filter(|(node, _)| node == "hgx").count() == 8)
+                .then_some(d.clone())
+                .ok_or_else(|| format!("{d:?}"))
+        }
+    })
+    .await;
+    assert!(
+        !domains.keys().any(|(node, _)| node == "pcie"),
+        "PCIe GPUs have no NVLink domain: {domains:?}"
+    );
+
+    // The policy's count is the quantity admission asks for.
+    let limit_is = |n: &'static str| {
+        move |p: &Pod| {
+            p.spec.as_ref().is_some_and(|s| {
+                s.containers[0]
+                    .resources
+                    .as_ref()
+                    .and_then(|r| r.limits.as_ref())
+                    .and_then(|l| l.values().next())
+                    .is_some_and(|q| q.0 == n)
+            })
+        }
+    };
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    for name in ["quad-1", "quad-2"] {
+        gpuslice_testcluster::create_gated_as(
+            &client,
+            &pod(name, "default", "quad"),
+            limit_is("4"),
+        )
+        .await;
+    }
+    let on = |node: &'static str| {
+        let client = client.clone();
+        move |names: &'static [&'static str]| {
+            let client = client.clone();
+            async move {
+                let s = states(&client).await;
+                let there: Vec<&str> = s
+                    .iter()
+                    .filter(|p| p.1.as_deref() == Some(node))
+                    .map(|p| p.0.as_str())
+                    .collect();
+                (there == names)
+                    .then_some(())
+                    .ok_or_else(|| format!("{s:?}"))
+            }
+        }
+    };
+    eventually("both 4-GPU pods go onto the 8-GPU board", || {
+        on("hgx")(&["quad-1", "quad-2"])
+    })
+    .await;
+    for name in ["quad-1", "quad-2"] {
+        let devices = claimed_devices(&client, name).await;
+        assert_eq!(devices.len(), 4, "{name}: {devices:?}");
+        assert!(devices.iter().all(|(node, _)| node == "hgx"), "{devices:?}");
+    }
+
+    // The board is full; the PCIe box has two free GPUs. The NVLink pair waits, told why; a
+    // plain pair takes the PCIe GPUs.
+    let has_claim = |p: &Pod| {
+        p.spec
+            .as_ref()
+            .and_then(|s| s.resource_claims.as_ref())
+            .is_some_and(|c| {
+                c.iter().any(|c| {
+                    c.resource_claim_template_name.as_deref() == Some("nvpair.gpuslice.io")
+                })
+            })
+    };
+    gpuslice_testcluster::create_gated_as(
+        &client,
+        &pod("nvpair-1", "default", "nvpair"),
+        has_claim,
+    )
+    .await;
+    gpuslice_testcluster::create_gated_as(
+        &client,
+        &pod("pair-1", "default", "pair"),
+        limit_is("2"),
+    )
+    .await;
+    eventually("the plain pair goes onto the PCIe box", || {
+        on("pcie")(&["pair-1"])
+    })
+    .await;
+    let (reason, message) = eventually("the NVLink pair is told why it waits", || {
+        let client = client.clone();
+        async move { queued(&client, "default", "nvpair-1").await }
+    })
+    .await;
+    assert_eq!(reason, "NoSliceFits", "{message}");
+    assert!(
+        message.contains(
+            "no 2 free slices of pool whole that fit policy nvpair are on one NVLink domain"
+        ),
+        "{message}"
+    );
+
+    // A third 4-GPU pod waits behind it; one board pod ends: the NVLink pair takes two of the
+    // four freed GPUs, on one domain, and the 4-GPU pod still waits with two free, told why.
+    gpuslice_testcluster::create_gated_as(
+        &client,
+        &pod("quad-3", "default", "quad"),
+        limit_is("4"),
+    )
+    .await;
+    pods.delete("quad-1", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    eventually("the NVLink pair goes onto the board", || {
+        on("hgx")(&["nvpair-1", "quad-2"])
+    })
+    .await;
+    let pair = eventually("the NVLink pair's claim is allocated", || {
+        let client = client.clone();
+        async move {
+            let d = claimed_devices(&client, "nvpair-1").await;
+            (d.len() == 2)
+                .then_some(d.clone())
+                .ok_or_else(|| format!("{d:?}"))
+        }
+    })
+    .await;
+    let pair_domains: std::collections::BTreeSet<&String> =
+        pair.iter().map(|d| &domains[d]).collect();
+    assert_eq!(pair_domains.len(), 1, "{pair:?} on {pair_domains:?}");
+    let (reason, message) = eventually("the 4-GPU pod is told why it waits", || {
+        let client = client.clone();
+        async move {
+            let (r, m) = queued(&client, "default", "quad-3").await?;
+            m.contains("no 4 free slices of pool whole that fit policy quad are on one node")
+                .then_some((r, m.clone()))
+                .ok_or(m)
+        }
+    })
+    .await;
+    assert_eq!(reason, "NoSliceFits", "{message}");
+    let s = states(&client).await;
+    assert!(
+        s.iter().any(|p| p.0 == "quad-3" && p.1.is_none() && p.2),
+        "quad-3 is still gated, no GPU of it allocated: {s:?}"
+    );
+    assert!(claimed_devices(&client, "quad-3").await.is_empty());
+
+    // The pair ends: four are free together, and the 4-GPU pod takes them.
+    pods.delete("nvpair-1", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    eventually("the third 4-GPU pod goes onto the board", || {
+        on("hgx")(&["quad-2", "quad-3"])
+    })
+    .await;
+    let devices = claimed_devices(&client, "quad-3").await;
+    assert_eq!(devices.len(), 4, "{devices:?}");
 }

@@ -344,13 +344,14 @@ fn candidates<'a>(
     out
 }
 
-/// The devices the allocator takes for `pod` on its node's `candidates`: the `count` smallest
-/// of the group (NVLink domain) with the fewest that still holds them, so larger sets stay whole.
-fn taken_on(pod: &Waiting, candidates: &[FreeDevice]) -> Vec<FreeDevice> {
-    let count = pod.count.max(1) as usize;
+/// The devices the allocator takes for a pod of `count` slices (`nvlink`: on one domain) on its
+/// node's `candidates`: the `count` smallest of the group (NVLink domain) with the fewest that
+/// still holds them, so larger sets stay whole.
+fn taken_on(count: u32, nvlink: bool, candidates: &[&FreeDevice]) -> Vec<FreeDevice> {
+    let count = count.max(1) as usize;
     let mut groups: BTreeMap<Option<&str>, Vec<&FreeDevice>> = BTreeMap::new();
-    for d in candidates {
-        let domain = if pod.nvlink {
+    for &d in candidates {
+        let domain = if nvlink {
             d.nvlink_domain.as_deref()
         } else {
             None
@@ -405,11 +406,33 @@ pub fn decide(
             continue;
         }
         let node = placer.pick(&candidates);
-        let taken = taken_on(pod, candidates.get(&node).map_or(&[][..], Vec::as_slice));
-        free.retain(|d| !(d.node == node && taken.iter().any(|t| t.device == d.device)));
+        take(
+            &mut free,
+            &node,
+            |d| need.fits(d) && pod.outlived_by(d),
+            pod.count,
+            pod.nvlink,
+        );
         decision.admit.push((pod.key(), node));
     }
     decision
+}
+
+/// Removes from `free` the devices a pod of `count` slices (`nvlink`: on one NVLink domain) sent
+/// to `node` is allocated, of those `usable` for it: they are spoken for.
+pub fn take(
+    free: &mut Vec<FreeDevice>,
+    node: &str,
+    usable: impl Fn(&FreeDevice) -> bool,
+    count: u32,
+    nvlink: bool,
+) {
+    let on_node: Vec<&FreeDevice> = free
+        .iter()
+        .filter(|d| d.node == node && usable(d))
+        .collect();
+    let taken = taken_on(count, nvlink, &on_node);
+    free.retain(|d| !(d.node == node && taken.iter().any(|t| t.device == d.device)));
 }
 
 /// Whether some node holds all of the pod's slices when window changes are not counted.

@@ -115,14 +115,39 @@ pub fn storage_missing(
     out
 }
 
-/// Drops what the queue never reads of a cached pod: its status, containers and volumes but the
-/// checkpoint storage's (it reads labels, annotations, creation time, gates, node name, affinity
-/// and that volume's claim).
+/// Drops what the queue never reads of a cached pod: its status, its containers but their names
+/// and gpuslice.io limits, and its volumes but the checkpoint storage's (it reads labels,
+/// annotations, creation time, gates, node name, affinity, the slices asked for and that
+/// volume's claim).
 pub fn trim_pod(pod: &mut Pod) {
     pod.status = None;
     if let Some(spec) = &mut pod.spec {
-        spec.containers.clear();
-        spec.init_containers = None;
+        // Of its containers, only how many slices each asks for.
+        let slices_only = |c: &mut k8s_openapi::api::core::v1::Container| {
+            let limits = c
+                .resources
+                .take()
+                .and_then(|r| r.limits)
+                .map(|l| {
+                    l.into_iter()
+                        .filter(|(k, _)| k.starts_with("gpuslice.io/"))
+                        .collect::<BTreeMap<_, _>>()
+                })
+                .filter(|l| !l.is_empty());
+            *c = k8s_openapi::api::core::v1::Container {
+                name: std::mem::take(&mut c.name),
+                resources: limits.map(|limits| k8s_openapi::api::core::v1::ResourceRequirements {
+                    limits: Some(limits),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+        };
+        spec.containers.iter_mut().for_each(slices_only);
+        spec.init_containers
+            .iter_mut()
+            .flatten()
+            .for_each(slices_only);
         if let Some(volumes) = &mut spec.volumes {
             volumes.retain(|v| v.name == gpuslice_api::CHECKPOINT_VOLUME);
         }
@@ -268,10 +293,10 @@ impl Queue {
                 continue;
             };
             let need = pass.need(p);
-            if let Some(devices) = free.get_mut(&p.spec.pool)
-                && let Some(i) = devices.iter().position(|d| d.node == node && need.fits(d))
-            {
-                devices.remove(i);
+            if let Some(devices) = free.get_mut(&p.spec.pool) {
+                let count = pool::slices_asked(pod, &policy).unwrap_or(p.spec.count);
+                let nvlink = p.spec.topology == Some(gpuslice_api::Topology::Nvlink);
+                gpuslice_planning::queue::take(devices, &node, |d| need.fits(d), count, nvlink);
             }
         }
         free

@@ -234,7 +234,7 @@ fn expected_run_time(pod: &Pod) -> Result<Option<chrono::Duration>, String> {
 /// The slices of `policy` a pod's containers ask for (`gpuslice.io/<policy>` limits; an init
 /// container's are given back before the next starts, so the most any one asks counts beside
 /// the sum of the others): none when it asks by label or claim only.
-fn slices_asked(pod: &k8s_openapi::api::core::v1::Pod, policy: &str) -> Option<u32> {
+pub(super) fn slices_asked(pod: &k8s_openapi::api::core::v1::Pod, policy: &str) -> Option<u32> {
     let spec = pod.spec.as_ref()?;
     let resource = format!("gpuslice.io/{policy}");
     let asked = |c: &k8s_openapi::api::core::v1::Container| -> Option<u32> {

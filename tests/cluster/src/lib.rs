@@ -691,8 +691,8 @@ impl ControlPlane {
     }
 
     /// Applies the identities the chart gives gpuslice, as `helm install` would: its
-    /// ServiceAccounts, roles and bindings, and the policies that keep each agent to its own
-    /// node's objects, rendered by helm from `charts/gpuslice` (release [`CHART_RELEASE`] in
+    /// ServiceAccounts, roles and bindings, the policies that keep each agent to its own node's
+    /// objects, and the (empty) ConfigMap of admission parameters the operator fills, rendered by helm from `charts/gpuslice` (release [`CHART_RELEASE`] in
     /// [`CHART_NAMESPACE`]). End-to-end tests run the operator and the agents as these
     /// ([`operator_kubeconfig`](Self::operator_kubeconfig),
     /// [`agent_kubeconfig`](Self::agent_kubeconfig)), never as admin, so a verb the chart's roles
@@ -721,6 +721,7 @@ impl ControlPlane {
                 "ServiceAccount" | "ClusterRole" | "ClusterRoleBinding" | "Role" | "RoleBinding"
             ) || (kind.starts_with("ValidatingAdmissionPolicy")
                 && name.starts_with(&format!("{CHART_RELEASE}-agent-")))
+                || (kind == "ConfigMap" && name == format!("{CHART_RELEASE}-policies"))
         };
         let docs: Vec<serde_json::Value> = documents(&String::from_utf8_lossy(&out.stdout))
             .into_iter()
@@ -1291,7 +1292,18 @@ pub fn deployment(
 /// Creates a pod labelled `gpuslice.io/policy`, again until the API server (which loads new
 /// admission policies a moment after they are made) stores it with the queue's gate.
 pub async fn create_gated(client: &Client, pod: &k8s_openapi::api::core::v1::Pod) {
+    create_gated_as(client, pod, |_| true).await
+}
+
+/// [`create_gated`], again also until the stored pod is `as_admitted` (the API server loads the
+/// admission parameters the operator writes a moment later too).
+pub async fn create_gated_as(
+    client: &Client,
+    pod: &k8s_openapi::api::core::v1::Pod,
+    as_admitted: impl Fn(&k8s_openapi::api::core::v1::Pod) -> bool,
+) {
     use kube::api::{DeleteParams, PostParams};
+    let as_admitted = &as_admitted;
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let name = pod.metadata.name.clone().unwrap_or_default();
     let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
@@ -1304,15 +1316,16 @@ pub async fn create_gated(client: &Client, pod: &k8s_openapi::api::core::v1::Pod
                 .map_err(|e| e.to_string())?;
             let gated = stored
                 .spec
-                .and_then(|s| s.scheduling_gates)
+                .as_ref()
+                .and_then(|s| s.scheduling_gates.as_ref())
                 .is_some_and(|g| g.iter().any(|g| g.name == "gpuslice.io/queue"));
-            if gated {
+            if gated && as_admitted(&stored) {
                 return Ok(());
             }
             api.delete(&name, &DeleteParams::default().grace_period(0))
                 .await
                 .map_err(|e| e.to_string())?;
-            Err("stored without the gate".to_string())
+            Err("stored without the gate, or not as admission should have made it".to_string())
         }
     })
     .await;
