@@ -188,8 +188,8 @@ impl Harness {
                 .collect();
         assert_eq!(
             mutating.len(),
-            13,
-            "six policies, their bindings and the queued pods' PriorityClass"
+            15,
+            "seven policies, their bindings and the queued pods' PriorityClass"
         );
         gpuslice_testcluster::apply_all(&client, &mutating).await;
         cluster.install_chart_identities().await.unwrap();
