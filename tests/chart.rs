@@ -189,6 +189,7 @@ async fn the_chart_installs_and_its_roles_are_enough() {
     admission_takes_policies_by_name(&admin).await;
     admission_keeps_root_off_a_non_root_pool(&admin).await;
     admission_mounts_checkpoint_storage(&admin).await;
+    admission_gives_a_pod_its_count(&admin).await;
 
     // The kubelet plugin inside the agent reads the claims it prepares; the agent may neither
     // evict pods (it asks the operator, which evicts only the asking node's) nor delete them.
@@ -790,6 +791,152 @@ async fn admission_mounts_checkpoint_storage(admin: &kube::Client) {
         .await
         .unwrap();
     assert_eq!(storage_of(&notebook), (vec![], vec![vec![]]));
+}
+
+/// A policy's `count` (issue #37): a labelled pod asks for that many slices; a policy with a
+/// `topology` gives it a claim from its ResourceClaimTemplate instead (the extended resource's
+/// claim cannot carry the NVLink constraint); a pod that asks by resource for more than the
+/// count, in any container, is refused with the field, and asking for the count is admitted.
+async fn admission_gives_a_pod_its_count(admin: &kube::Client) {
+    let policies = "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: mig-trio}
+spec: {pool: h200-mig, memory: 10Gi, count: 3}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: nv-pair}
+spec: {pool: h200-mig, memory: 10Gi, count: 2, topology: nvlink}
+";
+    gpuslice_testcluster::apply_all(admin, &gpuslice_testcluster::documents(policies)).await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "web");
+    let label = |policy: &str| serde_json::json!({"gpuslice.io/policy": policy});
+    // Once the operator has written the counts and the API server has read them.
+    let stored = eventually("a labelled pod asks for the policy's count", || {
+        let pods = pods.clone();
+        async move {
+            let p = pods
+                .create(
+                    &dry_post(),
+                    &pod("trio-0", "web", label("mig-trio"), serde_json::json!({})),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let asked = p.spec.as_ref().and_then(|s| {
+                let r = s.containers[0].resources.as_ref()?;
+                Some((
+                    r.limits.as_ref()?.get("gpuslice.io/mig-trio")?.0.clone(),
+                    r.requests.as_ref()?.get("gpuslice.io/mig-trio")?.0.clone(),
+                ))
+            });
+            (asked == Some(("3".into(), "3".into())))
+                .then_some(())
+                .ok_or(format!("{asked:?}"))
+        }
+    });
+    stored.await;
+    let paired = eventually(
+        "a topology policy's pod gets a claim from its template",
+        || {
+            let pods = pods.clone();
+            async move {
+                let p = pods
+                    .create(
+                        &dry_post(),
+                        &pod("pair-0", "web", label("nv-pair"), serde_json::json!({})),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let spec = p.spec.clone().unwrap_or_default();
+                let claims = spec.resource_claims.clone().unwrap_or_default();
+                (claims.len() == 1)
+                    .then_some(spec)
+                    .ok_or(format!("{claims:?}"))
+            }
+        },
+    )
+    .await;
+    let claim = &paired.resource_claims.as_ref().unwrap()[0];
+    assert_eq!(
+        (
+            claim.name.as_str(),
+            claim.resource_claim_template_name.as_deref()
+        ),
+        ("gpuslice", Some("nv-pair.gpuslice.io"))
+    );
+    let resources = paired.containers[0].resources.clone().unwrap_or_default();
+    assert_eq!(
+        resources
+            .claims
+            .unwrap_or_default()
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect::<Vec<_>>(),
+        ["gpuslice"]
+    );
+    assert!(
+        resources
+            .limits
+            .unwrap_or_default()
+            .keys()
+            .all(|k| !k.starts_with("gpuslice.io/")),
+        "no extended resource beside the claim"
+    );
+
+    // Hostile: more than the count by resource, in a container or an init container.
+    let over = |name: &str, limits: serde_json::Value, init: bool| {
+        let mut p = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "web"},
+            "spec": {"containers": [{"name": "main", "image": "example.com/app:1"}]}
+        });
+        let container = serde_json::json!({"name": "setup", "image": "example.com/app:1",
+            "resources": {"limits": limits}});
+        if init {
+            p["spec"]["initContainers"] = serde_json::json!([container]);
+        } else {
+            p["spec"]["containers"][0]["resources"] = container["resources"].clone();
+        }
+        serde_json::from_value::<Pod>(p).unwrap()
+    };
+    for (p, says) in [
+        (
+            over(
+                "over-0",
+                serde_json::json!({"gpuslice.io/mig-trio": "4"}),
+                false,
+            ),
+            "gpuslice.io/mig-trio: 4 (spec.containers[main].resources.limits)",
+        ),
+        (
+            over(
+                "over-1",
+                serde_json::json!({"gpuslice.io/notebook": "2"}),
+                true,
+            ),
+            "gpuslice.io/notebook: 2 (spec.initContainers[setup].resources.limits)",
+        ),
+    ] {
+        let refusal = policy_refusal(pods.create(&dry_post(), &p).await).unwrap();
+        assert_forbidden(
+            refusal,
+            &[
+                says,
+                "more slices than the GpuSlicePolicy gives a pod (its spec.count)",
+            ],
+        );
+    }
+    pods.create(
+        &dry_post(),
+        &over(
+            "at-count",
+            serde_json::json!({"gpuslice.io/mig-trio": "3"}),
+            false,
+        ),
+    )
+    .await
+    .unwrap();
 }
 
 /// Merges `extra` into `base` (objects key by key; anything else replaces).
