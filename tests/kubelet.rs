@@ -2308,3 +2308,67 @@ async fn app_pods(pods: &Api<Pod>, app: &str) -> Vec<String> {
         .map(|l| l.items.into_iter().map(|p| p.name_any()).collect())
         .unwrap_or_default()
 }
+
+/// `count > 1` in a real container (issue #37): on a node of two whole A100s, a pod of a policy
+/// with `count: 2` asks for both; the queue admits it once both are free, the kubelet plugin
+/// prepares its one claim of two devices, and the container sees both GPUs (the CDI spec's
+/// claim-wide `CUDA_VISIBLE_DEVICES`, not the one device's a runtime would apply last).
+#[tokio::test]
+async fn a_pod_of_two_whole_gpus_sees_both_in_its_container() {
+    let Some(setup) = Setup::start_with_gpus(CLOCK, &[], 2).await else {
+        return;
+    };
+    // The node's pool becomes two whole GPUs (replacing the example's software layout).
+    let pool = "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: shared-a100}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}
+  layout: {exclusive: {}}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: duo}
+spec: {pool: shared-a100, memory: 70Gi, count: 2}
+";
+    apply_policies(&setup, pool, 2).await;
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let mut pod = policy_pod(
+        &setup,
+        "duo-0",
+        "duo",
+        "echo \"cuda=$CUDA_VISIBLE_DEVICES\"; echo \"nvidia=$NVIDIA_VISIBLE_DEVICES\"",
+        true,
+    );
+    pod.spec.as_mut().unwrap().containers[0].resources = Some(
+        serde_json::from_value(serde_json::json!({"limits": {"gpuslice.io/duo": "2"}})).unwrap(),
+    );
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    wait_for_phases(&pods, &["duo-0"], ["Succeeded"]).await;
+    let container = setup
+        .kubelet
+        .containers()
+        .into_iter()
+        .find(|c| c.pod == "duo-0")
+        .unwrap();
+    let output = setup.kubelet.output(&container);
+    let uuid = |slice: &str| -> String {
+        let config: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(setup.state.join("slices").join(slice).join("config")).unwrap(),
+        )
+        .unwrap();
+        config["deviceUuid"].as_str().unwrap().to_string()
+    };
+    let both: std::collections::BTreeSet<String> = [uuid("gpu0"), uuid("gpu1")].into();
+    for variable in ["cuda", "nvidia"] {
+        let seen: std::collections::BTreeSet<String> = output
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{variable}=")))
+            .unwrap_or_else(|| panic!("no {variable}= line in:\n{output}"))
+            .split(',')
+            .map(str::to_string)
+            .collect();
+        assert_eq!(seen, both, "{variable}: {output}");
+    }
+}
