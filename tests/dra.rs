@@ -1071,6 +1071,60 @@ async fn a_claims_own_config_cannot_name_another_policy_or_raise_its_cap() {
         }
     })
     .await;
+
+    // A claim of two notebook slices: the shim caps a container to one slice config, so the
+    // second would go uncounted in its GPU's ledger. The plugin refuses to prepare it.
+    let pair: ResourceClaim = serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "two-quarters", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "notebook.gpuslice.io", "allocationMode": "ExactCount", "count": 2}}]}}
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &pair).await.unwrap();
+    let mut pod = pod;
+    pod.metadata.name = Some("two-quarters".into());
+    pod.spec.as_mut().unwrap().resource_claims = Some(vec![
+        serde_json::from_value(
+            serde_json::json!({"name": "gpu", "resourceClaimName": "two-quarters"}),
+        )
+        .unwrap(),
+    ]);
+    Api::<Pod>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+    let allocated = eventually("the two-slice claim is allocated", || {
+        let claims = claims.clone();
+        async move {
+            let c = claims
+                .get("two-quarters")
+                .await
+                .map_err(|e| e.to_string())?;
+            let done = c
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .is_some();
+            done.then_some(c).ok_or_else(|| "not allocated".to_string())
+        }
+    })
+    .await;
+    let uid = allocated.metadata.uid.clone().unwrap();
+    let answer = plugin
+        .node_prepare_resources(proto::NodePrepareResourcesRequest {
+            claims: vec![claim(&allocated)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let refused = &answer.claims[&uid];
+    assert!(
+        refused.error.contains("2 software slices")
+            && refused.error.contains("a container is capped to one"),
+        "{answer:?}"
+    );
+    assert!(refused.devices.is_empty(), "{answer:?}");
 }
 
 /// The kubelet plugin of `node`, registered as the kubelet's plugin watcher does it.
