@@ -1462,11 +1462,57 @@ apiVersion: gpuslice.io/v1alpha1
 kind: GpuSlicePolicy
 metadata: {name: nvpair}
 spec: {pool: whole, memory: 70Gi, count: 2, topology: nvlink}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: nine}
+spec: {pool: whole, memory: 70Gi, count: 9}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: nvthree}
+spec: {pool: whole, memory: 70Gi, count: 3, topology: nvlink}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: nvnine}
+spec: {pool: whole, memory: 70Gi, count: 9, topology: nvlink}
 ",
         ),
-        3,
+        6,
     )
     .await;
+    // A count no node holds is bad input, said on the policy; three on one NVLink domain fit.
+    let policies: Api<gpuslice_api::GpuSlicePolicy> = Api::all(client.clone());
+    for (name, want) in [
+        (
+            "nine",
+            "NoNodeHoldsCount: spec.count: no node of GpuPool \"whole\" has 9 slices that hold spec.memory 70Gi + memoryHeadroom (the most is 8, on hgx)",
+        ),
+        (
+            "nvnine",
+            "NoNvlinkDomainHoldsCount: spec.count: no NVLink domain of a node of GpuPool \"whole\" has 9 slices",
+        ),
+        ("nvthree", "SliceFits"),
+        ("nvpair", "SliceFits"),
+    ] {
+        let policies = policies.clone();
+        eventually(&format!("policy {name}: {want}"), || {
+            let policies = policies.clone();
+            async move {
+                let p = policies.get(name).await.map_err(|e| e.to_string())?;
+                let ready = p
+                    .status
+                    .iter()
+                    .flat_map(|s| &s.conditions)
+                    .find(|c| c.type_ == "Ready")
+                    .map(|c| format!("{}: {}", c.reason, c.message))
+                    .unwrap_or_default();
+                ready.starts_with(want).then_some(()).ok_or(ready)
+            }
+        })
+        .await;
+    }
     let domains = eventually("both nodes publish their GPUs", || {
         let client = client.clone();
         async move {

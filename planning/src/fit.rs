@@ -62,6 +62,47 @@ pub fn smallest_fitting(
     }
 }
 
+/// How many slices of `layout` hold `request + headroom` bytes (and `compute_limit` on software
+/// slices): what one GPU offers a policy whose pods take several.
+pub fn fitting_slices(
+    layout: &Desired,
+    model: Option<&GpuModel>,
+    gpu_memory: Option<u64>,
+    request: u64,
+    headroom: u64,
+    compute_limit: Option<u32>,
+) -> u32 {
+    match layout {
+        Desired::Software(t) => {
+            if smallest_fitting(layout, model, gpu_memory, request, headroom, compute_limit)
+                .is_some()
+            {
+                t.slices
+            } else {
+                0
+            }
+        }
+        Desired::Mig(counts) => {
+            let Some(model) = model else {
+                return 0;
+            };
+            let need = request.saturating_add(headroom);
+            counts
+                .iter()
+                .filter(|(name, _)| {
+                    model
+                        .profile(name)
+                        .is_some_and(|p| p.memory_bytes() >= need)
+                })
+                .map(|(_, n)| *n)
+                .sum()
+        }
+        Desired::Exclusive => u32::from(
+            smallest_fitting(layout, model, gpu_memory, request, headroom, compute_limit).is_some(),
+        ),
+    }
+}
+
 /// Whether compute guarantees (percent) placed together on one GPU can all be honoured.
 pub fn guarantees_fit(guarantees: impl IntoIterator<Item = u32>) -> bool {
     guarantees.into_iter().map(u64::from).sum::<u64>() <= 100
@@ -98,6 +139,38 @@ mod tests {
             smallest_fitting(&day, None, None, 8 * GI, 0, Some(30)),
             None,
             "a cap above the slice share"
+        );
+    }
+
+    #[test]
+    fn a_gpu_offers_each_of_its_slices_that_holds_the_request() {
+        let h200 = model("NVIDIA H200").unwrap();
+        let mig = Desired::Mig(
+            [("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]
+                .map(|(p, n)| (p.to_string(), n))
+                .into(),
+        );
+        assert_eq!(fitting_slices(&mig, Some(h200), None, 10 * GI, 0, None), 4);
+        assert_eq!(fitting_slices(&mig, Some(h200), None, 30 * GI, 0, None), 2);
+        assert_eq!(fitting_slices(&mig, Some(h200), None, 100 * GI, 0, None), 0);
+        let quarters = Desired::Software(SliceTable {
+            slices: 4,
+            memory: 20 * GI,
+            compute: 25,
+        });
+        assert_eq!(fitting_slices(&quarters, None, None, 18 * GI, GI, None), 4);
+        assert_eq!(
+            fitting_slices(&quarters, None, None, 18 * GI, 3 * GI, None),
+            0
+        );
+        let whole = Desired::Exclusive;
+        assert_eq!(
+            fitting_slices(&whole, Some(h200), None, 100 * GI, 0, None),
+            1
+        );
+        assert_eq!(
+            fitting_slices(&whole, Some(h200), None, 200 * GI, 0, None),
+            0
         );
     }
 

@@ -457,6 +457,76 @@ fn pool_gpus<'p>(
         .collect()
 }
 
+/// For a policy of several slices per pod: not ready when no node of its pool (no NVLink domain
+/// of one, with `topology: nvlink`) has that many slices that hold it in the layouts in force
+/// (what a pod of it would wait for forever); the most any has, to say how far off it is.
+fn too_few_together(
+    observed: &Observed,
+    gpus: &[(&str, &GpuPlan, Option<u64>)],
+    spec: &gpuslice_api::GpuSlicePolicySpec,
+    headroom: u64,
+) -> Option<(bool, &'static str, String)> {
+    if spec.count <= 1 {
+        return None;
+    }
+    let nvlink = spec.topology == Some(gpuslice_api::Topology::Nvlink);
+    let request = gpuslice_api::bytes_of(&spec.memory.0).unwrap_or(u64::MAX);
+    let limit = spec.compute.as_ref().map(|c| c.limit);
+    let mut together: BTreeMap<(&str, Option<u32>), u32> = BTreeMap::new();
+    for (node, g, memory) in gpus {
+        let Some(desired) = &g.desired else {
+            continue;
+        };
+        let domain = if nvlink {
+            let peers = observed
+                .nodes
+                .iter()
+                .find(|n| n.inventory.name == *node)
+                .and_then(|n| n.inventory.gpus.iter().find(|x| x.index == g.index))
+                .map(|x| x.nvlink_peers.clone())
+                .unwrap_or_default();
+            // The domain is named by its lowest-indexed GPU; a GPU without peers has none.
+            match peers.iter().chain([&g.index]).min() {
+                Some(&lowest) if !peers.is_empty() => Some(lowest),
+                _ => continue,
+            }
+        } else {
+            None
+        };
+        let model = gpuslice_planning::catalog::model(&g.model).ok();
+        *together.entry((node, domain)).or_default() += gpuslice_planning::fit::fitting_slices(
+            desired, model, *memory, request, headroom, limit,
+        );
+    }
+    let most = together.iter().max_by_key(|(_, n)| **n);
+    if most.is_some_and(|(_, n)| *n >= spec.count) {
+        return None;
+    }
+    let within = if nvlink {
+        "NVLink domain of a node"
+    } else {
+        "node"
+    };
+    let best = most.map_or("none has any".to_string(), |((node, _), n)| {
+        format!("the most is {n}, on {node}")
+    });
+    Some((
+        false,
+        if nvlink {
+            "NoNvlinkDomainHoldsCount"
+        } else {
+            "NoNodeHoldsCount"
+        },
+        format!(
+            "spec.count: no {within} of GpuPool {:?} has {} slices that hold spec.memory {} + memoryHeadroom ({best}), so its pods would wait forever; lower spec.count{} or give the pool such nodes",
+            spec.pool,
+            spec.count,
+            spec.memory.0,
+            if nvlink { ", drop spec.topology" } else { "" }
+        ),
+    ))
+}
+
 /// Whether a policy can be used now: its pool and checkpoint policy exist and one of the pool's
 /// slices (in the layout in force, or in a shape of the elastic set in force) holds its memory
 /// plus the pool's headroom and its compute limit.
@@ -499,6 +569,9 @@ fn policy_ready(
     };
     for (node, g, memory) in &gpus {
         if let Some(choice) = g.desired.as_ref().and_then(|d| fits(d, g, *memory)) {
+            if let Some(short) = too_few_together(observed, &gpus, spec, headroom) {
+                return short;
+            }
             return (
                 true,
                 "SliceFits",
