@@ -164,6 +164,8 @@ pub struct Decision {
     pub admit: Vec<(String, String)>,
     /// Pods that wait: their 1-based place in the queue, and why.
     pub wait: Vec<(String, usize, Reason)>,
+    /// The free devices left after the admissions.
+    pub left: Vec<FreeDevice>,
 }
 
 /// Orders the waiting pods (indices into `pods`) as `policy` says.
@@ -415,6 +417,7 @@ pub fn decide(
         );
         decision.admit.push((pod.key(), node));
     }
+    decision.left = free;
     decision
 }
 
@@ -494,11 +497,14 @@ pub struct Preempt {
 /// share after the move (`Fair`, `PriorityFair`); among those, one within its CheckpointPolicy's
 /// `maxLoss` before any past it, and the one that loses the least work.
 /// Preemptions already under way are kept while their pod still waits (never a second victim
-/// for it, never a victim twice). `Fifo` preempts nothing, nor does a pod of several slices.
+/// for it, never a victim twice). `Fifo` preempts nothing. A pod of several slices takes back
+/// the fewest that, with the `free` devices there, make up its count on one node (one NVLink
+/// domain when it needs one), or none.
 pub fn preempt(
     policy: SchedulingPolicy,
     waiting: &[&Waiting],
     needs: &BTreeMap<String, Need>,
+    free: &[FreeDevice],
     running: &[Running],
     shares: &BTreeMap<String, Share>,
 ) -> Vec<Preempt> {
@@ -535,51 +541,48 @@ pub fn preempt(
         if out.iter().any(|p| p.for_pod == pod.key()) {
             continue;
         }
-        // Taking back one slice never seats a pod of several: it waits for them to free up
-        // rather than evict a workload for nothing.
-        if pod.count > 1 {
-            continue;
-        }
         let Some(need) = needs.get(&pod.policy) else {
             continue;
         };
-        let best = running
-            .iter()
-            .filter(|r| r.preemptible && r.taken_for.is_none() && need.fits(&r.device))
-            .filter(|r| pod.outlived_by(&r.device))
-            .filter(|r| !out.iter().any(|p| p.claim == r.claim))
-            .filter_map(|r| {
-                if by_priority && r.priority < pod.priority {
-                    return Some((r, format!("priority {} over {}", pod.priority, r.priority)));
-                }
-                let mine = held.get(pod.namespace.as_str()).copied().unwrap_or(0.0);
-                let theirs = held.get(r.namespace.as_str()).copied().unwrap_or(0.0);
-                let fairer = r.namespace != pod.namespace
-                    && (mine + 1.0) / weight(&pod.namespace) <= (theirs - 1.0) / weight(&r.namespace);
-                (by_share && r.priority == pod.priority && fairer).then(|| {
-                    (
-                        r,
-                        format!(
-                            "fair share: namespace {} holds {theirs} slices at weight {}, namespace {} {mine} at weight {}",
-                            r.namespace,
-                            weight(&r.namespace),
-                            pod.namespace,
-                            weight(&pod.namespace)
-                        ),
-                    )
-                })
+        // A victim of this pod, and why it may be taken back.
+        let eligible = |r: &Running| -> Option<String> {
+            if !r.preemptible || r.taken_for.is_some() || !need.fits(&r.device) {
+                return None;
+            }
+            if !pod.outlived_by(&r.device) || out.iter().any(|p| p.claim == r.claim) {
+                return None;
+            }
+            if by_priority && r.priority < pod.priority {
+                return Some(format!("priority {} over {}", pod.priority, r.priority));
+            }
+            let mine = held.get(pod.namespace.as_str()).copied().unwrap_or(0.0);
+            let theirs = held.get(r.namespace.as_str()).copied().unwrap_or(0.0);
+            let fairer = r.namespace != pod.namespace
+                && (mine + 1.0) / weight(&pod.namespace) <= (theirs - 1.0) / weight(&r.namespace);
+            (by_share && r.priority == pod.priority && fairer).then(|| {
+                format!(
+                    "fair share: namespace {} holds {theirs} slices at weight {}, namespace {} {mine} at weight {}",
+                    r.namespace,
+                    weight(&r.namespace),
+                    pod.namespace,
+                    weight(&pod.namespace)
+                )
             })
-            .min_by(|(a, _), (b, _)| {
-                a.past_max_loss()
-                    .cmp(&b.past_max_loss())
-                    .then(
-                        (a.loss_seconds, a.priority)
-                            .partial_cmp(&(b.loss_seconds, b.priority))
-                            .unwrap_or(std::cmp::Ordering::Equal),
-                    )
-                    .then_with(|| a.claim.cmp(&b.claim))
-            });
-        if let Some((victim, reason)) = best {
+        };
+        let candidates: Vec<(&Running, String)> = running
+            .iter()
+            .filter_map(|r| Some((r, eligible(r)?)))
+            .collect();
+        let victims = if pod.count > 1 {
+            several_victims(pod, need, free, candidates)
+        } else {
+            candidates
+                .into_iter()
+                .min_by(|(a, _), (b, _)| lighter_first(a, b))
+                .into_iter()
+                .collect()
+        };
+        for (victim, reason) in victims {
             *held.entry(victim.namespace.as_str()).or_default() -= 1.0;
             *held.entry(pod.namespace.as_str()).or_default() += 1.0;
             out.push(Preempt {
@@ -591,6 +594,76 @@ pub fn preempt(
         }
     }
     out
+}
+
+/// Victims within their `maxLoss` before any past it, then the least work lost, the lowest
+/// priority, the claim's name.
+fn lighter_first(a: &Running, b: &Running) -> std::cmp::Ordering {
+    a.past_max_loss()
+        .cmp(&b.past_max_loss())
+        .then(
+            (a.loss_seconds, a.priority)
+                .partial_cmp(&(b.loss_seconds, b.priority))
+                .unwrap_or(std::cmp::Ordering::Equal),
+        )
+        .then_with(|| a.claim.cmp(&b.claim))
+}
+
+/// Where a pod's slices must be together: its node, and its NVLink domain when it needs one
+/// (none for a device off any domain then).
+fn together_at(pod: &Waiting, d: &FreeDevice) -> Option<(String, Option<String>)> {
+    match (pod.nvlink, &d.nvlink_domain) {
+        (false, _) => Some((d.node.clone(), None)),
+        (true, Some(domain)) => Some((d.node.clone(), Some(domain.clone()))),
+        (true, None) => None,
+    }
+}
+
+/// For a pod of several slices: the fewest `candidates` (lightest first) on one node (one NVLink
+/// domain, when it needs one) whose devices, with the free ones there that fit it, make up its
+/// count; none when no node can.
+fn several_victims<'r>(
+    pod: &Waiting,
+    need: &Need,
+    free: &[FreeDevice],
+    mut candidates: Vec<(&'r Running, String)>,
+) -> Vec<(&'r Running, String)> {
+    let count = pod.count as usize;
+    let mut free_at: BTreeMap<(String, Option<String>), usize> = BTreeMap::new();
+    for d in free.iter().filter(|d| need.fits(d) && pod.outlived_by(d)) {
+        if let Some(group) = together_at(pod, d) {
+            *free_at.entry(group).or_default() += 1;
+        }
+    }
+    candidates.sort_by(|(a, _), (b, _)| lighter_first(a, b));
+    let groups: std::collections::BTreeSet<(String, Option<String>)> = candidates
+        .iter()
+        .filter_map(|(r, _)| together_at(pod, &r.device))
+        .collect();
+    let mut best: Option<Vec<(&'r Running, String)>> = None;
+    for group in groups {
+        let in_group = |r: &Running| together_at(pod, &r.device).as_ref() == Some(&group);
+        let mut have = free_at.get(&group).copied().unwrap_or(0);
+        let mut chosen: Vec<(&'r Running, String)> = Vec::new();
+        for (r, reason) in &candidates {
+            if have >= count {
+                break;
+            }
+            if !in_group(r) || chosen.iter().any(|(c, _)| c.claim == r.claim) {
+                continue;
+            }
+            // Taking a claim back frees every device it holds there.
+            have += candidates
+                .iter()
+                .filter(|(o, _)| o.claim == r.claim && in_group(o))
+                .count();
+            chosen.push((r, reason.clone()));
+        }
+        if have >= count && best.as_ref().is_none_or(|b| chosen.len() < b.len()) {
+            best = Some(chosen);
+        }
+    }
+    best.unwrap_or_default()
 }
 
 /// A namespace's usage after `seconds` more, holding `slices`: the old usage decayed by the
@@ -984,6 +1057,101 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_of_several_slices_takes_back_the_fewest_that_complete_it_on_one_node() {
+        let on = |node: &str, domain: Option<&str>, claim: &str, loss: f64| Running {
+            device: FreeDevice {
+                node: node.into(),
+                nvlink_domain: domain.map(str::to_string),
+                ..running(claim, "ml", 0, loss).device
+            },
+            ..running(claim, "ml", 0, loss)
+        };
+        let free_on = |node: &str, domain: Option<&str>, name: &str| FreeDevice {
+            node: node.into(),
+            device: name.into(),
+            nvlink_domain: domain.map(str::to_string),
+            ..running(name, "ml", 0, 0.0).device
+        };
+        let quad = Waiting {
+            count: 4,
+            ..pod("ml", "quad", 1000, 5)
+        };
+        // Board a: two free, two running (one cheap, one dear); board b: none free, four cheap.
+        let candidates = [
+            on("a", None, "a-cheap", 10.0),
+            on("a", None, "a-dear", 900.0),
+            on("b", None, "b-1", 1.0),
+            on("b", None, "b-2", 1.0),
+            on("b", None, "b-3", 1.0),
+            on("b", None, "b-4", 1.0),
+        ];
+        let free = [
+            free_on("a", None, "a-free-1"),
+            free_on("a", None, "a-free-2"),
+        ];
+        let shares = BTreeMap::new();
+        let claims = |got: Vec<Preempt>| -> Vec<String> {
+            got.into_iter()
+                .map(|p| format!("{} for {}", p.claim, p.for_pod))
+                .collect()
+        };
+        // Two victims beside two free ones beat four cheaper ones: every victim on one node.
+        assert_eq!(
+            claims(preempt(
+                SchedulingPolicy::PriorityFair,
+                &[&quad],
+                &need(),
+                &free,
+                &candidates,
+                &shares,
+            )),
+            ["ml/a-cheap for ml/quad", "ml/a-dear for ml/quad"]
+        );
+        // Nowhere enough: nobody is taken back for nothing.
+        let seven = Waiting {
+            count: 7,
+            ..quad.clone()
+        };
+        assert!(
+            preempt(
+                SchedulingPolicy::PriorityFair,
+                &[&seven],
+                &need(),
+                &free,
+                &candidates,
+                &shares
+            )
+            .is_empty()
+        );
+        // NVLink: victims off the pod's domain do not count.
+        let nvquad = Waiting {
+            nvlink: true,
+            ..quad.clone()
+        };
+        let split = [
+            on("c", Some("X"), "c-x", 1.0),
+            on("c", Some("Y"), "c-y1", 1.0),
+            on("c", Some("Y"), "c-y2", 1.0),
+        ];
+        let free = [
+            free_on("c", Some("X"), "c-x-free"),
+            free_on("c", Some("Y"), "c-y-free1"),
+            free_on("c", Some("Y"), "c-y-free2"),
+        ];
+        assert_eq!(
+            claims(preempt(
+                SchedulingPolicy::PriorityFair,
+                &[&nvquad],
+                &need(),
+                &free,
+                &split,
+                &shares,
+            )),
+            ["ml/c-y1 for ml/quad", "ml/c-y2 for ml/quad"]
+        );
+    }
+
+    #[test]
     fn a_higher_priority_pod_takes_the_slice_that_loses_the_least_work() {
         let urgent = pod("ml", "urgent", 1000, 5);
         let mut pinned = running("pinned", "ml", 0, 1.0);
@@ -999,6 +1167,7 @@ mod tests {
             SchedulingPolicy::PriorityFair,
             &[&urgent],
             &need(),
+            &[],
             &candidates,
             &shares,
         );
@@ -1013,6 +1182,7 @@ mod tests {
                 SchedulingPolicy::Fifo,
                 &[&urgent],
                 &need(),
+                &[],
                 &candidates,
                 &shares
             )
@@ -1024,6 +1194,7 @@ mod tests {
                 SchedulingPolicy::PriorityFair,
                 &[&peer],
                 &need(),
+                &[],
                 &candidates,
                 &shares
             )
@@ -1045,6 +1216,7 @@ mod tests {
                 SchedulingPolicy::PriorityFair,
                 &[&urgent],
                 &need(),
+                &[],
                 candidates,
                 &BTreeMap::new(),
             )
@@ -1070,6 +1242,7 @@ mod tests {
             SchedulingPolicy::Priority,
             &[&urgent],
             &need(),
+            &[],
             &candidates,
             &shares,
         );
@@ -1085,6 +1258,7 @@ mod tests {
                 SchedulingPolicy::Priority,
                 &[],
                 &need(),
+                &[],
                 &candidates,
                 &shares
             )
@@ -1126,6 +1300,7 @@ mod tests {
                 SchedulingPolicy::PriorityFair,
                 &[&waiting],
                 &need(),
+                &[],
                 &victims,
                 &shares_of(a, b),
             );

@@ -44,12 +44,12 @@ impl Queue {
         }
         let order = queue::order(at.scheduling.policy, &waiting, &shares);
         let devices = free.remove(&at.name).unwrap_or_default();
-        let Decision { admit, wait } =
+        let Decision { admit, wait, left } =
             queue::decide(&waiting, &order, &at.needs, &devices, &mut self.placer);
         at.admitted(plan, &waiting, admit);
         // Pods no free slice fits may take one back from running pods.
         let mut preempted = if at.scheduling.preemption {
-            at.preempt(&self.follow_up, &waiting, &wait, &shares)
+            at.preempt(&self.follow_up, &waiting, &wait, &left, &shares)
         } else {
             Vec::new()
         };

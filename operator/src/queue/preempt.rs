@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuslice_planning::queue::{self, Preempt, Reason, Running, Share, Waiting};
+use gpuslice_planning::queue::{self, FreeDevice, Preempt, Reason, Running, Share, Waiting};
 use kube::ResourceExt as _;
 
 use super::cluster::{GIVE_UP_AFTER, PoolPass};
@@ -142,6 +142,7 @@ impl PoolPass<'_> {
         follow_up: &FollowUp,
         waiting: &[Waiting],
         wait: &[(String, usize, Reason)],
+        free: &[FreeDevice],
         shares: &BTreeMap<String, Share>,
     ) -> Vec<Preempt> {
         let unfit: Vec<&Waiting> = wait
@@ -155,6 +156,7 @@ impl PoolPass<'_> {
             self.scheduling.policy,
             &unfit,
             &self.needs,
+            free,
             &running,
             shares,
         )
