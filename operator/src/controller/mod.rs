@@ -234,8 +234,9 @@ impl Reconciler {
             &observed.pools,
             &stores.checkpoints,
         );
-        observed.waiting = crate::queue::waiting_by_policy(&self.pods);
-        observed.storage_missing = crate::queue::storage_missing(&self.pods, &self.volume_claims);
+        let at_the_gate = crate::queue::at_the_gate(&self.pods, &self.volume_claims);
+        observed.waiting = at_the_gate.waiting;
+        observed.storage_missing = at_the_gate.storage_missing;
         observed.prometheus = self.signals.read();
         observed
     }

@@ -293,8 +293,8 @@ pub(super) struct Pass {
     pub(super) agents: Agents,
     /// The pods that name a policy.
     pub(super) pods: Vec<Arc<Pod>>,
-    /// The PersistentVolumeClaims that exist, as (namespace, name).
-    pub(super) volume_claims: BTreeSet<(String, String)>,
+    /// The PersistentVolumeClaims that exist (looked up, never copied: there may be many).
+    pub(super) volume_claims: Store<k8s_openapi::api::core::v1::PersistentVolumeClaim>,
     /// The operator's clock (windows, usage).
     pub(super) now: chrono::DateTime<chrono::Utc>,
     /// The real time (the API server's and the agents' timestamps).
@@ -326,12 +326,7 @@ impl Pass {
             .collect();
         let agents = Agents::of(&gpu_nodes);
         let pods = caches.pods.state();
-        let volume_claims = caches
-            .volume_claims
-            .state()
-            .iter()
-            .map(|c| (c.namespace().unwrap_or_default(), c.name_any()))
-            .collect();
+        let volume_claims = caches.volume_claims.clone();
         Pass {
             pools,
             policies,

@@ -78,27 +78,23 @@ pub struct Caches {
 /// The field manager of the preemptions the queue writes into `GpuNode.spec`.
 pub const MANAGER: &str = "gpuslice-queue";
 
-/// Policy name → pods naming it that wait at the gate.
-pub fn waiting_by_policy(pods: &Store<Pod>) -> BTreeMap<String, u32> {
-    let mut out: BTreeMap<String, u32> = BTreeMap::new();
-    for pod in pods.state().iter().filter(|p| gated(p)) {
-        if let Some(policy) = pod.labels().get(POLICY_LABEL) {
-            *out.entry(policy.clone()).or_default() += 1;
-        }
-    }
-    out
+/// What the gated pods wait for, per policy: how many wait at the gate, and per namespace how
+/// many wait for checkpoint storage whose claim does not exist there (the queue holds those).
+#[derive(Default)]
+pub struct GateCounts {
+    pub waiting: BTreeMap<String, u32>,
+    pub storage_missing: BTreeMap<String, BTreeMap<String, u32>>,
 }
 
-/// Policy name → namespace → its pods waiting at the gate for checkpoint storage whose claim
-/// does not exist there (the queue holds them).
-pub fn storage_missing(
-    pods: &Store<Pod>,
-    volume_claims: &Store<PersistentVolumeClaim>,
-) -> BTreeMap<String, BTreeMap<String, u32>> {
-    let mut out: BTreeMap<String, BTreeMap<String, u32>> = BTreeMap::new();
+/// The gated pods counted, in one walk over the pods.
+pub fn at_the_gate(pods: &Store<Pod>, volume_claims: &Store<PersistentVolumeClaim>) -> GateCounts {
+    let mut out = GateCounts::default();
     for pod in pods.state().iter().filter(|p| gated(p)) {
-        let (Some(policy), Some(claim)) = (pod.labels().get(POLICY_LABEL), checkpoint_claim(pod))
-        else {
+        let Some(policy) = pod.labels().get(POLICY_LABEL) else {
+            continue;
+        };
+        *out.waiting.entry(policy.clone()).or_default() += 1;
+        let Some(claim) = checkpoint_claim(pod) else {
             continue;
         };
         let namespace = pod.namespace().unwrap_or_default();
@@ -106,7 +102,8 @@ pub fn storage_missing(
             .get(&ObjectRef::new(claim).within(&namespace))
             .is_none()
         {
-            *out.entry(policy.clone())
+            *out.storage_missing
+                .entry(policy.clone())
                 .or_default()
                 .entry(namespace)
                 .or_default() += 1;

@@ -114,9 +114,10 @@ impl PoolPass<'_> {
                 };
                 let namespace = p.namespace().unwrap_or_default();
                 if let Some(claim) = checkpoint_claim(p)
-                    && !pass
+                    && pass
                         .volume_claims
-                        .contains(&(namespace.clone(), claim.to_string()))
+                        .get(&kube::runtime::reflector::ObjectRef::new(claim).within(&namespace))
+                        .is_none()
                 {
                     // kube-scheduler would never bind it: it waits until the claim exists.
                     let of = spec
