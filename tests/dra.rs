@@ -66,18 +66,14 @@ async fn allocations(client: &Client, namespace: &str) -> BTreeMap<String, Vec<(
             .iter()
             .flatten()
             .find(|o| o.kind == "Pod")
+            .map(|o| o.name.clone())
         else {
             continue;
         };
-        let results = claim
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .unwrap_or_default();
+        let results = gpuslice_testcluster::allocated_devices(claim);
         for r in results {
             assert_eq!(r.driver, "gpuslice.io");
-            out.entry(owner.name.clone())
+            out.entry(owner.clone())
                 .or_default()
                 .push((r.pool, r.device));
         }
@@ -1024,27 +1020,7 @@ async fn a_claims_own_config_cannot_name_another_policy_or_raise_its_cap() {
         .create(&PostParams::default(), &pod)
         .await
         .unwrap();
-    let allocated = eventually("the forged claim is allocated", || {
-        let claims = claims.clone();
-        async move {
-            let c = claims.get("forged").await.map_err(|e| e.to_string())?;
-            let done = c
-                .status
-                .as_ref()
-                .and_then(|s| s.allocation.as_ref())
-                .is_some();
-            done.then_some(c).ok_or_else(|| "not allocated".to_string())
-        }
-    })
-    .await;
-    let uid = allocated.metadata.uid.clone().unwrap();
-    let answer = plugin
-        .node_prepare_resources(proto::NodePrepareResourcesRequest {
-            claims: vec![claim(&allocated)],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let (uid, answer) = prepare_when_allocated(&mut plugin, &claims, "forged").await;
     let prepared = &answer.claims[&uid];
     assert_eq!(prepared.error, "", "{answer:?}");
     let slice = &prepared.devices[0].device_name;
@@ -1094,13 +1070,27 @@ async fn a_claims_own_config_cannot_name_another_policy_or_raise_its_cap() {
         .create(&PostParams::default(), &pod)
         .await
         .unwrap();
-    let allocated = eventually("the two-slice claim is allocated", || {
+    let (uid, answer) = prepare_when_allocated(&mut plugin, &claims, "two-quarters").await;
+    let refused = &answer.claims[&uid];
+    assert!(
+        refused.error.contains("2 software slices")
+            && refused.error.contains("a container is capped to one"),
+        "{answer:?}"
+    );
+    assert!(refused.devices.is_empty(), "{answer:?}");
+}
+
+/// Waits until ResourceClaim `default/name` is allocated, then asks the plugin to prepare it, as
+/// the kubelet would: its uid and the plugin's answer.
+async fn prepare_when_allocated(
+    plugin: &mut DraPluginClient<tonic::transport::Channel>,
+    claims: &Api<ResourceClaim>,
+    name: &str,
+) -> (String, proto::NodePrepareResourcesResponse) {
+    let allocated = eventually(&format!("claim {name} is allocated"), || {
         let claims = claims.clone();
         async move {
-            let c = claims
-                .get("two-quarters")
-                .await
-                .map_err(|e| e.to_string())?;
+            let c = claims.get(name).await.map_err(|e| e.to_string())?;
             let done = c
                 .status
                 .as_ref()
@@ -1110,7 +1100,6 @@ async fn a_claims_own_config_cannot_name_another_policy_or_raise_its_cap() {
         }
     })
     .await;
-    let uid = allocated.metadata.uid.clone().unwrap();
     let answer = plugin
         .node_prepare_resources(proto::NodePrepareResourcesRequest {
             claims: vec![claim(&allocated)],
@@ -1118,13 +1107,7 @@ async fn a_claims_own_config_cannot_name_another_policy_or_raise_its_cap() {
         .await
         .unwrap()
         .into_inner();
-    let refused = &answer.claims[&uid];
-    assert!(
-        refused.error.contains("2 software slices")
-            && refused.error.contains("a container is capped to one"),
-        "{answer:?}"
-    );
-    assert!(refused.devices.is_empty(), "{answer:?}");
+    (allocated.metadata.uid.clone().unwrap(), answer)
 }
 
 /// The kubelet plugin of `node`, registered as the kubelet's plugin watcher does it.
@@ -1999,12 +1982,7 @@ async fn a_two_gpu_claim_that_needs_nvlink_gets_an_nvlink_pair_never_a_pcie_one(
         "{waiting:?}"
     );
     let allocated = claims.get("pair-hgx").await.unwrap();
-    let devices: Vec<String> = allocated
-        .status
-        .and_then(|s| s.allocation)
-        .and_then(|a| a.devices)
-        .and_then(|d| d.results)
-        .unwrap_or_default()
+    let devices: Vec<String> = gpuslice_testcluster::allocated_devices(allocated)
         .into_iter()
         .map(|r| r.device)
         .collect();

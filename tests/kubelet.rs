@@ -418,12 +418,7 @@ async fn cdi_id(client: &Client, pod: &str) -> String {
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let claim = claims.get(&claim_name).await.unwrap();
     let uid = claim.metadata.uid.clone().unwrap();
-    let results = claim
-        .status
-        .and_then(|s| s.allocation)
-        .and_then(|a| a.devices)
-        .and_then(|d| d.results)
-        .unwrap_or_default();
+    let results = gpuslice_testcluster::allocated_devices(claim);
     let [result] = &results[..] else {
         panic!("{claim_name}: {results:?}")
     };

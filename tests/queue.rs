@@ -1388,12 +1388,7 @@ async fn claimed_devices(client: &Client, name: &str) -> Vec<(String, String)> {
         if !owned {
             continue;
         }
-        let results = claim
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .unwrap_or_default();
+        let results = gpuslice_testcluster::allocated_devices(claim);
         out.extend(results.into_iter().map(|r| (r.pool, r.device)));
     }
     out.sort();

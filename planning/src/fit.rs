@@ -142,14 +142,19 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_gpu_offers_each_of_its_slices_that_holds_the_request() {
-        let h200 = model("NVIDIA H200").unwrap();
-        let mig = Desired::Mig(
+    /// An H200 cut 3g + 2g + 2 × 1g.
+    fn mixed_h200() -> Desired {
+        Desired::Mig(
             [("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]
                 .map(|(p, n)| (p.to_string(), n))
                 .into(),
-        );
+        )
+    }
+
+    #[test]
+    fn a_gpu_offers_each_of_its_slices_that_holds_the_request() {
+        let h200 = model("NVIDIA H200").unwrap();
+        let mig = mixed_h200();
         assert_eq!(fitting_slices(&mig, Some(h200), None, 10 * GI, 0, None), 4);
         assert_eq!(fitting_slices(&mig, Some(h200), None, 30 * GI, 0, None), 2);
         assert_eq!(fitting_slices(&mig, Some(h200), None, 100 * GI, 0, None), 0);
@@ -177,11 +182,7 @@ mod tests {
     #[test]
     fn mig_picks_the_smallest_instance_that_holds_the_request() {
         let h200 = model("NVIDIA H200").unwrap();
-        let layout = Desired::Mig(
-            [("3g.71gb", 1), ("2g.35gb", 1), ("1g.18gb", 2)]
-                .map(|(p, n)| (p.to_string(), n))
-                .into(),
-        );
+        let layout = mixed_h200();
         let pick = |gib| {
             smallest_fitting(&layout, Some(h200), None, gib * GI, GI, None).map(|c| match c {
                 SliceChoice::Mig { profile, .. } => profile,

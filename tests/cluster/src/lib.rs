@@ -1378,3 +1378,15 @@ pub fn build_probe(binary: &Path, dir: &Path) -> (PathBuf, PathBuf) {
     );
     (program, lib)
 }
+
+/// The devices a ResourceClaim was allocated (none while it is not).
+pub fn allocated_devices(
+    claim: k8s_openapi::api::resource::v1::ResourceClaim,
+) -> Vec<k8s_openapi::api::resource::v1::DeviceRequestAllocationResult> {
+    claim
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .unwrap_or_default()
+}
