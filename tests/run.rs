@@ -1142,3 +1142,38 @@ fn an_elastic_pool_re_cuts_an_idle_gpu_for_a_waiting_command_and_keeps_the_busy_
     );
     std::fs::write(&marker, "").unwrap();
 }
+
+/// A command run here holds one slice: a policy that gives each workload several (`count: 2`)
+/// is refused with what to do, rather than quietly running on one GPU of the two it asked for.
+#[test]
+fn a_policy_of_several_slices_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("gitops");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(
+        source.join("pool.yaml"),
+        "apiVersion: gpuslice.io/v1alpha1\nkind: GpuPool\nmetadata: {name: lab}\nspec:\n  nodeSelector: {matchLabels: {lab: \"yes\"}}\n  layout: {exclusive: {}}\n---\napiVersion: gpuslice.io/v1alpha1\nkind: GpuSlicePolicy\nmetadata: {name: duo}\nspec: {pool: lab, memory: 60Gi, count: 2}\n",
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let mut children = Reaper(Vec::new());
+    children.keep(agent_on_node(
+        dir.path(),
+        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB}\n- {index: 1, model: NVIDIA A100-SXM4-80GB}\n",
+        &source,
+        Stdio::null(),
+        &[],
+    ));
+    eventually("the GPUs are whole slices", || {
+        state.join("slices/gpu1/config").exists()
+    });
+    let refused = run(&state, &["--policy", "duo", "--no-wait", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("GpuSlicePolicy \"duo\" gives each workload 2 slices (spec.count), and a command run here gets one"),
+        "{said}"
+    );
+}

@@ -37,6 +37,8 @@ pub struct Need {
     pub only: Option<String>,
     /// The policy's own CheckpointPolicy, as its workload is told (else its GPU's pool's).
     pub checkpoint: Option<Checkpointing>,
+    /// Slices per workload the policy gives (`spec.count`; 0 read as 1).
+    pub count: u32,
 }
 
 impl Need {
@@ -500,6 +502,13 @@ fn resolve(want: &Want, policies: &BTreeMap<String, Need>) -> Result<Need, Strin
             .ok_or_else(|| format!("GpuSlicePolicy {name:?} is not in this node's source"))?,
         None => Need::default(),
     };
+    if need.count > 1 {
+        return Err(format!(
+            "GpuSlicePolicy {:?} gives each workload {} slices (spec.count), and a command run here gets one: run it in a cluster, where a pod gets all of them, or use a policy of count 1",
+            want.policy.as_deref().unwrap_or_default(),
+            need.count
+        ));
+    }
     if let Some(m) = want.memory_bytes {
         need.memory = need.memory.max(m);
     }
@@ -555,6 +564,7 @@ pub fn needs(config: &Config) -> BTreeMap<String, Need> {
                     pool: Some(spec.pool.clone()),
                     host,
                     only: None,
+                    count: spec.count,
                     checkpoint: spec
                         .checkpoint_policy
                         .as_ref()
