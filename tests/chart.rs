@@ -937,6 +937,26 @@ spec: {pool: h200-mig, memory: 10Gi, count: 2, topology: nvlink}
     )
     .await
     .unwrap();
+    // Hostile: a topology policy asked for by resource would lose its NVLink constraint.
+    let refusal = policy_refusal(
+        pods.create(
+            &dry_post(),
+            &over(
+                "by-resource",
+                serde_json::json!({"gpuslice.io/nv-pair": "2"}),
+                false,
+            ),
+        )
+        .await,
+    )
+    .unwrap();
+    assert_forbidden(
+        refusal,
+        &[
+            "gpuslice.io/nv-pair (spec.containers[main].resources.limits): the GpuSlicePolicy has a topology",
+            "name it by the label gpuslice.io/policy instead",
+        ],
+    );
 }
 
 /// Merges `extra` into `base` (objects key by key; anything else replaces).
