@@ -2367,3 +2367,80 @@ spec: {pool: shared-a100, memory: 70Gi, count: 2}
         assert_eq!(seen, both, "{variable}: {output}");
     }
 }
+
+/// Preemption for a pod of several slices (issue #37): on a node of two whole A100s, each held
+/// by a low-priority pod, a high-priority pod of `count: 2` takes both back (taking one alone
+/// would seat it nowhere), each victim asked to checkpoint and evicted once it has, and runs on
+/// both GPUs.
+#[tokio::test]
+async fn a_two_gpu_pod_takes_back_both_gpus_it_needs_after_their_checkpoints() {
+    let Some(setup) = Setup::start_with_gpus(CLOCK, &[], 2).await else {
+        return;
+    };
+    let policies = "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: shared-a100}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}
+  layout: {exclusive: {}}
+  scheduling: {policy: PriorityFair, preemption: true}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: CheckpointPolicy
+metadata: {name: quick}
+spec: {signal: SIGUSR1, gracePeriod: 30s}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: solo}
+spec: {pool: shared-a100, memory: 70Gi, priority: low, checkpointPolicy: quick}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: duo}
+spec: {pool: shared-a100, memory: 70Gi, count: 2, priority: high, preemptible: false}
+";
+    // The examples' notebook, solo and duo.
+    apply_policies(&setup, policies, 3).await;
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let checkpoints = "trap 'echo checkpointing; touch \"$GPUSLICE_CHECKPOINT_DONE\"' USR1; while :; do sleep 0.2; done";
+    for name in ["solo-0", "solo-1"] {
+        pods.create(
+            &PostParams::default(),
+            &policy_pod(&setup, name, "solo", checkpoints, false),
+        )
+        .await
+        .unwrap();
+    }
+    wait_for_phases(&pods, &["solo-0", "solo-1"], ["Running", "Running"]).await;
+    let mut duo = policy_pod(&setup, "duo-0", "duo", "while :; do sleep 0.2; done", true);
+    duo.spec.as_mut().unwrap().containers[0].resources = Some(
+        serde_json::from_value(serde_json::json!({"limits": {"gpuslice.io/duo": "2"}})).unwrap(),
+    );
+    pods.create(&PostParams::default(), &duo).await.unwrap();
+    eventually("duo-0 runs on both GPUs, the solos are gone", || {
+        let pods = pods.clone();
+        async move {
+            let states = [
+                phase(&pods, "duo-0").await,
+                phase(&pods, "solo-0").await,
+                phase(&pods, "solo-1").await,
+            ];
+            (states == ["Running", "gone", "gone"])
+                .then_some(())
+                .ok_or_else(|| format!("{states:?}"))
+        }
+    })
+    .await;
+    for name in ["solo-0", "solo-1"] {
+        let note = event_note(&setup.client, "Preempted", name)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("no Preempted event for {name}"));
+        assert!(
+            note.contains("for pod default/duo-0") && note.ends_with("checkpoint taken"),
+            "{name}: {note}"
+        );
+    }
+}

@@ -188,8 +188,8 @@ pub struct Queue {
     last: Option<chrono::DateTime<chrono::Utc>>,
     /// What each waiting pod was last told, so that an unchanged condition is not written again.
     told: BTreeMap<String, (String, String)>,
-    /// The ResourceClaimTemplates written: (namespace, policy, count).
-    templates: BTreeSet<(String, String, u32)>,
+    /// The ResourceClaimTemplates written lately.
+    templates: run::Templates,
     /// Pools' compaction rounds.
     rounds: crate::compaction::Rounds,
 }

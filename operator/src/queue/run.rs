@@ -66,6 +66,24 @@ pub async fn run(
     }
 }
 
+/// How long a written ResourceClaimTemplate is taken to still be there.
+const REWRITE_TEMPLATES_EVERY: Duration = Duration::from_secs(60);
+
+/// The ResourceClaimTemplates written since `since`: (namespace, policy, its uid, count).
+pub(super) struct Templates {
+    written: BTreeSet<(String, String, String, u32)>,
+    since: std::time::Instant,
+}
+
+impl Default for Templates {
+    fn default() -> Self {
+        Templates {
+            written: BTreeSet::new(),
+            since: std::time::Instant::now(),
+        }
+    }
+}
+
 /// What each waiting pod (`namespace/name`) was last told: (reason, message).
 type Told = BTreeMap<String, (String, String)>;
 
@@ -168,8 +186,13 @@ impl Writer {
 
     /// Writes the ResourceClaimTemplate of each policy with a `topology` into the namespaces of
     /// its waiting pods (admission gave them a claim from it): before their gate is lifted, so
-    /// their claims exist when kube-scheduler looks. `written` remembers what was applied.
-    async fn claim_templates(&self, written: &mut BTreeSet<(String, String, u32)>) {
+    /// their claims exist when kube-scheduler looks. `templates` remembers what was applied,
+    /// and forgets it now and then, so that a template deleted by hand comes back.
+    async fn claim_templates(&self, templates: &mut Templates) {
+        if templates.since.elapsed() > REWRITE_TEMPLATES_EVERY {
+            *templates = Templates::default();
+        }
+        let written = &mut templates.written;
         let policies: BTreeMap<String, Arc<gpuslice_api::GpuSlicePolicy>> = self
             .caches
             .policies
@@ -186,7 +209,14 @@ impl Writer {
                 continue;
             };
             let namespace = pod.namespace().unwrap_or_default();
-            let key = (namespace.clone(), policy.name_any(), policy.spec.count);
+            // A policy made again under its name has another uid (and its old template went
+            // with the old one); one of another count needs its template replaced.
+            let key = (
+                namespace.clone(),
+                policy.name_any(),
+                policy.uid().unwrap_or_default(),
+                policy.spec.count,
+            );
             if written.contains(&key) {
                 continue;
             }

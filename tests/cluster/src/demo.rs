@@ -111,7 +111,7 @@ impl Demo {
         let helm = crate::find_built_tool("GPUSLICE_HELM", "helm", "").ok_or(DemoError::NoHelm)?;
         let examples = read_examples(&options.repo.join("examples/gitops"))?;
         let (clock_start, window_change) =
-            choose_clock(&examples, options.clock, options.window_in);
+            choose_clock(&examples, options.clock, options.window_in, Utc::now());
 
         let cluster = ControlPlane::start(Components::all())
             .await?
@@ -323,12 +323,14 @@ fn read_examples(dir: &Path) -> Result<Vec<serde_json::Value>, DemoError> {
 
 /// The clock's start, and the first window change of the example pools after it (when, which
 /// pool, to which window or `the default layout`). Without an explicit start, the clock starts
-/// `window_in` before the first instant, after now, at which a pool's window opens (so the demo
-/// starts in the default layouts, which its hints describe).
+/// `window_in` before the first instant, after `now`, at which a pool's window opens while every
+/// pool is in its default layout (so the demo starts in the default layouts, which its hints
+/// describe, at whatever hour it is run).
 fn choose_clock(
     examples: &[serde_json::Value],
     start: Option<DateTime<FixedOffset>>,
     window_in: Duration,
+    now: DateTime<Utc>,
 ) -> (DateTime<Utc>, Option<WindowChange>) {
     use gpuslice_planning::cluster::pool_timing;
     let pools: Vec<gpuslice_api::GpuPool> = examples
@@ -376,13 +378,19 @@ fn choose_clock(
     let start = match start {
         Some(start) => start.with_timezone(&Utc),
         None => {
-            let now = Utc::now();
+            let lead = TimeDelta::from_std(window_in).unwrap_or_default();
+            // The story starts with every pool in its default layout (four notebooks on the
+            // A100's quarters): the next window opening before which none is in a window, so
+            // the demo tells the same story whatever the hour it is started at.
+            let all_default =
+                |at: DateTime<Utc>| pools.iter().all(|p| pool_timing(p, at).1.window.is_none());
             let opening = changes(now)
                 .filter(|(_, _, before, after)| before.is_none() && after.is_some())
                 .map(|change| change.0)
+                .filter(|when| all_default(*when - lead))
                 .min();
             match opening {
-                Some(when) => when - TimeDelta::from_std(window_in).unwrap_or_default(),
+                Some(when) => when - lead,
                 None => now,
             }
         }
@@ -570,4 +578,33 @@ fn write_tries(dir: &Path) -> Result<(), DemoError> {
         std::fs::write(&path, text).map_err(io(path.display().to_string()))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Started at any hour, the demo's clock starts 90 s before the A100 pool's night window
+    /// opens with every example pool in its default layout: never just before the H200's night
+    /// (21:00 UTC on weekdays), when the A100 is already in its own night (Shanghai, 20:00–08:00).
+    #[test]
+    fn the_demo_starts_before_a_window_opens_with_every_pool_in_its_default_layout() {
+        let repo = crate::repo_root();
+        let examples = read_examples(&repo.join("examples/gitops")).unwrap();
+        let at = |s: &str| DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc);
+        for (now, start) in [
+            // Monday 12:30 UTC: the H200 opens first (21:00), but the A100 is in night then.
+            ("2026-12-07T12:30:00Z", "2026-12-08T11:58:30Z"),
+            // Monday 03:00 UTC: the A100's night opens at 12:00 UTC (20:00 in Shanghai).
+            ("2026-12-07T03:00:00Z", "2026-12-07T11:58:30Z"),
+        ] {
+            let (clock, change) = choose_clock(&examples, None, Duration::from_secs(90), at(now));
+            assert_eq!(clock, at(start), "started at {now}");
+            let change = change.unwrap();
+            assert_eq!(
+                (change.pool.as_str(), change.to.as_str()),
+                ("shared-a100", "window night")
+            );
+        }
+    }
 }
