@@ -372,6 +372,28 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         Some(&["a100-a".to_string()][..])
     );
 
+    // The job that comes next may preempt a notebook (the pool allows it): the queue asks the
+    // node's agent for the slice of the one that loses the least work (none checkpointed: the
+    // newest). (The scheduler writes a pod's claim into its status as it binds it.)
+    let claim_of = |name: &'static str| {
+        let default = default.clone();
+        async move {
+            eventually(&format!("{name} shows its claim"), || {
+                let default = default.clone();
+                async move {
+                    let pod = default.get(name).await.map_err(|e| e.to_string())?;
+                    pod.status
+                        .and_then(|s| s.extended_resource_claim_status)
+                        .map(|s| format!("default/{}", s.resource_claim_name))
+                        .ok_or_else(|| format!("{name} has no claim in its status yet"))
+                }
+            })
+            .await
+        }
+    };
+    // Read before the job arrives: its preemption may take the notebook away at once.
+    let newest = claim_of("notebook-3").await;
+
     // A fine-tuning job of normal priority arrives last and goes to the head of the line.
     let nlp: Api<Pod> = Api::namespaced(client.clone(), "nlp");
     nlp.create(
@@ -392,26 +414,6 @@ async fn pods_wait_at_the_gate_and_go_in_priority_order_as_slices_free_up() {
         }
     })
     .await;
-    // It may preempt a notebook (the pool allows it): the queue asks the node's agent for the
-    // slice of the one that loses the least work (none checkpointed: the newest).
-    // (The scheduler writes a pod's claim into its status as it binds it.)
-    let claim_of = |name: &'static str| {
-        let default = default.clone();
-        async move {
-            eventually(&format!("{name} shows its claim"), || {
-                let default = default.clone();
-                async move {
-                    let pod = default.get(name).await.map_err(|e| e.to_string())?;
-                    pod.status
-                        .and_then(|s| s.extended_resource_claim_status)
-                        .map(|s| format!("default/{}", s.resource_claim_name))
-                        .ok_or_else(|| format!("{name} has no claim in its status yet"))
-                }
-            })
-            .await
-        }
-    };
-    let newest = claim_of("notebook-3").await;
     let gpu_nodes: Api<gpuslice_api::GpuNode> = Api::all(client.clone());
     let preemptions = || {
         let gpu_nodes = gpu_nodes.clone();
