@@ -884,10 +884,22 @@ spec: {pool: shared-a100, memory: 8Gi, priority: high, preemptible: false}
 /// A pod of `policy` (by label and its extended resource) running `script`; `gated`: waiting
 /// in the operator's queue, as the chart's admission policy would have created it.
 fn policy_pod(setup: &Setup, name: &str, policy: &str, script: &str, gated: bool) -> Pod {
+    policy_pod_of(setup, name, policy, 1, script, gated)
+}
+
+/// [`policy_pod`] asking for `slices` of the policy.
+fn policy_pod_of(
+    setup: &Setup,
+    name: &str,
+    policy: &str,
+    slices: u32,
+    script: &str,
+    gated: bool,
+) -> Pod {
     let mut spec = setup.pod_spec(&["/bin/sh", "-c", script]);
     spec["restartPolicy"] = "Never".into();
     spec["containers"][0]["resources"] =
-        serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): "1"}});
+        serde_json::json!({"limits": {format!("gpuslice.io/{policy}"): slices.to_string()}});
     if gated {
         spec["schedulingGates"] = serde_json::json!([{"name": "gpuslice.io/queue"}]);
     }
@@ -2304,6 +2316,17 @@ async fn app_pods(pods: &Api<Pod>, app: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The node's pool as two whole GPUs (replacing the example's software layout), preempting.
+const WHOLE_A100S: &str = "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: shared-a100}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}
+  layout: {exclusive: {}}
+  scheduling: {policy: PriorityFair, preemption: true}
+";
+
 /// `count > 1` in a real container (issue #37): on a node of two whole A100s, a pod of a policy
 /// with `count: 2` asks for both; the queue admits it once both are free, the kubelet plugin
 /// prepares its one claim of two devices, and the container sees both GPUs (the CDI spec's
@@ -2313,31 +2336,21 @@ async fn a_pod_of_two_whole_gpus_sees_both_in_its_container() {
     let Some(setup) = Setup::start_with_gpus(CLOCK, &[], 2).await else {
         return;
     };
-    // The node's pool becomes two whole GPUs (replacing the example's software layout).
-    let pool = "
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuPool
-metadata: {name: shared-a100}
-spec:
-  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}
-  layout: {exclusive: {}}
----
+    let duo = "---
 apiVersion: gpuslice.io/v1alpha1
 kind: GpuSlicePolicy
 metadata: {name: duo}
 spec: {pool: shared-a100, memory: 70Gi, count: 2}
 ";
-    apply_policies(&setup, pool, 2).await;
+    apply_policies(&setup, &format!("{WHOLE_A100S}{duo}"), 2).await;
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
-    let mut pod = policy_pod(
+    let pod = policy_pod_of(
         &setup,
         "duo-0",
         "duo",
+        2,
         "echo \"cuda=$CUDA_VISIBLE_DEVICES\"; echo \"nvidia=$NVIDIA_VISIBLE_DEVICES\"",
         true,
-    );
-    pod.spec.as_mut().unwrap().containers[0].resources = Some(
-        serde_json::from_value(serde_json::json!({"limits": {"gpuslice.io/duo": "2"}})).unwrap(),
     );
     pods.create(&PostParams::default(), &pod).await.unwrap();
     wait_for_phases(&pods, &["duo-0"], ["Succeeded"]).await;
@@ -2377,15 +2390,7 @@ async fn a_two_gpu_pod_takes_back_both_gpus_it_needs_after_their_checkpoints() {
     let Some(setup) = Setup::start_with_gpus(CLOCK, &[], 2).await else {
         return;
     };
-    let policies = "
-apiVersion: gpuslice.io/v1alpha1
-kind: GpuPool
-metadata: {name: shared-a100}
-spec:
-  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}
-  layout: {exclusive: {}}
-  scheduling: {policy: PriorityFair, preemption: true}
----
+    let policies = "---
 apiVersion: gpuslice.io/v1alpha1
 kind: CheckpointPolicy
 metadata: {name: quick}
@@ -2402,7 +2407,7 @@ metadata: {name: duo}
 spec: {pool: shared-a100, memory: 70Gi, count: 2, priority: high, preemptible: false}
 ";
     // The examples' notebook, solo and duo.
-    apply_policies(&setup, policies, 3).await;
+    apply_policies(&setup, &format!("{WHOLE_A100S}{policies}"), 3).await;
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
     let checkpoints = "trap 'echo checkpointing; touch \"$GPUSLICE_CHECKPOINT_DONE\"' USR1; while :; do sleep 0.2; done";
     for name in ["solo-0", "solo-1"] {
@@ -2414,9 +2419,13 @@ spec: {pool: shared-a100, memory: 70Gi, count: 2, priority: high, preemptible: f
         .unwrap();
     }
     wait_for_phases(&pods, &["solo-0", "solo-1"], ["Running", "Running"]).await;
-    let mut duo = policy_pod(&setup, "duo-0", "duo", "while :; do sleep 0.2; done", true);
-    duo.spec.as_mut().unwrap().containers[0].resources = Some(
-        serde_json::from_value(serde_json::json!({"limits": {"gpuslice.io/duo": "2"}})).unwrap(),
+    let duo = policy_pod_of(
+        &setup,
+        "duo-0",
+        "duo",
+        2,
+        "while :; do sleep 0.2; done",
+        true,
     );
     pods.create(&PostParams::default(), &duo).await.unwrap();
     eventually("duo-0 runs on both GPUs, the solos are gone", || {

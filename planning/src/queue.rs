@@ -326,19 +326,16 @@ fn candidates<'a>(
     usable: impl Iterator<Item = &'a FreeDevice>,
 ) -> BTreeMap<String, Vec<FreeDevice>> {
     let count = pod.count.max(1) as usize;
-    let mut groups: BTreeMap<(&str, Option<&str>), Vec<&FreeDevice>> = BTreeMap::new();
+    let mut groups: BTreeMap<(String, Option<String>), Vec<&FreeDevice>> = BTreeMap::new();
     for d in usable {
-        let domain = d.nvlink_domain.as_deref();
-        if pod.nvlink && count > 1 && domain.is_none() {
-            continue;
+        if let Some(group) = together_at(pod, d) {
+            groups.entry(group).or_default().push(d);
         }
-        let domain = if pod.nvlink { domain } else { None };
-        groups.entry((&d.node, domain)).or_default().push(d);
     }
     let mut out: BTreeMap<String, Vec<FreeDevice>> = BTreeMap::new();
     for ((node, _), devices) in groups {
         if devices.len() >= count {
-            out.entry(node.to_string())
+            out.entry(node)
                 .or_default()
                 .extend(devices.into_iter().cloned());
         }
@@ -610,9 +607,9 @@ fn lighter_first(a: &Running, b: &Running) -> std::cmp::Ordering {
 }
 
 /// Where a pod's slices must be together: its node, and its NVLink domain when it needs one
-/// (none for a device off any domain then).
+/// (none for a device off any domain then; a single slice needs no NVLink).
 fn together_at(pod: &Waiting, d: &FreeDevice) -> Option<(String, Option<String>)> {
-    match (pod.nvlink, &d.nvlink_domain) {
+    match (pod.nvlink && pod.count > 1, &d.nvlink_domain) {
         (false, _) => Some((d.node.clone(), None)),
         (true, Some(domain)) => Some((d.node.clone(), Some(domain.clone()))),
         (true, None) => None,
