@@ -76,6 +76,8 @@ pub mod capacity {
 /// The value of [`attribute::KIND`] for each kind of slice.
 pub mod kind {
     pub const SOFTWARE: &str = "software";
+    /// A software slice of a GPU shared through CUDA MPS.
+    pub const MPS: &str = "mps";
     pub const MIG: &str = "mig";
     pub const GPU: &str = "gpu";
 }

@@ -6,10 +6,10 @@ use crate::quantity::Size;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// The layout of every selected GPU. Set exactly one of `mig`, `software` or `exclusive`.
+/// The layout of every selected GPU. Set exactly one of `mig`, `software`, `mps` or `exclusive`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, kube::KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("(has(self.mig) ? 1 : 0) + (has(self.software) ? 1 : 0) + (has(self.exclusive) ? 1 : 0) == 1").message("set exactly one of mig, software or exclusive"))]
+#[x_kube(validation = Rule::new("(has(self.mig) ? 1 : 0) + (has(self.software) ? 1 : 0) + (has(self.mps) ? 1 : 0) + (has(self.exclusive) ? 1 : 0) == 1").message("set exactly one of mig, software, mps or exclusive"))]
 pub struct Layout {
     /// Hardware partitions (Multi-Instance GPU) on MIG-capable models (A100, A30, H100, H200).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -17,26 +17,37 @@ pub struct Layout {
     /// Software slices: each GPU is shared by `slices` workloads, each capped at `memory` and `compute`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub software: Option<SoftwareLayout>,
+    /// Software slices whose workloads share the GPU through CUDA MPS (Multi-Process Service):
+    /// the agent runs one MPS control daemon per GPU, and each slice's processes run at the same
+    /// time as their neighbours' on `compute` percent of the GPU's SMs
+    /// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) instead of taking turns, which keeps an inference
+    /// server's latency low beside a busy neighbour. Memory is capped per slice as for
+    /// `software`. MPS needs a Volta or newer GPU; one client's GPU fault can take down the other
+    /// clients of the same GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<SoftwareLayout>,
     /// Whole GPUs, one workload per GPU, MIG disabled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exclusive: Option<ExclusiveLayout>,
 }
 
-/// Which of the three layout kinds a [`Layout`] holds.
+/// Which of the four layout kinds a [`Layout`] holds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum LayoutKind<'a> {
     Mig(&'a MigLayout),
     Software(&'a SoftwareLayout),
+    Mps(&'a SoftwareLayout),
     Exclusive,
 }
 
 impl Layout {
     /// The single kind this layout holds, or `None` when it sets none or several.
     pub fn kind(&self) -> Option<LayoutKind<'_>> {
-        match (&self.mig, &self.software, &self.exclusive) {
-            (Some(m), None, None) => Some(LayoutKind::Mig(m)),
-            (None, Some(s), None) => Some(LayoutKind::Software(s)),
-            (None, None, Some(_)) => Some(LayoutKind::Exclusive),
+        match (&self.mig, &self.software, &self.mps, &self.exclusive) {
+            (Some(m), None, None, None) => Some(LayoutKind::Mig(m)),
+            (None, Some(s), None, None) => Some(LayoutKind::Software(s)),
+            (None, None, Some(s), None) => Some(LayoutKind::Mps(s)),
+            (None, None, None, Some(_)) => Some(LayoutKind::Exclusive),
             _ => None,
         }
     }

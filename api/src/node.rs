@@ -414,6 +414,9 @@ pub struct SoftwareSliceState {
     pub memory: Quantity,
     /// Compute share in percent.
     pub compute: u32,
+    /// The GPU's slices share it through CUDA MPS (layout `mps`) rather than by taking turns.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mps: bool,
     /// Processes holding the slice; a slice with a claim is busy.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub processes: Vec<GpuProcess>,

@@ -21,3 +21,14 @@ pub const CHECKPOINT_SIGNAL: &str = "GPUSLICE_CHECKPOINT_SIGNAL";
 /// mounted in every container: checkpoints written there outlive the pod, so its replacement
 /// resumes from them. Set by the chart's admission with the volume, not by the agent.
 pub const CHECKPOINT_DIR: &str = "GPUSLICE_CHECKPOINT_DIR";
+
+/// CUDA MPS (NVIDIA's names). Where a client finds its MPS control daemon's pipes (default
+/// `/tmp/nvidia-mps`).
+pub const MPS_PIPE_DIRECTORY: &str = "CUDA_MPS_PIPE_DIRECTORY";
+/// Where the MPS control daemon and servers write their logs (default `/var/log/nvidia-mps`).
+pub const MPS_LOG_DIRECTORY: &str = "CUDA_MPS_LOG_DIRECTORY";
+/// The percentage of the GPU's SMs (threads) an MPS client may use.
+pub const MPS_ACTIVE_THREAD_PERCENTAGE: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
+/// The device memory an MPS client may pin: `<device>=<size>[,…]`, a device being an ordinal or
+/// a UUID and a size a number with `K`, `M` or `G`, for example `0=2048M`.
+pub const MPS_PINNED_DEVICE_MEM_LIMIT: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";

@@ -8,6 +8,9 @@
 //! <state>/slices/<id>/config         a slice's read-only config (SliceConfig as JSON)
 //! <state>/slices/<id>/memory         the slice's memory ledger (shared by its processes)
 //! <state>/slices/<id>/checkpoint-done  written by the workload when it has checkpointed
+//! <state>/mps/gpu<i>/pipe/           the MPS control daemon of GPU i (layout `mps`): its pipe
+//!                                    directory, which containers of its slices get
+//! <state>/mps/gpu<i>/log/            and its log directory
 //! <state>/drains.json                what the agent signalled when (survives restarts)
 //! <state>/source/                    standalone: Git mirrors and the last good config
 //! <state>/emulated-<node>.json       with --emulate: the emulated machine
@@ -26,6 +29,11 @@ pub const PINNED_CONFIG: &str = "/etc/gpuslice/slice-config";
 /// The file that makes the dynamic loader preload a library into every process of a container;
 /// the CDI spec of a software slice names the shim in it.
 pub const SYSTEM_PRELOAD: &str = "/etc/ld.so.preload";
+
+/// In a container given an MPS slice: where its GPU's MPS pipe directory is mounted. CUDA's own
+/// default (`CUDA_MPS_PIPE_DIRECTORY` unset), so unsetting the variable still reaches the
+/// node's daemon rather than a server the workload could start itself.
+pub const MPS_PIPE_IN_CONTAINER: &str = "/tmp/nvidia-mps";
 
 /// A slice's config, inside its directory.
 pub const CONFIG_FILE: &str = "config";
@@ -103,6 +111,21 @@ impl StateDir {
     /// Slices and GPUs taken out of service after XID errors.
     pub fn quarantines(&self) -> PathBuf {
         self.root.join("quarantine.json")
+    }
+
+    /// The directory of GPU `gpu`'s MPS control daemon (pipe and log directories inside).
+    pub fn mps(&self, gpu: u32) -> PathBuf {
+        self.root.join("mps").join(format!("gpu{gpu}"))
+    }
+
+    /// The pipe directory of GPU `gpu`'s MPS control daemon (`CUDA_MPS_PIPE_DIRECTORY`).
+    pub fn mps_pipe(&self, gpu: u32) -> PathBuf {
+        self.mps(gpu).join("pipe")
+    }
+
+    /// The log directory of GPU `gpu`'s MPS control daemon (`CUDA_MPS_LOG_DIRECTORY`).
+    pub fn mps_log(&self, gpu: u32) -> PathBuf {
+        self.mps(gpu).join("log")
     }
 
     /// Standalone mode: Git mirrors and the last good config.

@@ -13,10 +13,22 @@ use serde::{Deserialize, Serialize};
 pub enum SliceKind {
     /// A memory cap and a compute share on a GPU, enforced by the shim and the agent's arbiter.
     Software,
+    /// A software slice of a GPU shared through CUDA MPS: the shim caps its memory, the MPS
+    /// server its share of the SMs (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`); its processes run at
+    /// the same time as their neighbours', so the arbiter gives it no turns.
+    Mps,
     /// A MIG instance (hardware isolation).
     Mig,
     /// A whole GPU.
     Exclusive,
+}
+
+impl SliceKind {
+    /// A slice of a GPU other workloads share, whose memory the shim caps and the agent's
+    /// watchdog guards (software and MPS slices).
+    pub fn shares_gpu(self) -> bool {
+        matches!(self, SliceKind::Software | SliceKind::Mps)
+    }
 }
 
 /// A slice's config.

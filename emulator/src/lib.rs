@@ -5,6 +5,7 @@
 //! need many emulated nodes in one process use [`model::Machine`] directly.
 
 pub mod model;
+pub mod mps;
 pub mod store;
 pub mod timeline;
 

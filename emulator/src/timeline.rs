@@ -31,7 +31,8 @@ struct Header {
 #[repr(C)]
 struct Record {
     pid: AtomicU32,
-    _pad: u32,
+    /// Percent of the GPU's SMs the kernel ran on: 100, or an MPS client's share.
+    share: AtomicU32,
     start: AtomicU64,
     /// Written last: 0 while the record is being filled.
     end: AtomicU64,
@@ -41,12 +42,21 @@ const HEADER: usize = std::mem::size_of::<Header>();
 const RECORD: usize = std::mem::size_of::<Record>();
 const FILE_SIZE: usize = HEADER + CAPACITY as usize * RECORD;
 
-/// A kernel that ran: who, from when to when (monotonic nanoseconds).
+/// A kernel that ran: who, from when to when (monotonic nanoseconds), on what percent of the
+/// GPU's SMs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Interval {
     pub pid: u32,
     pub start: u64,
     pub end: u64,
+    pub share: u32,
+}
+
+impl Interval {
+    /// The GPU time it used within `[from, to)`: its overlap, weighted by its share of the SMs.
+    pub fn used_within(&self, from: u64, to: u64) -> u64 {
+        self.end.min(to).saturating_sub(self.start.max(from)) * u64::from(self.share) / 100
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -136,14 +146,33 @@ impl Timeline {
                 Err(seen) => current = seen,
             }
         };
+        self.record_kernel(pid, start, end, 100);
+        end
+    }
+
+    /// Runs a kernel of an MPS client on `share` percent of the SMs: it starts when its stream
+    /// is ready, beside other clients' kernels (MPS runs them at the same time, each on its own
+    /// SMs), and takes `duration × 100 / share`, `duration` being its time on the whole GPU.
+    /// Returns when it ends.
+    pub fn run_beside(&self, pid: u32, ready: u64, duration: u64, share: u32) -> u64 {
+        let share = share.clamp(1, 100);
+        if duration == 0 {
+            return ready;
+        }
+        let end = ready + duration * 100 / u64::from(share);
+        self.record_kernel(pid, ready, end, share);
+        end
+    }
+
+    fn record_kernel(&self, pid: u32, start: u64, end: u64, share: u32) {
         let index = self.header().count.fetch_add(1, Ordering::AcqRel);
         if index < CAPACITY {
             let record = self.record(index);
             record.pid.store(pid, Ordering::Relaxed);
+            record.share.store(share, Ordering::Relaxed);
             record.start.store(start, Ordering::Relaxed);
             record.end.store(end, Ordering::Release);
         }
-        end
     }
 
     /// Every recorded kernel, in launch order.
@@ -157,6 +186,7 @@ impl Timeline {
                     pid: r.pid.load(Ordering::Relaxed),
                     start: r.start.load(Ordering::Relaxed),
                     end,
+                    share: r.share.load(Ordering::Relaxed),
                 })
             })
             .collect()
@@ -185,20 +215,41 @@ mod tests {
                 Interval {
                     pid: 1,
                     start: t0,
-                    end: t0 + 500
+                    end: t0 + 500,
+                    share: 100,
                 },
                 Interval {
                     pid: 2,
                     start: t0 + 500,
-                    end: t0 + 800
+                    end: t0 + 800,
+                    share: 100,
                 },
                 Interval {
                     pid: 1,
                     start: t0 + 2_000,
-                    end: t0 + 2_100
+                    end: t0 + 2_100,
+                    share: 100,
                 },
             ]
         );
+    }
+
+    #[test]
+    fn mps_clients_run_side_by_side_each_on_its_share_of_the_sms() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("gpu.timeline");
+        let t = Timeline::open(&path).unwrap();
+        let t0 = 1_000;
+        // A 1 ms kernel on a quarter of the SMs takes 4 ms; its neighbour's does not wait.
+        assert_eq!(t.run_beside(1, t0, 1_000_000, 25), t0 + 4_000_000);
+        assert_eq!(t.run_beside(2, t0, 1_000_000, 75), t0 + 1_333_333);
+        let used: u64 = t
+            .intervals()
+            .iter()
+            .map(|k| k.used_within(t0, t0 + 4_000_000))
+            .sum();
+        // Each used its share for as long as it ran: 1 ms of the whole GPU apiece.
+        assert_eq!(used, 1_000_000 + 999_999);
     }
 
     #[test]

@@ -51,9 +51,10 @@ pub fn selector(policy: &GpuSlicePolicy, pools: &[GpuPool]) -> String {
     ];
     if let Some(compute) = &spec.compute {
         terms.push(format!(
-            "({} != {} || {}.compareTo(quantity({})) >= 0)",
+            "(!({} in [{}, {}]) || {}.compareTo(quantity({})) >= 0)",
             attr(attribute::KIND),
             literal(kind::SOFTWARE),
+            literal(kind::MPS),
             cap(capacity::COMPUTE),
             literal(&compute.limit.to_string())
         ));
@@ -235,7 +236,7 @@ spec: {pool: infer, memory: 18Gi, compute: {limit: 25, guarantee: 10}, checkpoin
             .expression;
         assert_eq!(
             cel,
-            r#"device.driver == "gpuslice.io" && device.attributes["gpuslice.io"].pool == "infer" && device.capacity["gpuslice.io"].memory.compareTo(quantity("20401094656")) >= 0 && (device.attributes["gpuslice.io"].kind != "software" || device.capacity["gpuslice.io"].compute.compareTo(quantity("25")) >= 0)"#
+            r#"device.driver == "gpuslice.io" && device.attributes["gpuslice.io"].pool == "infer" && device.capacity["gpuslice.io"].memory.compareTo(quantity("20401094656")) >= 0 && (!(device.attributes["gpuslice.io"].kind in ["software", "mps"]) || device.capacity["gpuslice.io"].compute.compareTo(quantity("25")) >= 0)"#
         );
         let opaque = class.spec.config.as_ref().unwrap()[0]
             .opaque

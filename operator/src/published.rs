@@ -84,12 +84,13 @@ impl PublishedDevice {
         self.attributes.pool.as_ref()?.string.as_deref()
     }
 
+    /// A software slice, taking turns or through MPS.
     pub fn is_software(&self) -> bool {
         self.attributes
             .kind
             .as_ref()
             .and_then(|k| k.string.as_deref())
-            .is_some_and(|k| k == dra::kind::SOFTWARE)
+            .is_some_and(|k| k == dra::kind::SOFTWARE || k == dra::kind::MPS)
     }
 
     /// The NVLink domain of its GPU; none for a GPU without NVLink peers.

@@ -127,6 +127,7 @@ fn a100_gpu(index: u32, rng: &mut Lcg) -> GpuInventory {
             id: format!("s{index}-{s}"),
             memory: Quantity("20Gi".into()),
             compute: 25,
+            mps: false,
             processes: if rng.next().is_multiple_of(4) {
                 vec![GpuProcess {
                     pid: 1,

@@ -287,7 +287,9 @@ fn software_overflow(
     model: Option<&catalog::GpuModel>,
     gpu: &GpuInventory,
 ) -> Option<String> {
-    let gpuslice_api::LayoutKind::Software(s) = layout.kind()? else {
+    let (gpuslice_api::LayoutKind::Software(s) | gpuslice_api::LayoutKind::Mps(s)) =
+        layout.kind()?
+    else {
         return None;
     };
     let memory = s.memory.bytes().ok()?;

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use gpuslice_api::quantity::{bytes_of, format_bytes};
-use gpuslice_api::{GpuInventory, Layout, LayoutKind, Placement};
+use gpuslice_api::{GpuInventory, Layout, LayoutKind, Placement, SoftwareLayout};
 use serde::Serialize;
 
 use crate::catalog::GpuModel;
@@ -25,22 +25,39 @@ pub struct Instance {
     pub busy: bool,
 }
 
-/// A software slice table: `slices` slices of `memory` bytes and `compute` percent each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// A software slice table: `slices` slices of `memory` bytes and `compute` percent each, taking
+/// turns on the GPU or, with `mps`, running side by side through CUDA MPS.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SliceTable {
     pub slices: u32,
     pub memory: u64,
     pub compute: u32,
+    pub mps: bool,
+}
+
+impl SliceTable {
+    fn of(layout: &SoftwareLayout, mps: bool) -> Result<SliceTable, DesiredError> {
+        Ok(SliceTable {
+            slices: layout.slices,
+            memory: layout
+                .memory
+                .bytes()
+                .map_err(|_| DesiredError::Memory(layout.memory.0.clone()))?,
+            compute: layout.compute,
+            mps,
+        })
+    }
 }
 
 impl std::fmt::Display for SliceTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} × {} / {}% compute",
+            "{} × {} / {}% compute{}",
             self.slices,
             format_bytes(self.memory),
-            self.compute
+            self.compute,
+            if self.mps { " (MPS)" } else { "" }
         )
     }
 }
@@ -67,6 +84,7 @@ impl GpuState {
             slices: gpu.slices.len() as u32,
             memory: bytes_of(&first.memory.0).unwrap_or(0),
             compute: first.compute,
+            mps: first.mps,
         });
         GpuState {
             mig_enabled: mig.is_some_and(|m| m.enabled),
@@ -127,7 +145,7 @@ pub enum DesiredError {
     UnknownMigModel(String),
     #[error("slice memory {0:?} is not a size")]
     Memory(String),
-    #[error("the layout sets none or several of mig, software, exclusive")]
+    #[error("the layout sets none or several of mig, software, mps, exclusive")]
     NoKind,
 }
 
@@ -152,14 +170,8 @@ impl Desired {
                     .collect();
                 Ok(Desired::Mig(canonical))
             }
-            LayoutKind::Software(s) => Ok(Desired::Software(SliceTable {
-                slices: s.slices,
-                memory: s
-                    .memory
-                    .bytes()
-                    .map_err(|_| DesiredError::Memory(s.memory.0.clone()))?,
-                compute: s.compute,
-            })),
+            LayoutKind::Software(s) => Ok(Desired::Software(SliceTable::of(s, false)?)),
+            LayoutKind::Mps(s) => Ok(Desired::Software(SliceTable::of(s, true)?)),
             LayoutKind::Exclusive => Ok(Desired::Exclusive),
         }
     }

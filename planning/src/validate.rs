@@ -200,7 +200,7 @@ fn check_count(
     if spec.count > 1 {
         let software: Vec<String> = layouts(pool)
             .into_iter()
-            .filter(|(_, _, layout)| layout.software.is_some())
+            .filter(|(_, _, layout)| layout.software.is_some() || layout.mps.is_some())
             .map(|(_, what, _)| what)
             .collect();
         if !software.is_empty() {
@@ -464,6 +464,9 @@ fn check_pool(
     let any_mig = layouts(&pool.object)
         .iter()
         .any(|(_, _, l)| l.mig.is_some());
+    let any_mps = layouts(&pool.object)
+        .iter()
+        .any(|(_, _, l)| l.mps.is_some());
     for (i, name) in &unknown {
         let path = format!("spec.gpuSelector.models[{i}]");
         if any_mig {
@@ -471,16 +474,24 @@ fn check_pool(
         } else {
             out.warn(doc, &path, format!("{name:?} is not in the GPU catalog: memory checks are skipped (fine for GPUs without MIG; check the spelling against nvidia-smi --query-gpu=name)"));
         }
+        if any_mps {
+            out.warn(doc, &path, format!("{name:?} is not in the GPU catalog, and the pool uses an mps layout: MPS compute shares need a Volta or newer GPU (compute capability 7.0); the agent refuses the layout on an older one"));
+        }
     }
     let headroom = pool.object.spec.headroom_bytes();
     for (path, what, layout) in layouts(&pool.object) {
         match layout.kind() {
-            Some(LayoutKind::Software(s)) => {
+            Some(kind @ (LayoutKind::Software(s) | LayoutKind::Mps(s))) => {
+                let field = if matches!(kind, LayoutKind::Mps(_)) {
+                    "mps"
+                } else {
+                    "software"
+                };
                 let Ok(memory) = s.memory.bytes() else {
                     continue;
                 };
                 if memory <= headroom {
-                    out.error(doc, &format!("{path}.software.memory"), format!(
+                    out.error(doc, &format!("{path}.{field}.memory"), format!(
                         "slice memory {} leaves nothing once memoryHeadroom {} is kept back; raise memory or lower memoryHeadroom",
                         format_bytes(memory), format_bytes(headroom)
                     ));
@@ -488,7 +499,7 @@ fn check_pool(
                 for m in &models {
                     let total = memory.saturating_mul(u64::from(s.slices));
                     if total > m.memory_bytes() {
-                        out.error(doc, &format!("{path}.software"), format!(
+                        out.error(doc, &format!("{path}.{field}"), format!(
                             "{} slices × {} = {} exceed the {} of a {}; use fewer or smaller slices",
                             s.slices, format_bytes(memory), format_bytes(total), format_bytes(m.memory_bytes()), m.name
                         ));
@@ -706,7 +717,7 @@ fn why_not_fits(
         limit,
     } = *demand;
     match layout.kind() {
-        Some(LayoutKind::Software(s)) => {
+        Some(LayoutKind::Software(s) | LayoutKind::Mps(s)) => {
             let slice = s.memory.bytes().unwrap_or(0);
             if need > slice {
                 Some((

@@ -87,6 +87,7 @@ impl Report {
                 pid: self.pid,
                 start: end.saturating_sub(step),
                 end,
+                share: 100,
             })
             .collect()
     }

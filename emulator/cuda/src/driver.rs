@@ -48,6 +48,8 @@ pub(crate) struct Driver {
     pub(crate) state: PathBuf,
     /// Device key → its timeline, opened at the first kernel.
     pub(crate) timelines: HashMap<u32, Timeline>,
+    /// Set when an MPS control daemon answered at `cuInit`.
+    pub(crate) mps: Option<crate::mps::Client>,
     next_id: u64,
     next_address: u64,
 }
@@ -106,11 +108,13 @@ pub(crate) fn init() -> Result<(), CUresult> {
         CUDA_ERROR_UNKNOWN
     })?;
     ledger.reclaim(alive);
+    let process = Process::current();
     *lock = Some(Driver {
         devices: discover(&machine),
         state: path,
         ledger: Some(ledger),
-        process: Some(Process::current()),
+        process: Some(process),
+        mps: crate::mps::connect(process.pid),
         next_id: 1,
         next_address: 0x7f00_0000_0000,
         ..Driver::default()
@@ -186,6 +190,17 @@ impl Driver {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let ordinal = self.current_device()?;
+        if let Some(limit) = self.mps.as_ref().and_then(|m| m.pinned.get(&ordinal)) {
+            let pinned: u64 = self
+                .held
+                .values()
+                .filter(|(o, _)| *o == ordinal)
+                .map(|(_, b)| b)
+                .sum();
+            if pinned + bytes > *limit {
+                return Err(CUDA_ERROR_OUT_OF_MEMORY);
+            }
+        }
         self.take(ordinal, bytes)?;
         let address = self.next_address;
         self.next_address += bytes.div_ceil(512) * 512;

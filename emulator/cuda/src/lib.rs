@@ -22,6 +22,7 @@ mod error;
 mod graph;
 mod launch;
 mod memory;
+mod mps;
 mod proc_address;
 mod stream;
 mod timeline;

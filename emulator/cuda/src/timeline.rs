@@ -37,8 +37,12 @@ impl Driver {
         let pid = self.process.map_or(0, |p| p.pid);
         let now = now_ns();
         let mut end = self.streams.get(&(stream as u64)).copied().unwrap_or(now);
+        let timeline = &self.timelines[&key];
         for &run in kernels {
-            end = self.timelines[&key].run(pid, end.max(now), run);
+            end = match &self.mps {
+                Some(client) => timeline.run_beside(pid, end.max(now), run, client.share),
+                None => timeline.run(pid, end.max(now), run),
+            };
         }
         self.streams.insert(stream as u64, end);
         Ok(())

@@ -60,11 +60,12 @@ fn busy_ns(state: &Path, key: u32, from: u64, to: u64) -> Result<u64, nvmlReturn
         eprintln!("gpuslice NVML emulator: {e}");
         UNKNOWN
     })?;
-    // Kernels on one timeline never overlap, so their overlaps with the span add up.
+    // Kernels taking turns never overlap, and MPS clients' kernels overlap on SMs of their own,
+    // so their overlaps with the span, weighted by their SM shares, add up.
     Ok(timeline
         .intervals()
         .iter()
-        .map(|k| k.end.min(to).saturating_sub(k.start.max(from)))
+        .map(|k| k.used_within(from, to))
         .sum())
 }
 
@@ -522,7 +523,7 @@ pub extern "C" fn nvmlDeviceGetProcessUtilization(
                 UNKNOWN
             })?;
             for k in timeline.intervals() {
-                let ran = k.end.min(now).saturating_sub(k.start.max(from));
+                let ran = k.used_within(from, now);
                 if ran > 0 {
                     *per_pid.entry(k.pid).or_default() += ran;
                 }

@@ -114,6 +114,7 @@ pub fn devices(
                 attribute::KIND.to_string(),
                 string(match slice.kind {
                     SliceKind::Software => kind::SOFTWARE,
+                    SliceKind::Mps => kind::MPS,
                     SliceKind::Mig => kind::MIG,
                     SliceKind::Exclusive => kind::GPU,
                 }),

@@ -13,7 +13,6 @@ use futures::StreamExt as _;
 use gpuslice_api::k8s_openapi::api::core::v1::ObjectReference;
 use gpuslice_api::k8s_openapi::api::resource::v1::Device;
 use gpuslice_api::{CheckpointPolicy, DriverMinimum, GpuNode, GpuPool, GpuSlicePolicy};
-use gpuslice_contract::SliceKind;
 use gpuslice_planning::cluster::{ClusterPlan, NodePlan};
 use gpuslice_runtime::apply_body;
 use gpuslice_runtime::clock::Clock;
@@ -476,7 +475,7 @@ impl<'a> NodeLoop<'a> {
             .into_iter()
             .filter(|c| {
                 let pool = gpus.iter().find(|a| a.index == c.gpu);
-                let outdated = c.kind == SliceKind::Software
+                let outdated = c.kind.shares_gpu()
                     && pool.is_some_and(|a| outdated.contains_key(&a.assigned.pool));
                 outdated || !self.quarantines.taints(c.gpu, &c.id).is_empty()
             })
@@ -511,7 +510,7 @@ impl<'a> NodeLoop<'a> {
             .collect();
         dra::devices(&pass.inventory, gpus, &|a, slice| {
             // Old drivers break the shim's isolation; MIG's is the hardware's.
-            if slice.kind == SliceKind::Software && outdated.contains_key(&a.assigned.pool) {
+            if slice.kind.shares_gpu() && outdated.contains_key(&a.assigned.pool) {
                 return None;
             }
             let recut = if waiting.contains(&a.index) {

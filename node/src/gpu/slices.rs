@@ -41,6 +41,9 @@ pub struct SliceEntry {
     pub gpu_uuid: String,
     pub memory_bytes: u64,
     pub compute_percent: u32,
+    /// The GPU's slices share it through CUDA MPS.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mps: bool,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SliceError + '_ {
@@ -69,6 +72,7 @@ pub fn read(state: &StateDir, gpu: u32) -> Result<Vec<SoftwareSliceState>, Slice
             id: e.id,
             memory: Quantity(format_bytes(e.memory_bytes)),
             compute: e.compute_percent,
+            mps: e.mps,
             processes: Vec::new(),
         })
         .collect())
@@ -85,6 +89,7 @@ pub fn write(state: &StateDir, gpu: &GpuInventory, table: &SliceTable) -> Result
             gpu_uuid: uuid.clone(),
             memory_bytes: table.memory,
             compute_percent: table.compute,
+            mps: table.mps,
         })
         .collect();
     let path = state.slice_table(gpu.index);
@@ -127,7 +132,11 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
         if !gpu.slices.is_empty() {
             out.extend(gpu.slices.iter().map(|s| SliceConfig {
                 id: s.id.clone(),
-                kind: SliceKind::Software,
+                kind: if s.mps {
+                    SliceKind::Mps
+                } else {
+                    SliceKind::Software
+                },
                 gpu: gpu.index,
                 device_minor: gpu.minor,
                 device_uuid: gpu_uuid.clone(),

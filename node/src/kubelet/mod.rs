@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use gpuslice_api::dra;
 use gpuslice_api::k8s_openapi::api::resource::v1::ResourceClaim;
-use gpuslice_contract::{SliceConfig, SliceKind, StateDir};
+use gpuslice_contract::{SliceConfig, StateDir};
 use kube::Api;
 use serde::{Deserialize, Serialize};
 
@@ -233,7 +233,7 @@ pub fn cdi_spec(
                     "ro",
                 ));
             }
-            if slice.kind == SliceKind::Software {
+            if slice.kind.shares_gpu() {
                 env.push(format!(
                     "{}={}",
                     gpuslice_contract::env::SLICE_CONFIG,
@@ -487,7 +487,7 @@ impl Plugin {
         };
         let software: Vec<&str> = devices
             .iter()
-            .filter(|(_, _, s)| s.kind == SliceKind::Software)
+            .filter(|(_, _, s)| s.kind.shares_gpu())
             .map(|(_, _, s)| s.id.as_str())
             .collect();
         if software.len() > 1 {

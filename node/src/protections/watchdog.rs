@@ -455,7 +455,7 @@ pub fn watched(state: &StateDir, claims: &Claims) -> Vec<Watched> {
     let slices = claims.slices();
     let slice = |id: &str| slices.iter().find(|s| s.id == id);
     let software_cap =
-        |config: &SliceConfig| (config.kind == SliceKind::Software).then_some(config.memory_bytes);
+        |config: &SliceConfig| config.kind.shares_gpu().then_some(config.memory_bytes);
     let mut out: Vec<Watched> = claims
         .held()
         .into_iter()
@@ -498,6 +498,16 @@ pub fn watched(state: &StateDir, claims: &Claims) -> Vec<Watched> {
     out
 }
 
+/// Each held slice's compute limit: the arbiter's for a time-sliced one, the SM share MPS
+/// gives an MPS one (a client that drops `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` runs past it).
+fn limits(claims: &Claims, compute: &Compute) -> BTreeMap<String, u32> {
+    let mut limits = compute.limits();
+    for slice in claims.slices().iter().filter(|s| s.kind == SliceKind::Mps) {
+        limits.insert(slice.id.clone(), slice.compute_percent);
+    }
+    limits
+}
+
 /// What one read of NVML finds: slices over their caps, and (unless the watchdog ignores them)
 /// processes on a pool's GPU that hold no slice of it.
 fn find(
@@ -527,7 +537,7 @@ fn find(
         .collect();
     let uses = gpus.process_utilization(&software, since);
     found.extend(
-        compute_overruns(&watched, &uses, owner, &compute.limits())
+        compute_overruns(&watched, &uses, owner, &limits(claims, compute))
             .into_iter()
             .map(Finding::Compute),
     );

@@ -121,6 +121,7 @@ pub fn applied(node: &str, gpus: &[GpuAssignment]) -> NodeInventory {
                     software.memory.0.clone(),
                 ),
                 compute: software.compute,
+                mps: false,
                 processes: Vec::new(),
             })
             .collect();
