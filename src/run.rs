@@ -142,8 +142,16 @@ pub fn run(
         Ok(existing) if !existing.is_empty() => format!("{}:{existing}", shim.display()),
         _ => shim.display().to_string(),
     };
+    // An MPS slice's workload is told its GPU's daemon, its SM share and its memory limit.
+    let mps = std::fs::read(&config)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<gpuslice_contract::SliceConfig>(&b).ok())
+        .filter(|c| c.kind == gpuslice_contract::SliceKind::Mps)
+        .map(|c| gpuslice_node::gpu::mps::client_env(&c, &state.mps_pipe(c.gpu), 0, c.memory_bytes))
+        .unwrap_or_default();
     let mut child = Command::new(&command[0])
         .args(&command[1..])
+        .envs(mps)
         .env("LD_PRELOAD", preload)
         .env("CUDA_VISIBLE_DEVICES", &device_uuid)
         .env("NVIDIA_VISIBLE_DEVICES", &device_uuid)

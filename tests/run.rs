@@ -742,8 +742,12 @@ struct WatchedNode {
 
 impl WatchedNode {
     fn start(interval: &str) -> WatchedNode {
-        let (dir, state, agent) =
-            agent_on(pool(4, "20Gi"), &["--memory-watchdog-interval", interval]);
+        WatchedNode::on(pool(4, "20Gi"), interval)
+    }
+
+    /// The node following `pool` (whose policy is `small`).
+    fn on(pool: String, interval: &str) -> WatchedNode {
+        let (dir, state, agent) = agent_on(pool, &["--memory-watchdog-interval", interval]);
         let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
         let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
         WatchedNode {
@@ -1176,4 +1180,137 @@ fn a_policy_of_several_slices_is_refused_with_what_to_do() {
         said.contains("GpuSlicePolicy \"duo\" gives each workload 2 slices (spec.count), and a command run here gets one"),
         "{said}"
     );
+}
+
+/// Two MPS slices of GPU 0 (20 GiB, half the SMs each), and policy `small` on them.
+fn mps_pool() -> String {
+    pool(2, "20Gi").replace("    software: ", "    mps: ")
+}
+
+/// The kernels the emulated GPU 0 ran for `pid`.
+fn kernels_of(machine: &Path, pid: u32) -> Vec<gpuslice_emulator::timeline::Interval> {
+    let path =
+        gpuslice_emulator::timeline::timeline_path(machine, gpuslice_emulator::device_key(0, None));
+    gpuslice_emulator::timeline::Timeline::open(&path)
+        .unwrap()
+        .intervals()
+        .into_iter()
+        .filter(|k| k.pid == pid)
+        .collect()
+}
+
+/// The pid a compute worker reported (its JSON's `pid`).
+fn worker_pid(output: &std::process::Output) -> u32 {
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&output.stdout)));
+    report["pid"].as_u64().unwrap() as u32
+}
+
+/// An `mps` layout: the agent runs the GPU's MPS control daemon (NVIDIA's command-line tool,
+/// emulated) with the slice's share and memory as its defaults, tells each workload its daemon,
+/// share and pinned memory limit, and starts the daemon again when it dies. Two workloads run
+/// their kernels at the same time, each on half the SMs, also the one that asks MPS for all of
+/// them (a client's share only lowers the daemon's); one that bypasses the shim stops at MPS's
+/// pinned limit; one that leaves MPS (another pipe directory) and takes the whole GPU is stopped
+/// by the agent.
+#[test]
+fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
+    let mut node = WatchedNode::on(mps_pool(), "300ms");
+    let contract = gpuslice_contract::StateDir::new(&node.state);
+    let pipe = contract.mps_pipe(0);
+    eventually("the GPU's MPS daemon listens", || {
+        pipe.join("control").exists()
+    });
+    let told = run(
+        &node.state,
+        &[
+            "--policy",
+            "small",
+            "--",
+            "sh",
+            "-c",
+            "echo $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_MPS_PINNED_DEVICE_MEM_LIMIT $CUDA_MPS_PIPE_DIRECTORY",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&told.stdout),
+        format!("50 0=20480M {}\n", pipe.display())
+    );
+
+    let worker =
+        |seconds: u32| format!("{BIN} bench compute-worker --kernel-us 2000 --seconds {seconds}");
+    let mut modest = node.run(&format!("exec {}", worker(2)), true);
+    let mut greedy = node.run(
+        &format!(
+            "exec env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 {}",
+            worker(2)
+        ),
+        true,
+    );
+    let (modest, greedy) = (
+        modest.wait_with_output().unwrap(),
+        greedy.wait_with_output().unwrap(),
+    );
+    let (a, b) = (
+        kernels_of(&node.machine, worker_pid(&modest)),
+        kernels_of(&node.machine, worker_pid(&greedy)),
+    );
+    assert!(
+        a.len() > 100 && b.len() > 100,
+        "{} and {} kernels",
+        a.len(),
+        b.len()
+    );
+    for k in a.iter().chain(&b) {
+        assert_eq!(k.share, 50, "every kernel on half the SMs: {k:?}");
+        assert_eq!(
+            k.end - k.start,
+            4_000_000,
+            "a 2 ms kernel takes 4 ms on half the SMs"
+        );
+    }
+    let overlapping = a
+        .iter()
+        .filter(|x| b.iter().any(|y| x.start < y.end && y.start < x.end))
+        .count();
+    assert!(
+        overlapping * 2 > a.len(),
+        "side by side, not taking turns: {overlapping} of {} kernels overlap the other's",
+        a.len()
+    );
+
+    // Around the shim, MPS's pinned limit is what stops it: 20 GiB of the 24 asked for.
+    let probe = node.probe.clone();
+    let mut unshimmed = node.run(
+        &format!("exec env -u LD_PRELOAD {probe} link hold 24576"),
+        true,
+    );
+    assert_eq!(first_line(&mut unshimmed), format!("held={}", 20u64 << 30));
+    node.children.keep(unshimmed);
+
+    // Out of MPS, on the whole GPU for as long as it likes: stopped by the agent.
+    let mut outside = node.run(
+        &format!(
+            "exec env CUDA_MPS_PIPE_DIRECTORY=/nonexistent {}",
+            worker(60)
+        ),
+        false,
+    );
+    let status = exit_of(&mut outside, "the workload outside MPS");
+    assert_eq!(status.code(), Some(128 + 15), "stopped by SIGTERM");
+
+    // A daemon that dies is started again by the next pass.
+    let pid_file = pipe.join("nvidia-cuda-mps-control.pid");
+    let first = std::fs::read_to_string(&pid_file).unwrap();
+    let killed = Command::new("kill")
+        .args(["-KILL", first.trim()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    eventually("the daemon is started again", || {
+        std::fs::read_to_string(&pid_file).is_ok_and(|p| p != first)
+            && std::os::unix::net::UnixStream::connect(pipe.join("control")).is_ok()
+    });
 }

@@ -147,7 +147,12 @@ pub fn bind(pipe: &Path) -> Result<UnixListener, MpsError> {
         return Err(MpsError::Running);
     }
     let _ = std::fs::remove_file(&control);
-    UnixListener::bind(&control).map_err(io(&control))
+    let listener = UnixListener::bind(&control).map_err(io(&control))?;
+    // Clients of any user connect, as to NVIDIA's daemon.
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o666))
+        .map_err(io(&control))?;
+    Ok(listener)
 }
 
 /// Serves the control socket until `quit`; removes the socket and pid file when it ends.

@@ -180,6 +180,8 @@ pub struct Agent {
     idle_seen: std::sync::Mutex<BTreeMap<String, (u64, DateTime<Utc>)>>,
     /// Which held workloads have missed their checkpoint interval (and were told).
     intervals: std::sync::Mutex<crate::workloads::interval::IntervalWatch>,
+    /// The MPS control daemons of GPUs with an `mps` layout.
+    mps: crate::gpu::mps::MpsDaemons,
 }
 
 impl Agent {
@@ -207,7 +209,14 @@ impl Agent {
             watchdog: std::sync::Mutex::new(None),
             idle_seen: std::sync::Mutex::default(),
             intervals: std::sync::Mutex::default(),
+            mps: crate::gpu::mps::MpsDaemons::default(),
         }
+    }
+
+    /// Runs GPUs' MPS control daemons with the control tool at `control`.
+    pub fn with_mps_control(mut self, control: std::path::PathBuf) -> Self {
+        self.mps = crate::gpu::mps::MpsDaemons::new(control);
+        self
     }
 
     /// Keeps held software slices to their caps with a memory watchdog on `gpus` (a handle of
@@ -361,9 +370,17 @@ impl Agent {
             .iter()
             .flat_map(|n| n.gpus.iter().cloned())
             .collect();
-        let (outcomes, mut after) =
+        let (mut outcomes, mut after) =
             converge(&self.gpus, &before, &self.state, &plans, &held, self.apply)?;
         after.labels = self.labels.clone();
+        if self.apply {
+            for (gpu, why) in self.mps.keep(&self.state, &after) {
+                if let Some(o) = outcomes.iter_mut().find(|o| o.index == gpu) {
+                    o.error = Some(format!("MPS control daemon: {why}"));
+                    o.converged = false;
+                }
+            }
+        }
         let mut pass = Pass {
             node: self.node.clone(),
             applied: self.apply,

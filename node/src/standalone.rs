@@ -62,6 +62,8 @@ pub struct Options {
     pub watchdog: crate::protections::watchdog::Settings,
     /// Where `/var/lib/gpuslice/cache`, the pools' dataset caches' root, is.
     pub cache_root: PathBuf,
+    /// NVIDIA's MPS control tool, which runs GPUs' MPS daemons (`mps` layouts).
+    pub mps_control: PathBuf,
 }
 
 /// The slices held now, as the elastic decision reads them: the claims board, and which held
@@ -78,7 +80,8 @@ pub fn run(options: &Options, mut emit: impl FnMut(&Pass)) -> Result<Pass, Stand
     let inbox = Inbox::default();
     let mut agent = Agent::new(gpus, &options.node, options.state.clone(), options.apply)
         .with_faults(inbox.clone())
-        .with_cache_root(options.cache_root.clone());
+        .with_cache_root(options.cache_root.clone())
+        .with_mps_control(options.mps_control.clone());
     if !options.once {
         agent = agent.with_watchdog(
             NvmlGpus::open(options.library.as_deref())?,

@@ -130,6 +130,7 @@ impl std::fmt::Display for Desired {
                 let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{n} × {p}")).collect();
                 write!(f, "MIG {}", parts.join(" + "))
             }
+            Desired::Software(t) if t.mps => write!(f, "{t}"),
             Desired::Software(t) => write!(f, "software {t}"),
             Desired::Exclusive => f.write_str("exclusive"),
         }

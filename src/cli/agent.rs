@@ -94,6 +94,10 @@ pub struct Args {
     /// report it (log, metric, Event on its pod). GPUs in no pool are not watched.
     #[arg(long, value_enum, default_value_t = StrayProcesses::Stop)]
     pub stray_processes: StrayProcesses,
+    /// NVIDIA's MPS control tool, which the agent runs (`-d`) for each GPU with an `mps`
+    /// layout; default: nvidia-cuda-mps-control on PATH (with --emulate, the emulated one).
+    #[arg(long)]
+    pub mps_control: Option<PathBuf>,
     /// The instant to plan for (RFC 3339), with --once; now by default.
     #[arg(long, requires = "once")]
     pub at: Option<chrono::DateTime<chrono::FixedOffset>>,
@@ -148,6 +152,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         memory_watchdog_interval,
         memory_watchdog_grace,
         stray_processes,
+        mps_control,
         at,
         output,
         ..
@@ -174,6 +179,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     #[cfg(not(feature = "dev"))]
     let library = nvml;
+    #[cfg(feature = "dev")]
+    let mps_control = match (mps_control, emulate) {
+        (Some(tool), _) => tool,
+        (None, Some(_)) => gpuslice_node::gpu::emulate::emulated_mps_control()?,
+        (None, None) => PathBuf::from(gpuslice_node::gpu::mps::DEFAULT_CONTROL),
+    };
+    #[cfg(not(feature = "dev"))]
+    let mps_control =
+        mps_control.unwrap_or_else(|| PathBuf::from(gpuslice_node::gpu::mps::DEFAULT_CONTROL));
     if kube {
         let settings = gpuslice_node::cluster::Settings {
             interval: interval.into(),
@@ -186,6 +200,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }),
             faults: gpuslice_node::protections::faults::Inbox::default(),
             cache_root,
+            mps_control,
         };
         match gpuslice_node::protections::faults::follow_kernel_log(
             &kernel_log,
@@ -224,6 +239,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         kernel_log,
         watchdog,
         cache_root,
+        mps_control,
     };
     let mut shown = String::new();
     let last =
@@ -335,6 +351,7 @@ fn agent_in_cluster(
     let agent = gpuslice_node::pass::Agent::new(gpus, &node, state, true)
         .with_faults(settings.faults.clone())
         .with_cache_root(settings.cache_root.clone())
+        .with_mps_control(settings.mps_control.clone())
         .with_watchdog(gpuslice_node::NvmlGpus::open(library.as_deref())?, watchdog);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -116,6 +116,8 @@ pub struct Settings {
     pub faults: faults::Inbox,
     /// Where `/var/lib/gpuslice/cache`, the pools' dataset caches' root, is.
     pub cache_root: std::path::PathBuf,
+    /// NVIDIA's MPS control tool, which runs GPUs' MPS daemons (`mps` layouts).
+    pub mps_control: std::path::PathBuf,
 }
 
 /// Runs the agent until the process ends: a pass whenever its GpuNode changes, every

@@ -12,6 +12,10 @@ pub enum EmulateError {
         "the NVML emulator (libnvidia_ml.so) is not next to {0}: build the workspace with cargo build"
     )]
     NoLibrary(String),
+    #[error(
+        "the emulated MPS control tool (nvidia-cuda-mps-control) is not next to {0}: build the workspace with cargo build"
+    )]
+    NoMpsControl(String),
     #[error("emulated node {node}: {message}")]
     Machine { node: String, message: String },
 }
@@ -21,6 +25,18 @@ pub fn emulator_library() -> Result<PathBuf, EmulateError> {
     let exe = std::env::current_exe().unwrap_or_default();
     gpuslice_runtime::built::newest_built(exe.parent().unwrap_or(Path::new(".")), "libnvidia_ml.so")
         .ok_or_else(|| EmulateError::NoLibrary(exe.display().to_string()))
+}
+
+/// The emulated `nvidia-cuda-mps-control`: next to the running `gpuslice`, as cargo builds it.
+pub fn emulated_mps_control() -> Result<PathBuf, EmulateError> {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    let tool = dir.join(crate::gpu::mps::DEFAULT_CONTROL);
+    if tool.is_file() {
+        Ok(tool)
+    } else {
+        Err(EmulateError::NoMpsControl(exe.display().to_string()))
+    }
 }
 
 /// Seeds (or reuses) the emulated machine's state file (`path`) for an inventory, and points the

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use gpuslice_api::dra;
 use gpuslice_api::k8s_openapi::api::resource::v1::ResourceClaim;
-use gpuslice_contract::{SliceConfig, StateDir};
+use gpuslice_contract::{SliceConfig, SliceKind, StateDir};
 use kube::Api;
 use serde::{Deserialize, Serialize};
 
@@ -203,7 +203,8 @@ pub fn cdi_spec(
     let named = devices;
     let devices: Vec<serde_json::Value> = devices
         .iter()
-        .map(|(name, slice, claim_config)| {
+        .enumerate()
+        .map(|(ordinal, (name, slice, claim_config))| {
             let mut env = Vec::new();
             if let Some(policy) = checkpoint {
                 let marker = container_state.checkpoint_done(&slice.id);
@@ -258,6 +259,22 @@ pub fn cdi_spec(
                     mounts.push(bind(shim, Path::new(CONTAINER_SHIM), "ro"));
                     mounts.push(bind(&preload, Path::new("/etc/ld.so.preload"), "ro"));
                 }
+            }
+            if slice.kind == SliceKind::Mps {
+                // The GPU's MPS daemon at CUDA's default pipe directory, read-only: a workload
+                // can neither remove its neighbours' way in nor, by unsetting the variable,
+                // miss the daemon and run outside MPS.
+                let pipe = Path::new(gpuslice_contract::paths::MPS_PIPE_IN_CONTAINER);
+                mounts.push(bind(&state.mps_pipe(slice.gpu), pipe, "ro"));
+                let cap = std::fs::read(claim_config)
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<SliceConfig>(&b).ok())
+                    .map_or(slice.memory_bytes, |c| c.memory_bytes);
+                env.extend(
+                    crate::gpu::mps::client_env(slice, pipe, ordinal, cap)
+                        .into_iter()
+                        .map(|(k, v)| format!("{k}={v}")),
+                );
             }
             // Only the nodes this host has: a runtime refuses a spec naming a missing one.
             let device_nodes: Vec<serde_json::Value> = device_nodes(slice)
