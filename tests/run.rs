@@ -1241,8 +1241,8 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
 
     let worker =
         |seconds: u32| format!("{BIN} bench compute-worker --kernel-us 2000 --seconds {seconds}");
-    let mut modest = node.run(&format!("exec {}", worker(2)), true);
-    let mut greedy = node.run(
+    let modest = node.run(&format!("exec {}", worker(2)), true);
+    let greedy = node.run(
         &format!(
             "exec env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 {}",
             worker(2)

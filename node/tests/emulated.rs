@@ -47,6 +47,7 @@ fn layouts_converge_incrementally_and_busy_instances_block() {
         slices: 4,
         memory: 35 << 30,
         compute: 25,
+        mps: false,
     };
     let want = [(0, day.clone()), (1, Desired::Software(table))];
     let dry = converge(&gpus, "n", &slices, &want, &[], false).unwrap();

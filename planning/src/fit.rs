@@ -122,6 +122,7 @@ mod tests {
             slices: 4,
             memory: 20 * GI,
             compute: 25,
+            mps: false,
         });
         assert_eq!(
             smallest_fitting(&day, None, None, 18 * GI, GI, Some(25)),
@@ -162,6 +163,7 @@ mod tests {
             slices: 4,
             memory: 20 * GI,
             compute: 25,
+            mps: false,
         });
         assert_eq!(fitting_slices(&quarters, None, None, 18 * GI, GI, None), 4);
         assert_eq!(

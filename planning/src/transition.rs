@@ -647,6 +647,7 @@ mod tests {
             slices: 2,
             memory: 12 << 30,
             compute: 50,
+            mps: false,
         };
         let soft = GpuState {
             slices: Some(table),
@@ -672,6 +673,7 @@ mod tests {
             slices: 4,
             memory: 20 << 30,
             compute: 25,
+            mps: false,
         };
         let now = GpuState {
             slices: Some(table),
@@ -686,6 +688,7 @@ mod tests {
             slices: 2,
             memory: 40 << 30,
             compute: 50,
+            mps: false,
         };
         let p = plan(None, &now, &Desired::Software(night)).unwrap();
         assert_eq!(
