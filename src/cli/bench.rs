@@ -27,8 +27,9 @@ pub enum Bench {
         variant_seed: u64,
     },
     /// Compute shares: real processes under the shim on the emulated GPU (or a real one), target
-    /// vs achieved share per slice in every 1 s window, the arbitration's launch overhead, and
-    /// four jobs sharing the GPU against the same four one after another.
+    /// vs achieved share per slice in every 1 s window, the arbitration's launch overhead,
+    /// four jobs sharing the GPU against the same four one after another, and an inference
+    /// client's p99 latency beside a training neighbour, time-sliced against MPS.
     Compute {
         /// Seconds per scenario (the first is warm-up).
         #[arg(long, default_value_t = 4)]
@@ -36,7 +37,8 @@ pub enum Bench {
         /// Only scenarios whose names contain this (repeatable).
         #[arg(long = "scenario")]
         scenarios: Vec<String>,
-        /// Skip the launch-overhead measurement and the four-jobs comparison.
+        /// Skip the launch-overhead measurement, the four-jobs comparison and the inference
+        /// latency comparison (time-sliced against MPS).
         #[arg(long)]
         no_overhead: bool,
         /// Run on this machine's GPU 0 through the real CUDA driver instead of the emulator

@@ -8,6 +8,7 @@ use gpuslice_contract::{SliceConfig, SliceKind, StateDir, env};
 use gpuslice_emulator::{Machine, Store};
 use gpuslice_node::workloads::socket;
 
+use super::latency::{INFER, MPS_INFER, MPS_TRAIN, TRAIN};
 use super::{
     ARBITRATED, ComputeBenchError, JOBS, KERNEL_US, PLAIN, Scenario, job_slice, setup, slice_id,
 };
@@ -32,11 +33,15 @@ pub struct Bench {
     pub(super) gpu: Gpu,
     pub(super) state: StateDir,
     shim: PathBuf,
-    exe: PathBuf,
+    pub(super) exe: PathBuf,
     pub(super) agent: socket::Node,
 }
 
-fn next_to(exe: &Path, names: &[&str], what: &'static str) -> Result<PathBuf, ComputeBenchError> {
+pub(super) fn next_to(
+    exe: &Path,
+    names: &[&str],
+    what: &'static str,
+) -> Result<PathBuf, ComputeBenchError> {
     let dir = exe.parent().unwrap_or(Path::new(".")).to_path_buf();
     // Cargo leaves a copy in both places; the newer is the one just built.
     names
@@ -122,6 +127,11 @@ impl Bench {
         });
         configs.push(software(ARBITRATED, 100));
         configs.extend((0..JOBS).map(|j| software(&job_slice(j), 100)));
+        configs.extend([software(INFER, 50), software(TRAIN, 50)]);
+        configs.extend([MPS_INFER, MPS_TRAIN].map(|id| SliceConfig {
+            kind: SliceKind::Mps,
+            ..software(id, 50)
+        }));
         gpuslice_node::gpu::slices::sync_dirs(&state, &configs)
             .map_err(|e| setup(state.root(), e))?;
         let agent = socket::Node::default();

@@ -3,13 +3,15 @@
 //! Achieved shares come from the emulator's GPU timeline, which records which process ran each
 //! kernel when, so they are exact; the table compares them with each slice's target in every
 //! 1 s window after the first. With `--real-gpu` the workers run on GPU 0 through the real
-//! driver and shares come from the kernels each process completed in each window.
+//! driver and shares come from the kernels each process completed in each window. Last, an
+//! inference client's latency beside a training neighbour, time-sliced against MPS.
 
 use std::path::Path;
 use std::time::Instant;
 
 mod bench;
 mod jobs;
+mod latency;
 mod overhead;
 mod render;
 mod run;
@@ -19,6 +21,7 @@ pub mod worker;
 
 pub use bench::{Bench, Gpu};
 pub use jobs::Jobs;
+pub use latency::{LATENCY_TARGET, Latency, Percentiles};
 pub use overhead::Overhead;
 pub use render::render;
 pub use scenarios::{Scenario, SliceSpec, Work, scenarios, slice_id};
@@ -103,7 +106,13 @@ pub fn run_all(
     } else {
         (None, None)
     };
-    Ok(render(&bench.describe(), &results, overhead, jobs))
+    // MPS needs its control daemon: the emulated one here (tests/device/mps.sh on a real GPU).
+    let latency = if overhead.is_some() && !real_gpu {
+        Some(bench.latency(seconds.max(3))?)
+    } else {
+        None
+    };
+    Ok(render(&bench.describe(), &results, overhead, jobs, latency))
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! The table the bench prints, with its PASS/FAIL verdicts.
 
-use super::{JOBS, Jobs, Overhead, ScenarioResult, TOLERANCE};
+use super::latency::{PERIOD_MS, REQUEST_MS, TRAINING_KERNEL_MS};
+use super::{JOBS, Jobs, LATENCY_TARGET, Latency, Overhead, ScenarioResult, TOLERANCE};
 
 /// The table: per slice, target and achieved share per window and overall; per scenario,
 /// switches and throughput; then the overhead line. Returns it and whether all passed.
@@ -9,6 +10,7 @@ pub fn render(
     results: &[ScenarioResult],
     overhead: Option<Overhead>,
     jobs: Option<Jobs>,
+    latency: Option<Latency>,
 ) -> (String, bool) {
     use std::fmt::Write as _;
     let mut out = String::new();
@@ -86,6 +88,34 @@ pub fn render(
             j.one_after_another,
             j.together,
             j.one_after_another / j.together.max(1e-9)
+        );
+    }
+    if let Some(l) = latency {
+        let (ratio, passed) = l.verdict();
+        ok &= passed;
+        let _ = writeln!(
+            out,
+            "\ninference latency beside a training neighbour ({REQUEST_MS} ms request every {PERIOD_MS} ms; neighbour: {TRAINING_KERNEL_MS} ms kernels back to back)"
+        );
+        let _ = writeln!(
+            out,
+            "{:<44} {:>8} {:>8} {:>8}",
+            "sharing", "requests", "p50 ms", "p99 ms"
+        );
+        for (name, p) in [
+            ("time-sliced (arbiter, equal weights)", l.time_sliced),
+            ("MPS (50 % of the SMs each)", l.mps),
+        ] {
+            let _ = writeln!(
+                out,
+                "{name:<44} {:>8} {:>8.2} {:>8.2}",
+                p.requests, p.p50, p.p99
+            );
+        }
+        let _ = writeln!(
+            out,
+            "p99 MPS / time-sliced {ratio:.3} (target ≤ {LATENCY_TARGET})  {}",
+            if passed { "PASS" } else { "FAIL" }
         );
     }
     (out, ok)
