@@ -2453,3 +2453,114 @@ spec: {pool: shared-a100, memory: 70Gi, count: 2, priority: high, preemptible: f
         );
     }
 }
+
+const MPS_A100: &str = "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: shared-a100}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: shared-a100}}
+  layout: {mps: {slices: 2, memory: 40Gi, compute: 50}}
+  memoryHeadroom: 1Gi
+  requireNonRoot: true
+";
+
+/// MPS slices in real containers (issue #37): on a pool whose layout is `mps`, the agent runs
+/// the GPU's MPS control daemon, and the CDI spec gives each pod the daemon's pipe directory (at
+/// CUDA's default, read-only), its share of the SMs and its pinned memory limit. Two pods, as
+/// user 1000, launch 2 ms kernels back to back for 3 s: every kernel the GPU ran meanwhile ran
+/// on half the SMs (MPS clients side by side; a client outside MPS would show the whole GPU).
+#[tokio::test]
+async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
+    let Some(setup) = Setup::start(CLOCK, &[]).await else {
+        return;
+    };
+    apply_policies(&setup, MPS_A100, 1).await;
+    let control = gpuslice_contract::StateDir::new(&setup.state)
+        .mps_pipe(0)
+        .join("control");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !control.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no MPS daemon:\n{}",
+            setup.agent_log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    let script = format!(
+        "echo \"mps=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,$CUDA_MPS_PIPE_DIRECTORY\"; ls -l \"$CUDA_MPS_PIPE_DIRECTORY\"; exec {} bench compute-worker --kernel-us 2000 --seconds 3",
+        setup.gpuslice()
+    );
+    let names = ["infer-a", "infer-b"];
+    for name in names {
+        pods.create(
+            &PostParams::default(),
+            &setup.pod(name, &["/bin/sh", "-c", &script]),
+        )
+        .await
+        .unwrap();
+    }
+    wait_for_phases(&pods, &names, ["Succeeded", "Succeeded"]).await;
+    let mut spans = Vec::new();
+    let mut outputs = String::new();
+    for name in names {
+        let container = setup
+            .kubelet
+            .containers()
+            .into_iter()
+            .find(|c| c.pod == name)
+            .unwrap();
+        let output = setup.kubelet.output(&container);
+        outputs.push_str(&output);
+        let told = output
+            .lines()
+            .find_map(|l| l.strip_prefix("mps="))
+            .unwrap_or_else(|| panic!("no mps= line in:\n{output}"));
+        let told: Vec<&str> = told.split(',').collect();
+        assert_eq!(told[0], "50", "{output}");
+        assert!(
+            told[1].starts_with("0=") && told[1].ends_with('M'),
+            "{output}"
+        );
+        assert_eq!(told[2], gpuslice_contract::paths::MPS_PIPE_IN_CONTAINER);
+        let report: serde_json::Value = output
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .and_then(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("no report in:\n{output}"));
+        spans.push((
+            report["startNs"].as_u64().unwrap(),
+            report["endNs"].as_u64().unwrap(),
+        ));
+    }
+    let (from, to) = (
+        spans.iter().map(|s| s.0).max().unwrap(),
+        spans.iter().map(|s| s.1).min().unwrap(),
+    );
+    assert!(to > from + 1_000_000_000, "the two ran together: {spans:?}");
+    let timeline =
+        gpuslice_emulator::timeline::Timeline::open(&gpuslice_emulator::timeline::timeline_path(
+            &setup.machine,
+            gpuslice_emulator::device_key(0, None),
+        ))
+        .unwrap();
+    let together: Vec<_> = timeline
+        .intervals()
+        .into_iter()
+        .filter(|k| k.start < to && k.end > from)
+        .collect();
+    assert!(
+        together.iter().all(|k| k.share == 50),
+        "every kernel on half the SMs: {:?}\n{outputs}",
+        together.iter().find(|k| k.share != 50)
+    );
+    // Side by side, each client runs a 4 ms kernel at a time: twice the count of one.
+    let seconds = (to - from) as f64 / 1e9;
+    assert!(
+        together.len() as f64 > 1.6 * seconds / 0.004,
+        "{} kernels in {seconds:.1} s",
+        together.len()
+    );
+}

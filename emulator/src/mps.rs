@@ -155,23 +155,27 @@ pub fn bind(pipe: &Path) -> Result<UnixListener, MpsError> {
     Ok(listener)
 }
 
-/// Serves the control socket until `quit`; removes the socket and pid file when it ends.
-pub fn serve(listener: UnixListener, pipe: &Path, log: &Path) -> Result<(), MpsError> {
+/// Serves the control socket until `quit`, calling `ready` once its pid file is written; the
+/// socket and pid file are gone before `quit` is answered.
+pub fn serve(
+    listener: UnixListener,
+    pipe: &Path,
+    log: &Path,
+    ready: impl FnOnce(),
+) -> Result<(), MpsError> {
     std::fs::create_dir_all(log).map_err(io(log))?;
     let pid_file = pipe.join(PID_FILE);
     std::fs::write(&pid_file, format!("{}\n", std::process::id())).map_err(io(&pid_file))?;
     let logger = Logger(log.join("control.log"));
     logger.line("Startup");
+    ready();
     let daemon = Arc::new(Mutex::new(Daemon::default()));
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
-        if session(stream, &daemon, &logger) {
+        if session(stream, &daemon, &logger, pipe) {
             break;
         }
     }
-    logger.line("Shutdown");
-    let _ = std::fs::remove_file(pipe.join(CONTROL));
-    let _ = std::fs::remove_file(&pid_file);
     Ok(())
 }
 
@@ -192,7 +196,7 @@ impl Logger {
 
 /// One connection: a client (kept on a thread of its own while it lives) or one command.
 /// Returns whether the daemon should quit.
-fn session(stream: UnixStream, daemon: &Arc<Mutex<Daemon>>, logger: &Logger) -> bool {
+fn session(stream: UnixStream, daemon: &Arc<Mutex<Daemon>>, logger: &Logger, pipe: &Path) -> bool {
     // A connection that says nothing must not hold the daemon up.
     let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(5)));
     let Ok(reader) = stream.try_clone() else {
@@ -246,6 +250,9 @@ fn session(stream: UnixStream, daemon: &Arc<Mutex<Daemon>>, logger: &Logger) -> 
         }
         ["quit"] => {
             logger.line("Received quit");
+            let _ = std::fs::remove_file(pipe.join(CONTROL));
+            let _ = std::fs::remove_file(pipe.join(PID_FILE));
+            logger.line("Shutdown");
             true
         }
         ["get_server_list"] => {
@@ -343,7 +350,7 @@ mod tests {
         let log = dir.path().join("log");
         let listener = bind(&pipe).unwrap();
         let (p, l) = (pipe.clone(), log.clone());
-        let daemon = std::thread::spawn(move || serve(listener, &p, &l));
+        let daemon = std::thread::spawn(move || serve(listener, &p, &l, || {}));
         assert_eq!(
             command(&pipe, "set_default_active_thread_percentage 25").unwrap(),
             "25\n"

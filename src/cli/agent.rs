@@ -182,7 +182,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     #[cfg(feature = "dev")]
     let mps_control = match (mps_control, emulate) {
         (Some(tool), _) => tool,
-        (None, Some(_)) => gpuslice_node::gpu::emulate::emulated_mps_control()?,
+        (None, Some(_)) => gpuslice_node::gpu::emulate::emulated_mps_control(),
         (None, None) => PathBuf::from(gpuslice_node::gpu::mps::DEFAULT_CONTROL),
     };
     #[cfg(not(feature = "dev"))]

@@ -20,10 +20,21 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            if args[0] == "-d" && !daemonize() {
-                return ExitCode::SUCCESS;
-            }
-            match mps::serve(listener, &pipe, &log) {
+            let ready = if args[0] == "-d" {
+                match daemonize() {
+                    Some(ready) => Some(ready),
+                    None => return ExitCode::SUCCESS,
+                }
+            } else {
+                None
+            };
+            let signal = || {
+                if let Some(mut ready) = ready {
+                    use std::io::Write as _;
+                    let _ = ready.write_all(b"1");
+                }
+            };
+            match mps::serve(listener, &pipe, &log, signal) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("{e}");
@@ -54,13 +65,22 @@ fn main() -> ExitCode {
     }
 }
 
-/// Forks into the background: returns true in the daemon, false in the parent (which exits
-/// with success once the daemon's socket is bound, as the real tool does).
-fn daemonize() -> bool {
+/// Forks into the background: in the daemon, returns the stream on which it says it is ready;
+/// in the parent, waits for that word (or the daemon's end) and returns `None`, so that the
+/// caller exits once the daemon serves, as the real tool does.
+fn daemonize() -> Option<std::os::unix::net::UnixStream> {
+    let (parent_end, daemon_end) = match std::os::unix::net::UnixStream::pair() {
+        Ok(pair) => pair,
+        Err(e) => {
+            eprintln!("cannot start the daemon: {e}");
+            std::process::exit(1)
+        }
+    };
     // SAFETY: single-threaded here (nothing has spawned a thread yet), so fork is sound; the
     // child only continues with plain Rust code.
     match unsafe { libc::fork() } {
         0 => {
+            drop(parent_end);
             // SAFETY: setsid takes no pointers; it detaches the daemon from the caller's session.
             unsafe { libc::setsid() };
             if let Ok(null) = std::fs::OpenOptions::new()
@@ -74,9 +94,19 @@ fn daemonize() -> bool {
                     unsafe { libc::dup2(null.as_raw_fd(), fd) };
                 }
             }
-            true
+            Some(daemon_end)
         }
-        pid if pid > 0 => false,
+        pid if pid > 0 => {
+            drop(daemon_end);
+            let mut word = [0u8; 1];
+            match std::io::Read::read(&mut &parent_end, &mut word) {
+                Ok(1) => None,
+                _ => {
+                    eprintln!("the MPS control daemon did not start");
+                    std::process::exit(1)
+                }
+            }
+        }
         _ => {
             eprintln!("cannot fork: {}", std::io::Error::last_os_error());
             std::process::exit(1)

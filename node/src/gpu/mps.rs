@@ -113,7 +113,7 @@ impl MpsDaemons {
             .output()
             .map_err(|e| {
                 format!(
-                    "cannot run {} -d: {e}; install the driver's MPS tools (or pass --mps-control), or give the pool a software layout",
+                    "cannot run {} -d: {e}; install the driver's MPS tools (or pass --mps-control; with --emulate, cargo build --workspace builds the emulated one), or give the pool a software layout",
                     self.control.display()
                 )
             })?;
