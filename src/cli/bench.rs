@@ -45,6 +45,10 @@ pub enum Bench {
         /// (nothing on the GPU is reconfigured; see tests/device/compute.sh).
         #[arg(long)]
         real_gpu: bool,
+        /// Only the inference latency comparison, time-sliced against MPS (with --real-gpu, the
+        /// driver's nvidia-cuda-mps-control runs a daemon of the bench's own; tests/device/mps.sh).
+        #[arg(long, conflicts_with_all = ["no_overhead", "scenarios"])]
+        latency_only: bool,
     },
     /// Compaction on the Alibaba default trace: place pods to a load, plan the moves that free
     /// whole GPUs (threshold 30 %), and show GPUs freed against workloads moved.
@@ -156,13 +160,17 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
             scenarios,
             no_overhead,
             real_gpu,
+            latency_only,
         } => {
-            let (table, ok) = gpuslice_bench::compute::run_all(
-                seconds.max(2),
-                &scenarios,
-                !no_overhead,
-                real_gpu,
-            )?;
+            let parts = if latency_only {
+                gpuslice_bench::compute::Parts::LatencyOnly
+            } else if no_overhead {
+                gpuslice_bench::compute::Parts::Shares
+            } else {
+                gpuslice_bench::compute::Parts::All
+            };
+            let (table, ok) =
+                gpuslice_bench::compute::run_all(seconds.max(2), &scenarios, parts, real_gpu)?;
             Ok(print_table(&table, ok))
         }
         Bench::Compaction {

@@ -1,6 +1,7 @@
 //! An inference client's latency beside a training neighbour: the two on time-sliced software
 //! slices (taking turns under the arbiter) against the two on MPS slices (side by side, each on
-//! half the SMs, through the emulated MPS control daemon the agent would run).
+//! half the SMs, through an MPS control daemon as the agent runs it: the emulated one, or on a
+//! real GPU the driver's).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -119,11 +120,8 @@ impl Drop for Daemon {
 impl Bench {
     /// The inference client (a [`REQUEST_MS`] request every [`PERIOD_MS`]) beside a training
     /// neighbour for `seconds`: on two time-sliced slices of equal weight, then on two MPS
-    /// slices of half the SMs each. Emulated GPU only.
+    /// slices of half the SMs each.
     pub fn latency(&self, seconds: u64) -> Result<Latency, ComputeBenchError> {
-        let Gpu::Emulated { machine, .. } = &self.gpu else {
-            return Err(setup("the latency comparison", "needs the emulated GPU"));
-        };
         self.agent.compute.set(&BTreeMap::from([(
             0,
             GpuShares {
@@ -135,13 +133,19 @@ impl Bench {
             },
         )]));
         let time_sliced = self.pair(INFER, TRAIN, seconds, &[])?;
-        let daemon = Daemon {
-            tool: super::bench::next_to(
+        // The emulated daemon next to us, or the driver's; either way one of the bench's own,
+        // on pipes of its own.
+        let tool = match &self.gpu {
+            Gpu::Emulated { .. } => super::bench::next_to(
                 &self.exe,
                 &[gpuslice_node::gpu::mps::DEFAULT_CONTROL],
                 "the emulated MPS control daemon (nvidia-cuda-mps-control)",
             )?,
-            pipe: machine.with_file_name("mps-pipe"),
+            Gpu::Real { .. } => PathBuf::from(gpuslice_node::gpu::mps::DEFAULT_CONTROL),
+        };
+        let daemon = Daemon {
+            tool,
+            pipe: self.state.root().with_file_name("mps-pipe"),
         };
         let started = daemon
             .command()
@@ -173,14 +177,20 @@ impl Bench {
     ) -> Result<Percentiles, ComputeBenchError> {
         let start = self.start_time() + 200_000_000;
         let common = |kernel_ms: u64| {
-            [
+            let mut args = vec![
                 "--kernel-us".to_string(),
                 (kernel_ms * 1000).to_string(),
                 "--seconds".to_string(),
                 seconds.to_string(),
                 "--start-at".to_string(),
                 start.to_string(),
-            ]
+            ];
+            // On a real GPU the busy loop was calibrated for KERNEL_US: scale it.
+            if let Gpu::Real { iterations, .. } = self.gpu {
+                args.push("--iterations".to_string());
+                args.push((iterations * kernel_ms * 1000 / super::KERNEL_US).to_string());
+            }
+            args
         };
         let spawn = |slice: &str, args: Vec<String>| {
             self.worker_command(slice, &args)
@@ -188,8 +198,8 @@ impl Bench {
                 .spawn()
                 .map_err(|e| ComputeBenchError::Worker(slice.to_string(), e.to_string()))
         };
-        let neighbour = spawn(train, common(TRAINING_KERNEL_MS).to_vec())?;
-        let mut client_args = common(REQUEST_MS).to_vec();
+        let neighbour = spawn(train, common(TRAINING_KERNEL_MS))?;
+        let mut client_args = common(REQUEST_MS);
         client_args.extend(
             [
                 "--busy-ms",

@@ -73,11 +73,22 @@ fn setup(path: impl AsRef<Path>, e: impl std::fmt::Display) -> ComputeBenchError
     }
 }
 
-/// Runs every scenario (or those whose names contain `only`) and the overhead measurement.
+/// What a run of the bench measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Parts {
+    /// The scenarios' shares, the launch overhead, the four jobs and the latency comparison.
+    All,
+    /// The scenarios' shares only.
+    Shares,
+    /// The latency comparison only.
+    LatencyOnly,
+}
+
+/// Runs every scenario (or those whose names contain `only`) and the other `parts`.
 pub fn run_all(
     seconds: u64,
     only: &[String],
-    overhead: bool,
+    parts: Parts,
     real_gpu: bool,
 ) -> Result<(String, bool), ComputeBenchError> {
     let exe = std::env::current_exe()
@@ -90,7 +101,9 @@ pub fn run_all(
     };
     let mut results = Vec::new();
     for (i, scenario) in all.iter().enumerate() {
-        if !only.is_empty() && !only.iter().any(|o| scenario.name.contains(o.as_str())) {
+        if parts == Parts::LatencyOnly
+            || !only.is_empty() && !only.iter().any(|o| scenario.name.contains(o.as_str()))
+        {
             continue;
         }
         let started = Instant::now();
@@ -101,16 +114,15 @@ pub fn run_all(
             started.elapsed().as_secs_f64()
         );
     }
-    let (overhead, jobs) = if overhead {
+    let (overhead, jobs) = if parts == Parts::All {
         (Some(bench.overhead(9)?), Some(bench.jobs(JOB_KERNELS)?))
     } else {
         (None, None)
     };
-    // MPS needs its control daemon: the emulated one here (tests/device/mps.sh on a real GPU).
-    let latency = if overhead.is_some() && !real_gpu {
-        Some(bench.latency(seconds.max(3))?)
-    } else {
+    let latency = if parts == Parts::Shares {
         None
+    } else {
+        Some(bench.latency(seconds.max(3))?)
     };
     Ok(render(&bench.describe(), &results, overhead, jobs, latency))
 }

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# CUDA MPS on a real NVIDIA GPU: not run in CI (no GPU there). On a machine with a GPU, its
+# driver and the driver's MPS tools (nvidia-cuda-mps-control):
+#
+#     bash tests/device/mps.sh        # results on stdout and in $OUT/mps.txt if set
+#
+# 1. Fidelity of the emulated control tool: the same commands go to a daemon of the driver's
+#    tool and to one of ours (target/*/nvidia-cuda-mps-control), each on pipes of its own in a
+#    temporary folder, and both transcripts are printed side by side (`diff`); what differs is
+#    what the emulator must learn.
+# 2. `gpuslice bench compute --real-gpu --latency-only`: an inference client (a 2 ms request
+#    every 20 ms) beside a training neighbour (10 ms kernels back to back) on GPU 0, first
+#    time-sliced under the shim's arbiter, then as two MPS clients of half the SMs each (a daemon
+#    of the bench's own, started with the driver's tool and told to quit at the end): p50/p99
+#    latency and the PASS/FAIL verdict.
+#
+# Daemons run with private pipe and log folders and are quit at the end; nothing on the GPU is
+# reconfigured (no MIG, clock or compute-mode change). About 1 minute. It uses target/release
+# binaries when present (cargo build --release --workspace elsewhere, carried along), else
+# builds them (needs cargo).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-$(mktemp -d)}
+bin=target/release
+if [ ! -x "$bin/gpuslice" ] || [ ! -e "$bin/libgpuslice.so" ] || [ ! -x "$bin/nvidia-cuda-mps-control" ]; then
+  cargo build --release -q --workspace
+fi
+tmp=$(mktemp -d)
+transcript() { # tool name
+  local pipe=$tmp/$2/pipe log=$tmp/$2/log
+  mkdir -p "$pipe" "$log"
+  export CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$log
+  "$1" -d; echo "-d: $?"
+  printf '%s\n' get_default_active_thread_percentage "set_default_active_thread_percentage 30" \
+    get_default_active_thread_percentage "set_default_device_pinned_mem_limit 0 2G" \
+    "get_default_device_pinned_mem_limit 0" get_server_list | "$1"; echo "commands: $?"
+  echo quit | "$1"; echo "quit: $?"
+  sleep 1
+  echo get_server_list | "$1" 2>&1; echo "after quit: $?"
+  ls "$pipe"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+{
+  nvidia-smi --query-gpu=name,driver_version,compute_mode,compute_cap --format=csv -i 0
+  real=$(command -v nvidia-cuda-mps-control || true)
+  if [ -z "$real" ]; then
+    echo "nvidia-cuda-mps-control is not on PATH: install the driver's MPS tools"; exit 1
+  fi
+  transcript "$real" real > "$tmp/real.txt" 2>&1 || true
+  transcript "$bin/nvidia-cuda-mps-control" emulated > "$tmp/emulated.txt" 2>&1 || true
+  echo "--- control tool transcripts (real | emulated)"
+  diff -y -W 140 "$tmp/real.txt" "$tmp/emulated.txt" || true
+  status=0
+  timeout 300 "$bin/gpuslice" bench compute --real-gpu --latency-only --seconds 4 || status=$?
+  echo "exit status $status"
+} 2>&1 | tee "$out/mps.txt"
+rm -rf "$tmp"
