@@ -350,6 +350,10 @@ pub struct GpuInventory {
     /// Usable memory as NVML reports it; the catalog's figure for the model when omitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<Quantity>,
+    /// CUDA compute capability (`major.minor`, for example `9.0`), as NVML reports it; absent
+    /// when it did not say. An `mps` layout needs 7.0 (Volta) or newer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_capability: Option<String>,
     /// MIG mode and instances; absent when MIG is disabled or unsupported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigState>,

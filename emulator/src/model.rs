@@ -271,6 +271,7 @@ impl Machine {
                         uuid: Some(g.uuid.clone()),
                         model: g.model.clone(),
                         memory: Some(quantity(g.memory_total)),
+                        compute_capability: None,
                         mig: (g.mig_enabled || !g.instances.is_empty()).then(|| MigState {
                             enabled: g.mig_enabled,
                             instances: g

@@ -8,7 +8,9 @@
 //! Idle draw and idle clocks vary from board to board; the figures are typical, not exact.
 
 use gpuslice_planning::catalog;
-use nvml_wrapper_sys::bindings::{NVML_DEVICE_ARCH_AMPERE, NVML_DEVICE_ARCH_HOPPER};
+use nvml_wrapper_sys::bindings::{
+    NVML_DEVICE_ARCH_AMPERE, NVML_DEVICE_ARCH_HOPPER, NVML_DEVICE_ARCH_PASCAL,
+};
 
 pub struct Board {
     /// The NVML name (or catalog name) the row is for.
@@ -36,6 +38,7 @@ pub struct Board {
     pub nvlinks: u32,
 }
 
+const PASCAL: (u32, (i32, i32)) = (NVML_DEVICE_ARCH_PASCAL, (6, 0));
 const AMPERE: (u32, (i32, i32)) = (NVML_DEVICE_ARCH_AMPERE, (8, 0));
 const HOPPER: (u32, (i32, i32)) = (NVML_DEVICE_ARCH_HOPPER, (9, 0));
 
@@ -70,9 +73,11 @@ const fn row(
 
 // name, PCI device, architecture, (min limit, idle, TDP) W, (idle, max) graphics MHz,
 // memory MHz, max video MHz, BAR1 MiB, NVLink links (A100 SXM4: 12 third-generation links;
-// H100/H200 SXM5: 18 fourth-generation links, per NVIDIA's datasheets)
+// H100/H200 SXM5: 18 fourth-generation links, per NVIDIA's datasheets). The P100 (Pascal, no
+// MIG, not in the planning catalog) is the pre-Volta GPU on which MPS cannot share SMs.
 #[rustfmt::skip]
 const BOARDS: &[Board] = &[
+    row("Tesla P100-PCIE-16GB",  0x15f8, PASCAL, (125, 30, 250), (544, 1328), 715, 1328, 16384, 0),
     row("NVIDIA A100-SXM4-40GB", 0x20b0, AMPERE, (100, 50, 400), (210, 1410), 1215, 1290, 65536, 12),
     row("NVIDIA A100-PCIE-40GB", 0x20f1, AMPERE, (150, 35, 250), (210, 1410), 1215, 1290, 65536, 0),
     row("NVIDIA A100-SXM4-80GB", 0x20b2, AMPERE, (100, 60, 400), (210, 1410), 1593, 1290, 131072, 12),

@@ -363,6 +363,7 @@ pub extern "C" fn nvmlDeviceGetVbiosVersion(
 ) -> nvmlReturn_t {
     guard(|| {
         let family = match board_of(device)?.1.compute_capability {
+            (6, _) => "86",
             (8, _) => "92",
             _ => "96",
         };

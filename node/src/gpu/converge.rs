@@ -267,6 +267,14 @@ fn converge_gpu(
         outcome.error = Some(format!("the node has no GPU {index}"));
         return outcome;
     };
+    // Slices MPS cannot share are never cut: their workloads would hold no share at all.
+    if let Desired::Software(table) = want
+        && table.mps
+        && let Some(why) = crate::gpu::mps::too_old(gpu)
+    {
+        outcome.error = Some(why);
+        return outcome;
+    }
     if apply && gpu.mig.as_ref().is_some_and(|m| !m.instances.is_empty()) {
         match gpus.complete_instances(gpu.index) {
             Ok(done) => outcome.completed = done,

@@ -172,6 +172,20 @@ impl MpsDaemons {
     }
 }
 
+/// Why GPU `gpu` cannot share its SMs through MPS: compute capability below 7.0 (before Volta,
+/// MPS has no execution-resource provisioning, so a client's share would not hold). A GPU whose
+/// capability NVML did not give is tried.
+pub fn too_old(gpu: &gpuslice_api::GpuInventory) -> Option<String> {
+    let capability = gpu.compute_capability.as_deref()?;
+    let major: u32 = capability.split('.').next()?.parse().ok()?;
+    (major < 7).then(|| {
+        format!(
+            "GPU {} ({}) is of compute capability {capability}: MPS compute shares need 7.0 (Volta) or newer; give its pool a software layout",
+            gpu.index, gpu.model
+        )
+    })
+}
+
 impl Wanted {
     /// What the daemon was started for, as recorded beside its directories.
     fn record(&self) -> String {

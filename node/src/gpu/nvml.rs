@@ -239,12 +239,17 @@ impl NvmlGpus {
             }
             None => None,
         };
+        let compute_capability = device
+            .cuda_compute_capability()
+            .ok()
+            .map(|c| format!("{}.{}", c.major, c.minor));
         Ok(GpuInventory {
             index,
             minor,
             uuid: Some(uuid),
             model,
             memory: Some(Quantity(format_bytes(memory))),
+            compute_capability,
             mig,
             slices: Vec::new(),
             processes: processes
