@@ -1315,40 +1315,53 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
     });
 }
 
+/// One `--apply --once` pass of the agent on the emulated node `node` (a NodeInventory's
+/// YAML) following `pool`: what it printed, whether it succeeded, and its state directory.
+fn one_pass(
+    dir: &Path,
+    node: &str,
+    pool: &str,
+    extra: &[&str],
+) -> (String, bool, std::path::PathBuf) {
+    let source = dir.join("pool.yaml");
+    std::fs::write(&source, pool).unwrap();
+    let node_file = dir.join("node.yaml");
+    std::fs::write(&node_file, node).unwrap();
+    let state = dir.join("state");
+    let out = Command::new(BIN)
+        .args(["agent", "--apply", "--once", "--source"])
+        .arg(&source)
+        .arg("--emulate")
+        .arg(&node_file)
+        .arg("--state")
+        .arg(&state)
+        .arg("--cache-root")
+        .arg(dir.join("cache-root"))
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        out.status.success(),
+        state,
+    )
+}
+
 /// An `mps` layout on a GPU before Volta (a P100, compute capability 6.0, as NVML says): MPS
 /// cannot hold a client to its share of the SMs there, so the agent cuts no slice and says why
 /// and what to do.
 #[test]
 fn an_mps_layout_on_a_gpu_before_volta_is_refused_and_no_slice_is_cut() {
     let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("pool.yaml");
-    std::fs::write(
-        &source,
-        mps_pool()
+    let (said, ok, state) = one_pass(
+        dir.path(),
+        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: Tesla P100-PCIE-16GB, memory: 16Gi}\n",
+        &mps_pool()
             .replace("memory: 20Gi", "memory: 8Gi")
             .replace("memory: 15Gi", "memory: 6Gi"),
-    )
-    .unwrap();
-    let node = dir.path().join("node.yaml");
-    std::fs::write(
-        &node,
-        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: Tesla P100-PCIE-16GB, memory: 16Gi}\n",
-    )
-    .unwrap();
-    let state = dir.path().join("state");
-    let out = Command::new(BIN)
-        .args(["agent", "--apply", "--once", "--source"])
-        .arg(&source)
-        .arg("--emulate")
-        .arg(&node)
-        .arg("--state")
-        .arg(&state)
-        .arg("--cache-root")
-        .arg(dir.path().join("cache-root"))
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success(), "{said}");
+        &[],
+    );
+    assert!(!ok, "{said}");
     assert!(
         said.contains("GPU 0 (Tesla P100-PCIE-16GB) is of compute capability 6.0: MPS compute shares need 7.0 (Volta) or newer; give its pool a software layout"),
         "{said}"
@@ -1358,4 +1371,27 @@ fn an_mps_layout_on_a_gpu_before_volta_is_refused_and_no_slice_is_cut() {
         "no MPS slice of the P100 is cut"
     );
     assert!(!gpuslice_contract::StateDir::new(&state).mps(0).exists());
+}
+
+/// An `mps` layout where the driver's MPS tool cannot run: no slice is cut without a daemon to
+/// share it, and the GPU's outcome says what to install.
+#[test]
+fn an_mps_layout_without_the_mps_tool_cuts_no_slice_and_says_what_to_install() {
+    let dir = tempfile::tempdir().unwrap();
+    let (said, ok, state) = one_pass(
+        dir.path(),
+        "name: run-node\nlabels: {lab: \"yes\"}\ngpus:\n- {index: 0, model: NVIDIA A100-SXM4-80GB}\n",
+        &mps_pool(),
+        &["--mps-control", "/nonexistent/nvidia-cuda-mps-control"],
+    );
+    assert!(!ok, "{said}");
+    assert!(
+        said.contains("cannot run /nonexistent/nvidia-cuda-mps-control -d")
+            && said.contains("install the driver's MPS tools"),
+        "{said}"
+    );
+    assert!(
+        !state.join("slices/gpu0-s0").exists(),
+        "no MPS slice is cut"
+    );
 }

@@ -364,17 +364,23 @@ impl Agent {
         let mut before = read_node(&self.gpus, &self.node, &self.state, &held)?;
         before.labels = self.labels.clone();
         let intent = intent(&before);
-        let plans: Vec<_> = intent
+        let mut plans: Vec<_> = intent
             .plan
             .nodes
             .iter()
             .flat_map(|n| n.gpus.iter().cloned())
             .collect();
+        let refused = if self.apply {
+            self.mps.ready_for(&self.state, &before, &mut plans)
+        } else {
+            BTreeMap::new()
+        };
         let (mut outcomes, mut after) =
             converge(&self.gpus, &before, &self.state, &plans, &held, self.apply)?;
         after.labels = self.labels.clone();
         if self.apply {
-            for (gpu, why) in self.mps.keep(&self.state, &after) {
+            let failed = self.mps.keep(&self.state, &after);
+            for (gpu, why) in refused.into_iter().chain(failed) {
                 if let Some(o) = outcomes.iter_mut().find(|o| o.index == gpu) {
                     o.error = Some(format!("MPS control daemon: {why}"));
                     o.converged = false;

@@ -16,6 +16,7 @@ use std::process::{Command, Stdio};
 
 use gpuslice_api::NodeInventory;
 use gpuslice_contract::{SliceConfig, StateDir, env};
+use gpuslice_planning::transition::Desired;
 
 /// NVIDIA's control tool, found on `PATH` unless the agent is told where it is.
 pub const DEFAULT_CONTROL: &str = "nvidia-cuda-mps-control";
@@ -78,6 +79,44 @@ impl MpsDaemons {
             }
         }
         failed
+    }
+
+    /// Before a GPU is cut into MPS slices: starts its daemon with the new slices' defaults, and
+    /// where it cannot (no MPS tool, a failing one), takes that GPU's operations out of its
+    /// plan, so that no slice is cut without a daemon to share it. Returns why, per GPU.
+    pub fn ready_for(
+        &self,
+        state: &StateDir,
+        node: &NodeInventory,
+        plans: &mut [gpuslice_planning::cluster::GpuPlan],
+    ) -> BTreeMap<u32, String> {
+        let mut refused = BTreeMap::new();
+        for plan in plans.iter_mut() {
+            let Some(Desired::Software(table)) = &plan.desired else {
+                continue;
+            };
+            let Some(gpu) = node.gpus.iter().find(|g| g.index == plan.index) else {
+                continue;
+            };
+            if !table.mps || plan.ops.is_empty() || !plan.blocked_by.is_empty() {
+                continue;
+            }
+            if too_old(gpu).is_some() {
+                // Converging says why; it cuts nothing.
+                continue;
+            }
+            let wanted = Wanted {
+                uuid: gpu.uuid.clone().unwrap_or_default(),
+                compute: table.compute,
+                memory: table.memory,
+            };
+            if let Err(why) = self.keep_running(state, gpu.index, &wanted) {
+                tracing::warn!(gpu = gpu.index, "MPS control daemon: {why}");
+                plan.ops.clear();
+                refused.insert(gpu.index, why);
+            }
+        }
+        refused
     }
 
     fn keep_running(&self, state: &StateDir, gpu: u32, wanted: &Wanted) -> Result<(), String> {
