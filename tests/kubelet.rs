@@ -2488,6 +2488,22 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // The agent's metrics say the daemon runs (after the pass that started it).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, metrics) = gpuslice_testcluster::local_get(setup.metrics_port, "/metrics").unwrap();
+        if metrics
+            .lines()
+            .any(|l| l.starts_with("gpuslice_agent_mps_daemon_up{") && l.ends_with(" 1"))
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no mps_daemon_up 1 in:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
     let script = format!(
         "echo \"mps=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,$CUDA_MPS_PIPE_DIRECTORY\"; ls -l \"$CUDA_MPS_PIPE_DIRECTORY\"; exec {} bench compute-worker --kernel-us 2000 --seconds 3",

@@ -105,6 +105,9 @@ pub struct Pass {
     /// What the arbiters were given: each GPU's software slices with their shares.
     #[serde(skip)]
     pub shares: BTreeMap<u32, GpuShares>,
+    /// Each GPU with MPS slices: whether its MPS control daemon runs (as this pass left it).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub mps_daemons: BTreeMap<u32, bool>,
 }
 
 /// How long a slice's processes must not have held the GPU before its status says it is idle:
@@ -378,8 +381,15 @@ impl Agent {
         let (mut outcomes, mut after) =
             converge(&self.gpus, &before, &self.state, &plans, &held, self.apply)?;
         after.labels = self.labels.clone();
+        let mut mps_daemons = BTreeMap::new();
         if self.apply {
             let failed = self.mps.keep(&self.state, &after);
+            mps_daemons = after
+                .gpus
+                .iter()
+                .filter(|g| g.slices.first().is_some_and(|s| s.mps))
+                .map(|g| (g.index, !failed.contains_key(&g.index)))
+                .collect();
             for (gpu, why) in refused.into_iter().chain(failed) {
                 if let Some(o) = outcomes.iter_mut().find(|o| o.index == gpu) {
                     o.error = Some(format!("MPS control daemon: {why}"));
@@ -404,6 +414,7 @@ impl Agent {
             claims: Vec::new(),
             inventory: after,
             shares: BTreeMap::new(),
+            mps_daemons,
         };
         if self.apply {
             let taken = Taking {

@@ -32,6 +32,7 @@ pub struct Metrics {
     gpu_temperature: Family<GpuLabel, Gauge>,
     gpu_power: Family<GpuLabel, Gauge<f64, AtomicU64>>,
     gpu_switches: Family<GpuLabel, Counter>,
+    mps_daemon_up: Family<GpuLabel, Gauge>,
     gpu_xids: Family<XidLabel, Counter>,
     memory_overruns: Family<OverrunLabel, Counter>,
     compute_overruns: Family<OverrunLabel, Counter>,
@@ -199,6 +200,7 @@ impl Metrics {
             gpu_temperature: Family::default(),
             gpu_power: Family::default(),
             gpu_switches: Family::default(),
+            mps_daemon_up: Family::default(),
             gpu_xids: Family::default(),
             quarantined: Family::default(),
             cache_hits: Family::default(),
@@ -292,6 +294,11 @@ impl Metrics {
             "gpu_compute_handovers",
             "Times the compute arbiter gave a GPU to another process of its software slices",
             self.gpu_switches.clone(),
+        );
+        r.register(
+            "mps_daemon_up",
+            "For each GPU with MPS slices: 1 while its MPS control daemon answers, 0 when the agent could not start it",
+            self.mps_daemon_up.clone(),
         );
         r.register(
             "gpu_xid_errors",
@@ -538,6 +545,7 @@ impl Metrics {
         }
         self.gpu_power.clear();
         self.gpu_switches.clear();
+        self.mps_daemon_up.clear();
         for gpu in &pass.inventory.gpus {
             let label = GpuLabel {
                 gpu: gpu.index.to_string(),
@@ -569,6 +577,9 @@ impl Metrics {
             }
             if let Some((_, switches)) = readings.compute.get(&gpu.index) {
                 self.gpu_switches.get_or_create(&label).inc_by(*switches);
+            }
+            if let Some(up) = pass.mps_daemons.get(&gpu.index) {
+                self.mps_daemon_up.get_or_create(&label).set(i64::from(*up));
             }
         }
     }
