@@ -630,7 +630,7 @@ async fn argo_cd_syncs_the_example_repository_in_waves_and_shows_our_health() {
         |s| {
             s.operation_revision == refused
                 && s.operation_message
-                    .contains("set exactly one of mig, software or exclusive")
+                    .contains("set exactly one of mig, software, mps or exclusive")
         },
     )
     .await;

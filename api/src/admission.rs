@@ -422,7 +422,7 @@ mod tests {
             .collect();
         let has = |needle: &str| messages.iter().any(|m| m.contains(needle));
         assert!(
-            has("exactly one of mig, software or exclusive"),
+            has("exactly one of mig, software, mps or exclusive"),
             "{messages:?}"
         );
         assert!(has("slices × compute must be at most 100"), "{messages:?}");

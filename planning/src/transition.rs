@@ -32,6 +32,7 @@ pub struct SliceTable {
     pub slices: u32,
     pub memory: u64,
     pub compute: u32,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub mps: bool,
 }
 
