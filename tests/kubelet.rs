@@ -63,6 +63,16 @@ const IMAGE_PROBE: &str = "/usr/local/bin/probe";
 const IMAGE_DRIVER_LIBS: &str = "/usr/local/lib/gpuslice-driver";
 const IMAGE_GPUSLICE: &str = "/usr/local/bin/gpuslice";
 const PROBE_IMAGE: &str = "gpuslice.test/probe:1";
+const IMAGE_MPS_TOOL: &str = "/usr/local/bin/nvidia-cuda-mps-control";
+
+/// The emulated `nvidia-cuda-mps-control`, beside the binary under test.
+fn mps_tool() -> Option<std::path::PathBuf> {
+    Some(
+        Path::new(env!("CARGO_BIN_EXE_gpuslice"))
+            .parent()?
+            .join("nvidia-cuda-mps-control"),
+    )
+}
 
 impl Setup {
     /// One emulated A100 on the node.
@@ -88,7 +98,16 @@ impl Setup {
                 format!("{}:{IMAGE_PROBE}", probe.display()),
                 format!("{}:{IMAGE_DRIVER_LIBS}", lib.display()),
                 format!("{}:{IMAGE_GPUSLICE}", env!("CARGO_BIN_EXE_gpuslice")),
-            ],
+            ]
+            .into_iter()
+            // A tenant's own copy of NVIDIA's MPS tool (the emulated one, built with the
+            // workspace), to command the node's daemon with.
+            .chain(
+                mps_tool()
+                    .filter(|t| t.exists())
+                    .map(|t| format!("{}:{IMAGE_MPS_TOOL}", t.display())),
+            )
+            .collect::<Vec<_>>(),
             &[("LD_LIBRARY_PATH", lib.as_path())],
         );
         let runtime = Runtime {
@@ -2465,11 +2484,12 @@ spec:
   requireNonRoot: true
 ";
 
-/// MPS slices in real containers (issue #37): on a pool whose layout is `mps`, the agent runs
-/// the GPU's MPS control daemon, and the CDI spec gives each pod the daemon's pipe directory (at
-/// CUDA's default, read-only), its share of the SMs and its pinned memory limit. Two pods, as
-/// user 1000, launch 2 ms kernels back to back for 3 s: every kernel the GPU ran meanwhile ran
-/// on half the SMs (MPS clients side by side; a client outside MPS would show the whole GPU).
+/// MPS slices in real containers (issue #37): on a pool whose layout is `mps` (half the SMs per
+/// slice), the agent runs the GPU's MPS control daemon, and the CDI spec gives each pod the
+/// daemon's pipe directory (at CUDA's default, read-only), its share of the SMs (its policy's
+/// limit, 25 %, being lower than the slice's) and its pinned memory limit. Two pods, as user
+/// 1000, launch 2 ms kernels back to back for 3 s: every kernel the GPU ran meanwhile ran on a
+/// quarter of the SMs (MPS clients side by side; a client outside MPS would show the whole GPU).
 #[tokio::test]
 async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
     let Some(setup) = Setup::start(CLOCK, &[]).await else {
@@ -2504,9 +2524,26 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    assert!(
+        mps_tool().is_some_and(|t| t.exists()),
+        "the emulated nvidia-cuda-mps-control is not built: cargo build --workspace"
+    );
+    let pid_file = gpuslice_contract::StateDir::new(&setup.state)
+        .mps_pipe(0)
+        .join("nvidia-cuda-mps-control.pid");
+    let daemon = std::fs::read_to_string(&pid_file).unwrap();
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
+    // Both start their kernels at the same moment, a while after they are created.
+    let start = gpuslice_emulator::timeline::now_ns() + 10_000_000_000;
+    // What a tenant tries first: plant a file where the daemon's socket is, and tell the
+    // daemon to quit (or to give every client all the SMs).
     let script = format!(
-        "echo \"mps=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,$CUDA_MPS_PIPE_DIRECTORY\"; ls -l \"$CUDA_MPS_PIPE_DIRECTORY\"; exec {} bench compute-worker --kernel-us 2000 --seconds 3",
+        "echo \"mps=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,$CUDA_MPS_PIPE_DIRECTORY\"; \
+         ls \"$CUDA_MPS_PIPE_DIRECTORY\"; \
+         touch \"$CUDA_MPS_PIPE_DIRECTORY/planted\" 2>/dev/null && echo planted=yes || echo planted=no; \
+         echo set_default_active_thread_percentage 100 | {IMAGE_MPS_TOOL}; echo \"set-status=$?\"; \
+         echo quit | {IMAGE_MPS_TOOL}; echo \"quit-status=$?\"; \
+         exec {} bench compute-worker --kernel-us 2000 --seconds 3 --start-at {start}",
         setup.gpuslice()
     );
     let names = ["infer-a", "infer-b"];
@@ -2535,12 +2572,18 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
             .find_map(|l| l.strip_prefix("mps="))
             .unwrap_or_else(|| panic!("no mps= line in:\n{output}"));
         let told: Vec<&str> = told.split(',').collect();
-        assert_eq!(told[0], "50", "{output}");
+        assert_eq!(told[0], "25", "the policy's limit: {output}");
         assert!(
             told[1].starts_with("0=") && told[1].ends_with('M'),
             "{output}"
         );
         assert_eq!(told[2], gpuslice_contract::paths::MPS_PIPE_IN_CONTAINER);
+        for line in ["control", "planted=no", "set-status=1", "quit-status=1"] {
+            assert!(
+                output.lines().any(|l| l == line),
+                "no {line:?} in:\n{output}"
+            );
+        }
         let report: serde_json::Value = output
             .lines()
             .find(|l| l.starts_with('{'))
@@ -2551,6 +2594,11 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
             report["endNs"].as_u64().unwrap(),
         ));
     }
+    assert_eq!(
+        std::fs::read_to_string(&pid_file).unwrap(),
+        daemon,
+        "the node's daemon still runs, the same one"
+    );
     let (from, to) = (
         spans.iter().map(|s| s.0).max().unwrap(),
         spans.iter().map(|s| s.1).min().unwrap(),
@@ -2568,14 +2616,14 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
         .filter(|k| k.start < to && k.end > from)
         .collect();
     assert!(
-        together.iter().all(|k| k.share == 50),
-        "every kernel on half the SMs: {:?}\n{outputs}",
-        together.iter().find(|k| k.share != 50)
+        together.iter().all(|k| k.share == 25),
+        "every kernel on a quarter of the SMs: {:?}\n{outputs}",
+        together.iter().find(|k| k.share != 25)
     );
-    // Side by side, each client runs a 4 ms kernel at a time: twice the count of one.
+    // Side by side, each client runs an 8 ms kernel at a time: twice the count of one.
     let seconds = (to - from) as f64 / 1e9;
     assert!(
-        together.len() as f64 > 1.6 * seconds / 0.004,
+        together.len() as f64 > 1.6 * seconds / 0.008,
         "{} kernels in {seconds:.1} s",
         together.len()
     );

@@ -1241,12 +1241,12 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
 
     let worker =
         |seconds: u32| format!("{BIN} bench compute-worker --kernel-us 2000 --seconds {seconds}");
-    let modest = node.run(&format!("exec {}", worker(2)), true);
+    // Both start their kernels at the same moment, once both are up.
+    let start = gpuslice_emulator::timeline::now_ns() + 3_000_000_000;
+    let together = format!("{} --start-at {start}", worker(2));
+    let modest = node.run(&format!("exec {together}"), true);
     let greedy = node.run(
-        &format!(
-            "exec env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 {}",
-            worker(2)
-        ),
+        &format!("exec env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 {together}"),
         true,
     );
     let (modest, greedy) = (

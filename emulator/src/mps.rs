@@ -57,6 +57,10 @@ pub struct ClientTerms {
 /// runs without MPS, as CUDA does). The returned stream stays open while the client lives.
 pub fn connect_client(pipe: &Path, pid: u32) -> Option<(UnixStream, ClientTerms)> {
     let mut stream = UnixStream::connect(pipe.join(CONTROL)).ok()?;
+    // A daemon that does not answer is no daemon: CUDA goes on without MPS.
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
     writeln!(stream, "client {pid}").ok()?;
     let mut line = String::new();
     BufReader::new(stream.try_clone().ok()?)
@@ -209,6 +213,12 @@ fn session(stream: UnixStream, daemon: &Arc<Mutex<Daemon>>, logger: &Logger, pip
     }
     let words: Vec<&str> = line.split_whitespace().collect();
     let mut out = stream;
+    // Any user's CUDA program is a client; only the daemon's user (or root) commands it.
+    if words.first() != Some(&"client") && !may_command(&out) {
+        logger.line(&format!("Refused from another user: {}", line.trim()));
+        let _ = writeln!(out, "{REFUSED}");
+        return false;
+    }
     let lock = || daemon.lock().unwrap_or_else(|p| p.into_inner());
     match words.as_slice() {
         ["client", pid] => {
@@ -313,6 +323,31 @@ fn session(stream: UnixStream, daemon: &Arc<Mutex<Daemon>>, logger: &Logger, pip
             false
         }
     }
+}
+
+/// The emulated daemon's answer to a command from a user other than its own or root.
+pub const REFUSED: &str = "Permission denied: only the daemon's user or root may command it";
+
+/// Whether the peer of `stream` runs as root or as the daemon's user.
+fn may_command(stream: &UnixStream) -> bool {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: u32::MAX,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a ucred, for this socket's fd.
+    let rc = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(stream),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: geteuid takes no arguments and cannot fail.
+    rc == 0 && (cred.uid == 0 || cred.uid == unsafe { libc::geteuid() })
 }
 
 /// Sends one command to the daemon of `pipe` and returns its reply.

@@ -384,11 +384,13 @@ impl Agent {
         let mut mps_daemons = BTreeMap::new();
         if self.apply {
             let failed = self.mps.keep(&self.state, &after);
+            // GPUs with MPS slices, and those refused them for want of a daemon.
             mps_daemons = after
                 .gpus
                 .iter()
                 .filter(|g| g.slices.first().is_some_and(|s| s.mps))
                 .map(|g| (g.index, !failed.contains_key(&g.index)))
+                .chain(refused.keys().map(|gpu| (*gpu, false)))
                 .collect();
             for (gpu, why) in refused.into_iter().chain(failed) {
                 if let Some(o) = outcomes.iter_mut().find(|o| o.index == gpu) {

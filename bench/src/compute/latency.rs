@@ -147,9 +147,14 @@ impl Bench {
             tool,
             pipe: self.state.root().with_file_name("mps-pipe"),
         };
+        for dir in [&daemon.pipe, &daemon.pipe.with_file_name("mps-log")] {
+            std::fs::create_dir_all(dir).map_err(|e| setup(dir, e))?;
+        }
         let started = daemon
             .command()
             .arg("-d")
+            // The workers' GPU, as the agent gives a daemon its GPU.
+            .env("CUDA_VISIBLE_DEVICES", "0")
             .status()
             .map_err(|e| setup(&daemon.tool, e))?;
         if !started.success() {

@@ -28,11 +28,20 @@ fn main() -> ExitCode {
             } else {
                 None
             };
+            let control = pipe.join(mps::CONTROL);
             let signal = || {
                 if let Some(mut ready) = ready {
                     use std::io::Write as _;
                     let _ = ready.write_all(b"1");
                 }
+                // A daemon whose socket is gone (its folder removed) can never be reached
+                // again: it ends rather than linger.
+                std::thread::spawn(move || {
+                    while control.exists() {
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                    std::process::exit(0);
+                });
             };
             match mps::serve(listener, &pipe, &log, signal) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -53,6 +62,10 @@ fn main() -> ExitCode {
                     continue;
                 }
                 match mps::command(&pipe, &line) {
+                    Ok(reply) if reply.starts_with(mps::REFUSED) => {
+                        eprint!("{reply}");
+                        return ExitCode::FAILURE;
+                    }
                     Ok(reply) => print!("{reply}"),
                     Err(e) => {
                         eprintln!("{e}");

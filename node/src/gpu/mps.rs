@@ -18,6 +18,10 @@ use gpuslice_api::NodeInventory;
 use gpuslice_contract::{SliceConfig, StateDir, env};
 use gpuslice_planning::transition::Desired;
 
+/// The control daemon's socket in its pipe directory, and its pid file.
+pub const CONTROL_SOCKET: &str = "control";
+pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
+
 /// NVIDIA's control tool, found on `PATH` unless the agent is told where it is.
 pub const DEFAULT_CONTROL: &str = "nvidia-cuda-mps-control";
 
@@ -53,15 +57,15 @@ impl MpsDaemons {
     pub fn keep(&self, state: &StateDir, node: &NodeInventory) -> BTreeMap<u32, String> {
         let mut failed = BTreeMap::new();
         for gpu in &node.gpus {
-            let wanted = gpu.slices.first().filter(|s| s.mps).map(|s| Wanted {
-                uuid: gpu.uuid.clone().unwrap_or_default(),
-                compute: s.compute,
-                memory: gpuslice_api::bytes_of(&s.memory.0).unwrap_or(0),
-            });
+            let wanted = gpu
+                .slices
+                .first()
+                .filter(|s| s.mps)
+                .map(|s| Wanted::of(gpu, s.compute, &s.memory.0));
             let dir = state.mps(gpu.index);
             match wanted {
                 Some(wanted) => {
-                    if let Err(why) = self.keep_running(state, gpu.index, &wanted) {
+                    if let Err(why) = wanted.and_then(|w| self.keep_running(state, gpu.index, &w)) {
                         tracing::warn!(gpu = gpu.index, "MPS control daemon: {why}");
                         failed.insert(gpu.index, why);
                     }
@@ -105,12 +109,11 @@ impl MpsDaemons {
                 // Converging says why; it cuts nothing.
                 continue;
             }
-            let wanted = Wanted {
-                uuid: gpu.uuid.clone().unwrap_or_default(),
-                compute: table.compute,
-                memory: table.memory,
-            };
-            if let Err(why) = self.keep_running(state, gpu.index, &wanted) {
+            // As the slices will read it back (NodeInventory's quantity), so that the next
+            // pass finds the daemon started for what it sees.
+            let memory = gpuslice_api::quantity::format_bytes(table.memory);
+            let wanted = Wanted::of(gpu, table.compute, &memory);
+            if let Err(why) = wanted.and_then(|w| self.keep_running(state, gpu.index, &w)) {
                 tracing::warn!(gpu = gpu.index, "MPS control daemon: {why}");
                 plan.ops.clear();
                 refused.insert(gpu.index, why);
@@ -123,7 +126,9 @@ impl MpsDaemons {
         let alive = self.send(state, gpu, "get_server_list").is_ok();
         let started = std::fs::read_to_string(started_file(state, gpu)).ok();
         if alive && started.as_deref() == Some(wanted.record().as_str()) {
-            return Ok(());
+            // Its defaults again, whoever may have changed them since (they apply to the next
+            // server it starts).
+            return self.set_defaults(state, gpu, wanted);
         }
         if alive {
             // Running with other defaults (the layout changed): start it again with these.
@@ -144,18 +149,21 @@ impl MpsDaemons {
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(&pipe, std::fs::Permissions::from_mode(0o755))
             .map_err(|e| format!("{}: {e}", pipe.display()))?;
-        let output = self
+        let child = self
             .command(state, gpu)
             .arg("-d")
             .env("CUDA_VISIBLE_DEVICES", &wanted.uuid)
             .stdin(Stdio::null())
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .map_err(|e| {
                 format!(
                     "cannot run {} -d: {e}; install the driver's MPS tools (or pass --mps-control; with --emulate, cargo build --workspace builds the emulated one), or give the pool a software layout",
                     self.control.display()
                 )
             })?;
+        let output = finish_within(child, &format!("{} -d", self.control.display()))?;
         if !output.status.success() {
             return Err(format!(
                 "{} -d failed ({}): {}",
@@ -164,12 +172,7 @@ impl MpsDaemons {
                 String::from_utf8_lossy(&output.stderr).trim()
             ));
         }
-        for command in [
-            format!("set_default_active_thread_percentage {}", wanted.compute),
-            format!("set_default_device_pinned_mem_limit 0 {}", mib(wanted)),
-        ] {
-            self.send(state, gpu, &command)?;
-        }
+        self.set_defaults(state, gpu, wanted)?;
         let record = started_file(state, gpu);
         std::fs::write(&record, wanted.record())
             .map_err(|e| format!("{}: {e}", record.display()))?;
@@ -179,6 +182,20 @@ impl MpsDaemons {
             "MPS control daemon started ({})",
             pipe.display()
         );
+        Ok(())
+    }
+
+    fn set_defaults(&self, state: &StateDir, gpu: u32, wanted: &Wanted) -> Result<(), String> {
+        self.send(
+            state,
+            gpu,
+            &format!("set_default_active_thread_percentage {}", wanted.compute),
+        )?;
+        self.send(
+            state,
+            gpu,
+            &format!("set_default_device_pinned_mem_limit 0 {}", mib(wanted)),
+        )?;
         Ok(())
     }
 
@@ -202,7 +219,7 @@ impl MpsDaemons {
         if let Some(mut stdin) = child.stdin.take() {
             let _ = writeln!(stdin, "{line}");
         }
-        let output = child.wait_with_output().map_err(|e| e.to_string())?;
+        let output = finish_within(child, line)?;
         if output.status.success() {
             Ok(String::from_utf8_lossy(&output.stdout).into_owned())
         } else {
@@ -225,7 +242,56 @@ pub fn too_old(gpu: &gpuslice_api::GpuInventory) -> Option<String> {
     })
 }
 
+/// How long the control tool may take to answer before the pass goes on without it.
+const TOOL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits for the control tool to end, killing it past [`TOOL_DEADLINE`]: a wedged daemon must
+/// not hold up the agent's passes.
+fn finish_within(
+    mut child: std::process::Child,
+    what: &str,
+) -> Result<std::process::Output, String> {
+    let deadline = std::time::Instant::now() + TOOL_DEADLINE;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => return child.wait_with_output().map_err(|e| e.to_string()),
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{what}: no answer within {} s",
+                    TOOL_DEADLINE.as_secs()
+                ));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
 impl Wanted {
+    /// What GPU `gpu`'s daemon is started with for slices of `compute` % and `memory` (a
+    /// quantity), or why it cannot be.
+    fn of(gpu: &gpuslice_api::GpuInventory, compute: u32, memory: &str) -> Result<Wanted, String> {
+        let uuid = gpu.uuid.clone().filter(|u| !u.is_empty()).ok_or_else(|| {
+            format!(
+                "GPU {} has no UUID from NVML, and its MPS daemon must be given one (CUDA_VISIBLE_DEVICES); give its pool a software layout",
+                gpu.index
+            )
+        })?;
+        let memory = gpuslice_api::bytes_of(memory)
+            .ok()
+            .filter(|m| *m >= 1 << 20)
+            .ok_or_else(|| format!("GPU {}'s slice memory {memory:?} is not a size", gpu.index))?;
+        Ok(Wanted {
+            uuid,
+            compute,
+            memory,
+        })
+    }
+
     /// What the daemon was started for, as recorded beside its directories.
     fn record(&self) -> String {
         format!("{} {} {}\n", self.uuid, self.compute, self.memory)
@@ -240,6 +306,24 @@ fn started_file(state: &StateDir, gpu: u32) -> PathBuf {
 
 fn mib(wanted: &Wanted) -> String {
     format!("{}M", wanted.memory >> 20)
+}
+
+/// Whether process `pid` is an MPS server one of the agent's daemons started (a child of a
+/// daemon whose pid file is under the state directory): it shows on its GPU as a compute
+/// process of its own, holding no slice, and must not be taken for a stray.
+pub fn is_server(state: &StateDir, pid: u32) -> bool {
+    let Some(parent) = crate::workloads::process::parent_of(pid) else {
+        return false;
+    };
+    let Ok(gpus) = std::fs::read_dir(state.root().join("mps")) else {
+        return false;
+    };
+    gpus.flatten().any(|gpu| {
+        std::fs::read_to_string(gpu.path().join("pipe").join(PID_FILE))
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok())
+            .is_some_and(|daemon| daemon == parent || daemon == pid)
+    })
 }
 
 /// What a workload on an MPS slice is told: where its GPU's daemon is (`pipe`, as the workload

@@ -243,7 +243,7 @@ pub fn reclaim_ledgers(state: &StateDir, slices: &[SliceConfig]) {
     let own = gpuslice_shm::pid_namespace("self");
     let ledgers: Vec<gpuslice_shm::Ledger> = slices
         .iter()
-        .filter(|s| s.kind == SliceKind::Software)
+        .filter(|s| s.kind.shares_gpu())
         .filter_map(|s| gpuslice_shm::Ledger::open(&state.slice_ledger(&s.id)).ok())
         .filter(|l| {
             l.rows()

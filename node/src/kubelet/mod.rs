@@ -266,12 +266,13 @@ pub fn cdi_spec(
                 // miss the daemon and run outside MPS.
                 let pipe = Path::new(gpuslice_contract::paths::MPS_PIPE_IN_CONTAINER);
                 mounts.push(bind(&state.mps_pipe(slice.gpu), pipe, "ro"));
-                let cap = std::fs::read(claim_config)
+                // The claim's config: the policy's cap and share where they are lower.
+                let given = std::fs::read(claim_config)
                     .ok()
                     .and_then(|b| serde_json::from_slice::<SliceConfig>(&b).ok())
-                    .map_or(slice.memory_bytes, |c| c.memory_bytes);
+                    .unwrap_or_else(|| slice.clone());
                 env.extend(
-                    crate::gpu::mps::client_env(slice, pipe, ordinal, cap)
+                    crate::gpu::mps::client_env(&given, pipe, ordinal, given.memory_bytes)
                         .into_iter()
                         .map(|(k, v)| format!("{k}={v}")),
                 );
@@ -360,6 +361,8 @@ struct Allocation {
     /// The policy its class names, and the memory cap it gives.
     policy: Option<String>,
     memory_limit: Option<u64>,
+    /// The policy's compute limit (%), which an MPS slice's workload is given as its SM share.
+    compute_limit: Option<u32>,
     /// The CheckpointPolicy that drains its workload (the policy's, else its pool's).
     checkpoint_policy: Option<String>,
     /// Each device: its CDI device name, the request it answers, and the slice in force.
@@ -441,6 +444,9 @@ impl Plugin {
             .map(|p| p.policy.clone())
             .find(|p| !p.is_empty());
         let memory_limit = parameters.iter().find_map(|p| p.memory_limit_bytes);
+        let compute_limit = parameters
+            .iter()
+            .find_map(|p| p.compute.as_ref().map(|c| c.limit));
         let checkpoint_policy = parameters.iter().find_map(|p| p.checkpoint_policy.clone());
         let results = allocated.results.unwrap_or_default();
         let slices = crate::gpu::slices::published(&self.state);
@@ -475,6 +481,7 @@ impl Plugin {
             pod_names,
             policy,
             memory_limit,
+            compute_limit,
             checkpoint_policy,
             devices,
         })
@@ -494,6 +501,7 @@ impl Plugin {
             pod_names,
             policy,
             memory_limit,
+            compute_limit,
             checkpoint_policy,
             devices,
         } = self.allocation(claim).await?;
@@ -516,6 +524,20 @@ impl Plugin {
                 software.join(", ")
             )));
         }
+        // A container of an MPS slice without its GPU's daemon would run outside MPS.
+        if let Some((_, _, s)) = devices.iter().find(|(_, _, s)| {
+            s.kind == SliceKind::Mps
+                && !self
+                    .state
+                    .mps_pipe(s.gpu)
+                    .join(crate::gpu::mps::CONTROL_SOCKET)
+                    .exists()
+        }) {
+            return Err(refuse(format!(
+                "GPU {}'s MPS control daemon is not running (the GpuNode's status says why); the kubelet asks again",
+                s.gpu
+            )));
+        }
         let ids: Vec<String> = devices.iter().map(|(_, _, s)| s.id.clone()).collect();
         let key = format!("{}/{}", claim.namespace, claim.name);
         self.claims.pin(&ids, &key).map_err(|held| {
@@ -535,9 +557,16 @@ impl Plugin {
         let mut named: Vec<(String, SliceConfig, PathBuf)> = Vec::new();
         for (name, _, slice) in &devices {
             crate::gpu::slices::new_workload(&self.state, &slice.id);
+            // An MPS slice's share of the SMs is the policy's limit where that is lower (the
+            // arbiter keeps a time-sliced one's).
+            let compute_percent = match compute_limit {
+                Some(limit) if slice.kind == SliceKind::Mps => limit.min(slice.compute_percent),
+                _ => slice.compute_percent,
+            };
             let config = SliceConfig {
                 memory_bytes: memory_limit
                     .map_or(slice.memory_bytes, |m| m.min(slice.memory_bytes)),
+                compute_percent,
                 ..slice.clone()
             };
             let path = claim_config_path(&self.state, &claim.uid, &slice.id);

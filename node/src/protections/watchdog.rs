@@ -82,6 +82,8 @@ pub struct Watched {
     /// For software slices, the cap the holder's containers or command were given (a claim's
     /// may be below the slice's memory); MIG instances and whole GPUs have none to keep.
     pub cap: Option<u64>,
+    /// On an MPS slice, the share of the SMs its holder was given (%).
+    pub mps_share: Option<u32>,
     pub holding: Holding,
 }
 
@@ -456,6 +458,8 @@ pub fn watched(state: &StateDir, claims: &Claims) -> Vec<Watched> {
     let slice = |id: &str| slices.iter().find(|s| s.id == id);
     let software_cap =
         |config: &SliceConfig| config.kind.shares_gpu().then_some(config.memory_bytes);
+    let mps_share =
+        |config: &SliceConfig| (config.kind == SliceKind::Mps).then_some(config.compute_percent);
     let mut out: Vec<Watched> = claims
         .held()
         .into_iter()
@@ -464,6 +468,7 @@ pub fn watched(state: &StateDir, claims: &Claims) -> Vec<Watched> {
             let config = slice(&c.slice)?;
             Some(Watched {
                 cap: software_cap(config),
+                mps_share: mps_share(config),
                 holding: Holding {
                     slice: c.slice.clone(),
                     gpu: config.gpu,
@@ -484,6 +489,7 @@ pub fn watched(state: &StateDir, claims: &Claims) -> Vec<Watched> {
             };
             out.push(Watched {
                 cap: software_cap(&config),
+                mps_share: mps_share(&config),
                 holding: Holding {
                     slice: device.slice.clone(),
                     gpu: config.gpu,
@@ -498,12 +504,14 @@ pub fn watched(state: &StateDir, claims: &Claims) -> Vec<Watched> {
     out
 }
 
-/// Each held slice's compute limit: the arbiter's for a time-sliced one, the SM share MPS
-/// gives an MPS one (a client that drops `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` runs past it).
-fn limits(claims: &Claims, compute: &Compute) -> BTreeMap<String, u32> {
+/// Each held slice's compute limit: the arbiter's for a time-sliced one, the SM share its
+/// holder was given on an MPS one (a client that leaves MPS runs past it).
+fn limits(watched: &[Watched], compute: &Compute) -> BTreeMap<String, u32> {
     let mut limits = compute.limits();
-    for slice in claims.slices().iter().filter(|s| s.kind == SliceKind::Mps) {
-        limits.insert(slice.id.clone(), slice.compute_percent);
+    for w in watched {
+        if let Some(share) = w.mps_share {
+            limits.insert(w.holding.slice.clone(), share);
+        }
     }
     limits
 }
@@ -537,7 +545,7 @@ fn find(
         .collect();
     let uses = gpus.process_utilization(&software, since);
     found.extend(
-        compute_overruns(&watched, &uses, owner, &limits(claims, compute))
+        compute_overruns(&watched, &uses, owner, &limits(&watched, compute))
             .into_iter()
             .map(Finding::Compute),
     );
@@ -545,8 +553,17 @@ fn find(
         let on_gpu: Vec<Holding> = holdings.iter().filter(|h| h.gpu == gpu).cloned().collect();
         crate::protections::faults::owner_of(pid, &on_gpu).is_some()
     };
+    // The agent, and the MPS servers its daemons started: each holds a GPU's MPS clients'
+    // context, no slice of its own.
+    let mut spared = vec![std::process::id()];
+    spared.extend(
+        processes
+            .iter()
+            .map(|p| p.pid)
+            .filter(|pid| crate::gpu::mps::is_server(state, *pid)),
+    );
     found.extend(
-        strays(&processes, &pools, holds, &[std::process::id()])
+        strays(&processes, &pools, holds, &spared)
             .into_iter()
             .map(Finding::Stray),
     );
@@ -589,6 +606,7 @@ mod tests {
     fn watched(slice: &str, gpu: u32, cap: u64, pids: &[u32]) -> Watched {
         Watched {
             cap: Some(cap),
+            mps_share: None,
             holding: Holding {
                 slice: slice.into(),
                 gpu,
