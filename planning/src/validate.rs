@@ -189,6 +189,9 @@ fn check_checkpoint_storage(
     }
 }
 
+/// The client processes an MPS server serves on one GPU (Volta and newer, NVIDIA's MPS docs).
+const MPS_CLIENTS: u32 = 48;
+
 /// A policy's `count` and `topology` against its pool: several software slices cannot be capped
 /// in one container, and a topology constrains only several slices.
 fn check_count(
@@ -487,6 +490,12 @@ fn check_pool(
                 } else {
                     "software"
                 };
+                if field == "mps" && s.slices > MPS_CLIENTS {
+                    out.warn(doc, &format!("{path}.mps.slices"), format!(
+                        "{} MPS slices: an MPS server serves at most {MPS_CLIENTS} client processes per GPU (Volta and newer), so some workloads would wait for a place; use at most {MPS_CLIENTS} slices",
+                        s.slices
+                    ));
+                }
                 let Ok(memory) = s.memory.bytes() else {
                     continue;
                 };
