@@ -14,6 +14,9 @@
 #    of the bench's own, started with the driver's tool and told to quit at the end): p50/p99
 #    latency and the PASS/FAIL verdict.
 #
+# 3. While the bench runs, NVML's compute processes (nvidia-smi --query-compute-apps), once a
+#    second: whether the MPS server shows as a process of its own and the clients' memory.
+#
 # Daemons run with private pipe and log folders and are quit at the end; nothing on the GPU is
 # reconfigured (no MIG, clock or compute-mode change). About 1 minute. It uses target/release
 # binaries when present (cargo build --release --workspace elsewhere, carried along), else
@@ -31,6 +34,12 @@ transcript() { # tool name
   mkdir -p "$pipe" "$log"
   export CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$log
   "$1" -d; echo "-d: $?"
+  # Another user commanding this daemon (a tenant with its own copy of the tool).
+  chmod 755 "$tmp" "$tmp/$2" "$pipe"
+  if command -v runuser > /dev/null; then
+    echo get_server_list | runuser -u nobody -- env CUDA_MPS_PIPE_DIRECTORY="$pipe" "$1" 2>&1
+    echo "as nobody: $?"
+  fi
   printf '%s\n' get_default_active_thread_percentage "set_default_active_thread_percentage 30" \
     get_default_active_thread_percentage "set_default_device_pinned_mem_limit 0 2G" \
     "get_default_device_pinned_mem_limit 0" get_server_list | "$1"; echo "commands: $?"
@@ -51,7 +60,17 @@ transcript() { # tool name
   echo "--- control tool transcripts (real | emulated)"
   diff -y -W 140 "$tmp/real.txt" "$tmp/emulated.txt" || true
   status=0
+  # What NVML lists while the bench's clients run (is the MPS server a compute process of its
+  # own? are the clients' memory figures there, for the watchdog?).
+  ( for _ in $(seq 1 20); do
+      nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader -i 0
+      sleep 1
+    done > "$tmp/apps.txt" 2>&1 ) &
+  sampler=$!
   timeout 300 "$bin/gpuslice" bench compute --real-gpu --latency-only --seconds 4 || status=$?
   echo "exit status $status"
+  wait "$sampler" || true
+  echo "--- compute processes seen during the bench (distinct)"
+  sort -u "$tmp/apps.txt"
 } 2>&1 | tee "$out/mps.txt"
 rm -rf "$tmp"
