@@ -118,7 +118,7 @@ pub fn run(
     let mut send = |request: &Request| writer.write_all(&socket::line(request)).map_err(lost);
     send(&Request::Want(want.clone()))?;
     let mut replies = BufReader::new(stream);
-    let (slice, config, device_uuid, checkpoint) = loop {
+    let (slice, config, device_uuid, checkpoint, mps_share) = loop {
         let mut line = String::new();
         if replies.read_line(&mut line).map_err(lost)? == 0 {
             return Err(RunError::Lost("no answer".into()));
@@ -132,7 +132,8 @@ pub fn run(
                 config,
                 device_uuid,
                 checkpoint,
-            } => break (slice, config, device_uuid, checkpoint),
+                mps_share,
+            } => break (slice, config, device_uuid, checkpoint, mps_share),
             Reply::Refused { reason } => return Err(RunError::Refused(reason)),
             other => return Err(RunError::Lost(format!("unexpected answer {other:?}"))),
         }
@@ -147,7 +148,18 @@ pub fn run(
         .ok()
         .and_then(|b| serde_json::from_slice::<gpuslice_contract::SliceConfig>(&b).ok())
         .filter(|c| c.kind == gpuslice_contract::SliceKind::Mps)
-        .map(|c| gpuslice_node::gpu::mps::client_env(&c, &state.mps_pipe(c.gpu), 0, c.memory_bytes))
+        .map(|c| {
+            let given = gpuslice_contract::SliceConfig {
+                compute_percent: mps_share.unwrap_or(c.compute_percent),
+                ..c
+            };
+            gpuslice_node::gpu::mps::client_env(
+                &given,
+                &state.mps_pipe(given.gpu),
+                0,
+                given.memory_bytes,
+            )
+        })
         .unwrap_or_default();
     let mut child = Command::new(&command[0])
         .args(&command[1..])

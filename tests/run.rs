@@ -1182,9 +1182,12 @@ fn a_policy_of_several_slices_is_refused_with_what_to_do() {
     );
 }
 
-/// Two MPS slices of GPU 0 (20 GiB, half the SMs each), and policy `small` on them.
+/// Two MPS slices of GPU 0 (20 GiB, half the SMs each), and policy `small` on them, whose
+/// compute limit is the slice's share.
 fn mps_pool() -> String {
-    pool(2, "20Gi").replace("    software: ", "    mps: ")
+    pool(2, "20Gi")
+        .replace("    software: ", "    mps: ")
+        .replace("limit: 25", "limit: 50")
 }
 
 /// The kernels the emulated GPU 0 ran for `pid`.

@@ -78,6 +78,10 @@ pub enum Reply {
         /// The CheckpointPolicy that drains the workload (its policy's, else its GPU's pool's).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         checkpoint: Option<Checkpointing>,
+        /// On an MPS slice, the share of the SMs the workload is given (%): its policy's
+        /// compute limit where lower than the slice's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mps_share: Option<u32>,
     },
     Refused {
         reason: String,

@@ -468,7 +468,8 @@ pub fn watched(state: &StateDir, claims: &Claims) -> Vec<Watched> {
             let config = slice(&c.slice)?;
             Some(Watched {
                 cap: software_cap(config),
-                mps_share: mps_share(config),
+                // What `gpuslice run` was told: its policy's limit where lower.
+                mps_share: mps_share(config).map(|_| claims.mps_share(config, c.policy.as_deref())),
                 holding: Holding {
                     slice: c.slice.clone(),
                     gpu: config.gpu,

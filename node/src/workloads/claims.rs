@@ -12,7 +12,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use gpuslice_contract::socket::{self, Checkpointing, Reply, Request, Want};
-use gpuslice_contract::{SliceConfig, StateDir};
+use gpuslice_contract::{SliceConfig, SliceKind, StateDir};
 use gpuslice_source::last_good::Config;
 use serde::Serialize;
 
@@ -441,11 +441,16 @@ impl Claims {
         self.confine(client, &granted, host);
         let slice = crate::gpu::slices::read_config(state, &granted).ok();
         let checkpoint = self.checkpointing(&want, slice.as_ref().map(|s| s.gpu));
+        let mps_share = slice
+            .as_ref()
+            .filter(|s| s.kind == SliceKind::Mps)
+            .map(|s| self.mps_share(s, want.policy.as_deref()));
         if send(&Reply::Granted {
             slice: granted,
             config,
             device_uuid: slice.map(|c| c.device_uuid).unwrap_or_default(),
             checkpoint,
+            mps_share,
         })
         .is_ok()
         {
@@ -462,6 +467,15 @@ impl Claims {
             }
         }
         self.leave(conn)
+    }
+
+    /// The share of the SMs a workload of `policy` gets on MPS slice `slice`: the policy's
+    /// compute limit where lower than the slice's.
+    pub fn mps_share(&self, slice: &SliceConfig, policy: Option<&str>) -> u32 {
+        let limit = policy
+            .and_then(|p| self.lock().policies.get(p).map(|n| n.compute))
+            .filter(|l| *l > 0);
+        limit.map_or(slice.compute_percent, |l| l.min(slice.compute_percent))
     }
 
     /// What a workload granted a slice of GPU `gpu` for `want` is told of its CheckpointPolicy:
