@@ -8,9 +8,9 @@ use gpuslice_contract::{SliceConfig, SliceKind, StateDir, env};
 use gpuslice_emulator::{Machine, Store};
 use gpuslice_node::workloads::socket;
 
-use super::latency::{INFER, MPS_INFER, MPS_TRAIN, TRAIN};
 use super::{
-    ARBITRATED, ComputeBenchError, JOBS, KERNEL_US, PLAIN, Scenario, job_slice, setup, slice_id,
+    ARBITRATED, ComputeBenchError, INFER, JOBS, KERNEL_US, MPS_INFER, MPS_TRAIN, PLAIN, Scenario,
+    TRAIN, job_slice, setup, slice_id,
 };
 
 /// On a real GPU, workers start their clocks this long after they are spawned (context

@@ -5,14 +5,15 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use gpuslice_node::workloads::compute::GpuShares;
 
+use gpuslice_node::gpu::mps::MpsControl;
+
 use super::bench::{Gpu, finish};
 use super::scenarios::best_effort;
-use super::{Bench, ComputeBenchError, Report, setup};
+use super::{Bench, ComputeBenchError, INFER, MPS_INFER, MPS_TRAIN, Report, TRAIN, setup};
 
 /// The inference client's request: one kernel of this long on the whole GPU (ms), every
 /// [`PERIOD_MS`].
@@ -24,11 +25,6 @@ pub const TRAINING_KERNEL_MS: u64 = 10;
 pub const LATENCY_TARGET: f64 = 0.5;
 /// The SM share of each MPS slice (%).
 const MPS_SHARE: u32 = 50;
-
-pub(super) const INFER: &str = "latency-infer";
-pub(super) const TRAIN: &str = "latency-train";
-pub(super) const MPS_INFER: &str = "latency-mps-infer";
-pub(super) const MPS_TRAIN: &str = "latency-mps-train";
 
 /// Latency percentiles of one way of sharing (ms).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -75,45 +71,12 @@ pub fn percentiles(report: &Report) -> Percentiles {
     }
 }
 
-/// The emulated MPS control daemon of the bench's GPU, quit when dropped.
-struct Daemon {
-    tool: PathBuf,
-    pipe: PathBuf,
-}
-
-impl Daemon {
-    fn command(&self) -> Command {
-        let mut command = Command::new(&self.tool);
-        command
-            .env(gpuslice_contract::env::MPS_PIPE_DIRECTORY, &self.pipe)
-            .env(
-                gpuslice_contract::env::MPS_LOG_DIRECTORY,
-                self.pipe.with_file_name("mps-log"),
-            );
-        command
-    }
-
-    fn send(&self, line: &str) -> Result<(), ComputeBenchError> {
-        use std::io::Write as _;
-        let mut child = self
-            .command()
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .map_err(|e| setup(&self.tool, e))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            writeln!(stdin, "{line}").map_err(|e| setup(&self.tool, e))?;
-        }
-        match child.wait() {
-            Ok(s) if s.success() => Ok(()),
-            other => Err(setup(&self.tool, format!("{line}: {other:?}"))),
-        }
-    }
-}
+/// The bench's own MPS control daemon, quit when dropped.
+struct Daemon(MpsControl);
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        let _ = self.send("quit");
+        self.0.quit();
     }
 }
 
@@ -143,25 +106,19 @@ impl Bench {
             )?,
             Gpu::Real { .. } => PathBuf::from(gpuslice_node::gpu::mps::DEFAULT_CONTROL),
         };
-        let daemon = Daemon {
+        let pipe = self.state.root().with_file_name("mps-pipe");
+        let daemon = Daemon(MpsControl {
             tool,
-            pipe: self.state.root().with_file_name("mps-pipe"),
-        };
-        for dir in [&daemon.pipe, &daemon.pipe.with_file_name("mps-log")] {
-            std::fs::create_dir_all(dir).map_err(|e| setup(dir, e))?;
-        }
-        let started = daemon
-            .command()
-            .arg("-d")
-            // The workers' GPU, as the agent gives a daemon its GPU.
-            .env("CUDA_VISIBLE_DEVICES", "0")
-            .status()
-            .map_err(|e| setup(&daemon.tool, e))?;
-        if !started.success() {
-            return Err(setup(&daemon.tool, format!("-d: {started}")));
-        }
-        daemon.send(&format!("set_default_active_thread_percentage {MPS_SHARE}"))?;
-        let pipe = daemon.pipe.display().to_string();
+            log: pipe.with_file_name("mps-log"),
+            pipe,
+        });
+        // The workers' GPU, as the agent gives a daemon its GPU.
+        daemon.0.start("0").map_err(|e| setup(&daemon.0.tool, e))?;
+        daemon
+            .0
+            .set_defaults(MPS_SHARE, None)
+            .map_err(|e| setup(&daemon.0.tool, e))?;
+        let pipe = daemon.0.pipe.display().to_string();
         let mps = self.pair(
             MPS_INFER,
             MPS_TRAIN,

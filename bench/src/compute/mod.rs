@@ -45,6 +45,12 @@ pub const OVERHEAD_TARGET: f64 = 0.99;
 /// The slices of the overhead measurement: the shim without arbitration, and with it.
 const PLAIN: &str = "overhead-plain";
 const ARBITRATED: &str = "overhead-arbitrated";
+/// The latency run's slices: the inference client's and its training neighbour's, time-sliced
+/// and then on MPS.
+const INFER: &str = "latency-infer";
+const TRAIN: &str = "latency-train";
+const MPS_INFER: &str = "latency-mps-infer";
+const MPS_TRAIN: &str = "latency-mps-train";
 /// Jobs of the sharing-versus-queueing comparison.
 const JOBS: usize = 4;
 /// Kernels per job: one second of GPU time each.

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use gpuslice_api::NodeInventory;
 use gpuslice_contract::{SliceConfig, StateDir, env};
@@ -24,6 +25,147 @@ pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
 
 /// NVIDIA's control tool, found on `PATH` unless the agent is told where it is.
 pub const DEFAULT_CONTROL: &str = "nvidia-cuda-mps-control";
+
+/// How long the control tool may take to answer before the pass goes on without it.
+const TOOL_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Why a GPU's MPS daemon could not be started or told its defaults.
+#[derive(Debug, thiserror::Error)]
+pub enum MpsError {
+    #[error(
+        "cannot run {} -d: {source}; install the driver's MPS tools (or pass --mps-control; with --emulate, cargo build --workspace builds the emulated one), or give the pool a software layout",
+        tool.display()
+    )]
+    NoTool {
+        tool: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} -d failed ({status}): {stderr}", tool.display())]
+    StartFailed {
+        tool: PathBuf,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    #[error("`{command}`: {reply}")]
+    Refused { command: String, reply: String },
+    #[error("`{command}`: no answer within {} s", TOOL_DEADLINE.as_secs())]
+    NoAnswer { command: String },
+    #[error("`{command}`: {source}")]
+    Wait {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "GPU {gpu} has no UUID from NVML, and its MPS daemon must be given one (CUDA_VISIBLE_DEVICES); give its pool a software layout"
+    )]
+    NoUuid { gpu: u32 },
+    #[error("GPU {gpu}'s slice memory {memory:?} is not a size")]
+    Memory { gpu: u32, memory: String },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> MpsError + '_ {
+    move |source| MpsError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// One MPS control daemon, reached through the control tool (`tool`) with the pipe and log
+/// directories it was started in.
+#[derive(Clone, Debug)]
+pub struct MpsControl {
+    pub tool: PathBuf,
+    pub pipe: PathBuf,
+    pub log: PathBuf,
+}
+
+impl MpsControl {
+    fn command(&self) -> Command {
+        let mut command = Command::new(&self.tool);
+        command
+            .env(env::MPS_PIPE_DIRECTORY, &self.pipe)
+            .env(env::MPS_LOG_DIRECTORY, &self.log);
+        command
+    }
+
+    /// Starts the daemon in the background for the GPU `visible` names (`CUDA_VISIBLE_DEVICES`).
+    pub fn start(&self, visible: &str) -> Result<(), MpsError> {
+        for dir in [&self.pipe, &self.log] {
+            std::fs::create_dir_all(dir).map_err(io(dir))?;
+        }
+        // Containers of any user reach the daemon through the pipe directory.
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&self.pipe, std::fs::Permissions::from_mode(0o755))
+            .map_err(io(&self.pipe))?;
+        let child = self
+            .command()
+            .arg("-d")
+            .env("CUDA_VISIBLE_DEVICES", visible)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|source| MpsError::NoTool {
+                tool: self.tool.clone(),
+                source,
+            })?;
+        let output = finish_within(child, "-d")?;
+        if !output.status.success() {
+            return Err(MpsError::StartFailed {
+                tool: self.tool.clone(),
+                status: output.status,
+                stderr: String::from_utf8_lossy(&output.stderr).trim().to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sets the defaults of the clients the daemon serves next: their share of the SMs, and
+    /// where given their pinned memory on device 0 (the daemon's only device).
+    pub fn set_defaults(&self, compute: u32, pinned: Option<u64>) -> Result<(), MpsError> {
+        self.send(&format!("set_default_active_thread_percentage {compute}"))?;
+        if let Some(bytes) = pinned {
+            self.send(&format!(
+                "set_default_device_pinned_mem_limit 0 {}M",
+                bytes >> 20
+            ))?;
+        }
+        Ok(())
+    }
+
+    /// Tells the daemon to quit; one that is gone already is no error to anyone.
+    pub fn quit(&self) {
+        let _ = self.send("quit");
+    }
+
+    /// Sends one command to the daemon through the control tool; its reply, or why not.
+    pub fn send(&self, line: &str) -> Result<String, MpsError> {
+        let mut child = self
+            .command()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(io(&self.tool))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = writeln!(stdin, "{line}");
+        }
+        let output = finish_within(child, line)?;
+        if output.status.success() {
+            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        } else {
+            Err(MpsError::Refused {
+                command: line.to_string(),
+                reply: String::from_utf8_lossy(&output.stderr).trim().to_string(),
+            })
+        }
+    }
+}
 
 /// What a GPU's daemon must be started with: the GPU and its slices' share and memory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,10 +193,18 @@ impl MpsDaemons {
         MpsDaemons { control }
     }
 
+    fn of(&self, state: &StateDir, gpu: u32) -> MpsControl {
+        MpsControl {
+            tool: self.control.clone(),
+            pipe: state.mps_pipe(gpu),
+            log: state.mps_log(gpu),
+        }
+    }
+
     /// Brings each GPU's daemon in line with its layout: running with the slice's defaults on a
     /// GPU whose slices are `mps`, stopped elsewhere. Returns, per GPU, why its daemon could not
     /// be started.
-    pub fn keep(&self, state: &StateDir, node: &NodeInventory) -> BTreeMap<u32, String> {
+    pub fn keep(&self, state: &StateDir, node: &NodeInventory) -> BTreeMap<u32, MpsError> {
         let mut failed = BTreeMap::new();
         for gpu in &node.gpus {
             let wanted = gpu
@@ -72,7 +222,7 @@ impl MpsDaemons {
                 }
                 None if dir.exists() => {
                     // Quit may find no daemon (it died): the directory goes either way.
-                    let _ = self.send(state, gpu.index, "quit");
+                    self.of(state, gpu.index).quit();
                     if let Err(e) = std::fs::remove_dir_all(&dir) {
                         tracing::warn!("{}: {e}", dir.display());
                     } else {
@@ -93,7 +243,7 @@ impl MpsDaemons {
         state: &StateDir,
         node: &NodeInventory,
         plans: &mut [gpuslice_planning::cluster::GpuPlan],
-    ) -> BTreeMap<u32, String> {
+    ) -> BTreeMap<u32, MpsError> {
         let mut refused = BTreeMap::new();
         for plan in plans.iter_mut() {
             let Some(Desired::Software(table)) = &plan.desired else {
@@ -122,109 +272,33 @@ impl MpsDaemons {
         refused
     }
 
-    fn keep_running(&self, state: &StateDir, gpu: u32, wanted: &Wanted) -> Result<(), String> {
-        let alive = self.send(state, gpu, "get_server_list").is_ok();
+    fn keep_running(&self, state: &StateDir, gpu: u32, wanted: &Wanted) -> Result<(), MpsError> {
+        let daemon = self.of(state, gpu);
+        let alive = daemon.send("get_server_list").is_ok();
         let started = std::fs::read_to_string(started_file(state, gpu)).ok();
         if alive && started.as_deref() == Some(wanted.record().as_str()) {
             // Its defaults again, whoever may have changed them since (they apply to the next
             // server it starts).
-            return self.set_defaults(state, gpu, wanted);
+            return daemon.set_defaults(wanted.compute, Some(wanted.memory));
         }
         if alive {
             // Running with other defaults (the layout changed): start it again with these.
-            let _ = self.send(state, gpu, "quit");
+            daemon.quit();
             tracing::info!(gpu, "MPS control daemon restarted for the new slice size");
         } else if started.is_some() {
             tracing::warn!(gpu, "MPS control daemon not answering; starting it again");
         }
-        self.start(state, gpu, wanted)
-    }
-
-    fn start(&self, state: &StateDir, gpu: u32, wanted: &Wanted) -> Result<(), String> {
-        let (pipe, log) = (state.mps_pipe(gpu), state.mps_log(gpu));
-        for dir in [&pipe, &log] {
-            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-        }
-        // Containers of any user reach the daemon through the pipe directory.
-        use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(&pipe, std::fs::Permissions::from_mode(0o755))
-            .map_err(|e| format!("{}: {e}", pipe.display()))?;
-        let child = self
-            .command(state, gpu)
-            .arg("-d")
-            .env("CUDA_VISIBLE_DEVICES", &wanted.uuid)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| {
-                format!(
-                    "cannot run {} -d: {e}; install the driver's MPS tools (or pass --mps-control; with --emulate, cargo build --workspace builds the emulated one), or give the pool a software layout",
-                    self.control.display()
-                )
-            })?;
-        let output = finish_within(child, &format!("{} -d", self.control.display()))?;
-        if !output.status.success() {
-            return Err(format!(
-                "{} -d failed ({}): {}",
-                self.control.display(),
-                output.status,
-                String::from_utf8_lossy(&output.stderr).trim()
-            ));
-        }
-        self.set_defaults(state, gpu, wanted)?;
+        daemon.start(&wanted.uuid)?;
+        daemon.set_defaults(wanted.compute, Some(wanted.memory))?;
         let record = started_file(state, gpu);
-        std::fs::write(&record, wanted.record())
-            .map_err(|e| format!("{}: {e}", record.display()))?;
+        std::fs::write(&record, wanted.record()).map_err(io(&record))?;
         tracing::info!(
             gpu,
             compute = wanted.compute,
             "MPS control daemon started ({})",
-            pipe.display()
+            daemon.pipe.display()
         );
         Ok(())
-    }
-
-    fn set_defaults(&self, state: &StateDir, gpu: u32, wanted: &Wanted) -> Result<(), String> {
-        self.send(
-            state,
-            gpu,
-            &format!("set_default_active_thread_percentage {}", wanted.compute),
-        )?;
-        self.send(
-            state,
-            gpu,
-            &format!("set_default_device_pinned_mem_limit 0 {}", mib(wanted)),
-        )?;
-        Ok(())
-    }
-
-    fn command(&self, state: &StateDir, gpu: u32) -> Command {
-        let mut command = Command::new(&self.control);
-        command
-            .env(env::MPS_PIPE_DIRECTORY, state.mps_pipe(gpu))
-            .env(env::MPS_LOG_DIRECTORY, state.mps_log(gpu));
-        command
-    }
-
-    /// Sends one command to GPU `gpu`'s daemon through the control tool; its reply, or why not.
-    fn send(&self, state: &StateDir, gpu: u32, line: &str) -> Result<String, String> {
-        let mut child = self
-            .command(state, gpu)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", self.control.display()))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            let _ = writeln!(stdin, "{line}");
-        }
-        let output = finish_within(child, line)?;
-        if output.status.success() {
-            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-        } else {
-            Err(String::from_utf8_lossy(&output.stderr).trim().to_string())
-        }
     }
 }
 
@@ -242,31 +316,31 @@ pub fn too_old(gpu: &gpuslice_api::GpuInventory) -> Option<String> {
     })
 }
 
-/// How long the control tool may take to answer before the pass goes on without it.
-const TOOL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
-
 /// Waits for the control tool to end, killing it past [`TOOL_DEADLINE`]: a wedged daemon must
 /// not hold up the agent's passes.
 fn finish_within(
     mut child: std::process::Child,
-    what: &str,
-) -> Result<std::process::Output, String> {
-    let deadline = std::time::Instant::now() + TOOL_DEADLINE;
+    command: &str,
+) -> Result<std::process::Output, MpsError> {
+    let deadline = Instant::now() + TOOL_DEADLINE;
+    let gone = |source| MpsError::Wait {
+        command: command.to_string(),
+        source,
+    };
     loop {
         match child.try_wait() {
-            Ok(Some(_)) => return child.wait_with_output().map_err(|e| e.to_string()),
-            Ok(None) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_millis(20));
+            Ok(Some(_)) => return child.wait_with_output().map_err(gone),
+            Ok(None) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
             }
             Ok(None) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!(
-                    "{what}: no answer within {} s",
-                    TOOL_DEADLINE.as_secs()
-                ));
+                return Err(MpsError::NoAnswer {
+                    command: command.to_string(),
+                });
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(gone(e)),
         }
     }
 }
@@ -274,17 +348,23 @@ fn finish_within(
 impl Wanted {
     /// What GPU `gpu`'s daemon is started with for slices of `compute` % and `memory` (a
     /// quantity), or why it cannot be.
-    fn of(gpu: &gpuslice_api::GpuInventory, compute: u32, memory: &str) -> Result<Wanted, String> {
-        let uuid = gpu.uuid.clone().filter(|u| !u.is_empty()).ok_or_else(|| {
-            format!(
-                "GPU {} has no UUID from NVML, and its MPS daemon must be given one (CUDA_VISIBLE_DEVICES); give its pool a software layout",
-                gpu.index
-            )
-        })?;
+    fn of(
+        gpu: &gpuslice_api::GpuInventory,
+        compute: u32,
+        memory: &str,
+    ) -> Result<Wanted, MpsError> {
+        let uuid = gpu
+            .uuid
+            .clone()
+            .filter(|u| !u.is_empty())
+            .ok_or(MpsError::NoUuid { gpu: gpu.index })?;
         let memory = gpuslice_api::bytes_of(memory)
             .ok()
             .filter(|m| *m >= 1 << 20)
-            .ok_or_else(|| format!("GPU {}'s slice memory {memory:?} is not a size", gpu.index))?;
+            .ok_or_else(|| MpsError::Memory {
+                gpu: gpu.index,
+                memory: memory.to_string(),
+            })?;
         Ok(Wanted {
             uuid,
             compute,
@@ -304,26 +384,28 @@ fn started_file(state: &StateDir, gpu: u32) -> PathBuf {
     state.mps(gpu).join("started")
 }
 
-fn mib(wanted: &Wanted) -> String {
-    format!("{}M", wanted.memory >> 20)
-}
-
-/// Whether process `pid` is an MPS server one of the agent's daemons started (a child of a
-/// daemon whose pid file is under the state directory): it shows on its GPU as a compute
-/// process of its own, holding no slice, and must not be taken for a stray.
-pub fn is_server(state: &StateDir, pid: u32) -> bool {
-    let Some(parent) = crate::workloads::process::parent_of(pid) else {
-        return false;
-    };
-    let Ok(gpus) = std::fs::read_dir(state.root().join("mps")) else {
-        return false;
-    };
-    gpus.flatten().any(|gpu| {
-        std::fs::read_to_string(gpu.path().join("pipe").join(PID_FILE))
-            .ok()
-            .and_then(|p| p.trim().parse::<u32>().ok())
-            .is_some_and(|daemon| daemon == parent || daemon == pid)
-    })
+/// The MPS servers the agent's daemons started (children of a daemon whose pid file is under
+/// the state directory), among `pids`: each shows on its GPU as a compute process of its own,
+/// holding no slice, and must not be taken for a stray.
+pub fn servers_among(state: &StateDir, pids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let daemons: Vec<u32> = std::fs::read_dir(state.root().join("mps"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|gpu| {
+            let pid = std::fs::read_to_string(gpu.path().join("pipe").join(PID_FILE)).ok()?;
+            pid.trim().parse().ok()
+        })
+        .collect();
+    if daemons.is_empty() {
+        return Vec::new();
+    }
+    pids.into_iter()
+        .filter(|pid| {
+            daemons.contains(pid)
+                || crate::workloads::process::parent_of(*pid).is_some_and(|p| daemons.contains(&p))
+        })
+        .collect()
 }
 
 /// What a workload on an MPS slice is told: where its GPU's daemon is (`pipe`, as the workload

@@ -557,12 +557,10 @@ fn find(
     // The agent, and the MPS servers its daemons started: each holds a GPU's MPS clients'
     // context, no slice of its own.
     let mut spared = vec![std::process::id()];
-    spared.extend(
-        processes
-            .iter()
-            .map(|p| p.pid)
-            .filter(|pid| crate::gpu::mps::is_server(state, *pid)),
-    );
+    spared.extend(crate::gpu::mps::servers_among(
+        state,
+        processes.iter().map(|p| p.pid),
+    ));
     found.extend(
         strays(&processes, &pools, holds, &spared)
             .into_iter()
