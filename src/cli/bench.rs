@@ -101,39 +101,7 @@ pub enum Bench {
     },
     /// A process the compute benchmark runs under the shim.
     #[command(hide = true)]
-    ComputeWorker {
-        #[arg(long)]
-        kernel_us: u64,
-        #[arg(long, default_value_t = 1.0)]
-        seconds: f64,
-        #[arg(long)]
-        busy_ms: Option<u64>,
-        #[arg(long, default_value_t = 0)]
-        idle_ms: u64,
-        /// Launch CUDA graphs of this many kernels.
-        #[arg(long)]
-        graph: Option<u32>,
-        #[arg(long)]
-        cooperative: bool,
-        /// Launch with cuLaunchKernelEx.
-        #[arg(long)]
-        ex: bool,
-        /// Launch this many kernels as fast as possible and report the rate.
-        #[arg(long)]
-        launches: Option<u64>,
-        /// Stop after this many kernels (a job of fixed work) instead of after --seconds.
-        #[arg(long)]
-        kernels: Option<u64>,
-        /// Real GPU: the busy loop's iterations per kernel.
-        #[arg(long)]
-        iterations: Option<u64>,
-        /// Real GPU: find the iterations for --kernel-us and report them.
-        #[arg(long)]
-        calibrate: bool,
-        /// Start working at this CLOCK_MONOTONIC time (ns), once set up.
-        #[arg(long)]
-        start_at: Option<u64>,
-    },
+    ComputeWorker(gpuslice_bench::compute::worker::Plan),
 }
 
 /// Prints a benchmark's table; the exit status says whether every row passed.
@@ -223,35 +191,8 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
             })?;
             Ok(print_table(&table, ok))
         }
-        Bench::ComputeWorker {
-            kernel_us,
-            seconds,
-            busy_ms,
-            idle_ms,
-            graph,
-            cooperative,
-            ex,
-            launches,
-            kernels,
-            iterations,
-            calibrate,
-            start_at,
-        } => {
-            let report =
-                gpuslice_bench::compute::worker::run(gpuslice_bench::compute::worker::Plan {
-                    kernel_us,
-                    seconds,
-                    busy_ms,
-                    idle_ms,
-                    graph,
-                    cooperative,
-                    ex,
-                    launches,
-                    kernels,
-                    iterations,
-                    calibrate,
-                    start_at,
-                })
+        Bench::ComputeWorker(plan) => {
+            let report = gpuslice_bench::compute::worker::run(plan)
                 .map_err(anyhow::Error::msg)?;
             println!("{report}");
             Ok(ExitCode::SUCCESS)

@@ -12,24 +12,17 @@
 # ~/.cache/gpuslice/argocd).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/../cache.sh"
 ARGOCD_VERSION=v3.1.16
 key="argocd-${ARGOCD_VERSION}_$(cat "$here/go.mod" "$here/go.sum" | sha256sum | cut -c1-12)"
-root="${GPUSLICE_ARGOCD_CACHE:-$HOME/.cache/gpuslice/argocd}"
-dest="$root/$key"
-if [[ -x "$dest/argocd" && -f "$dest/crds/application-crd.yaml" ]]; then
-  echo "$dest"
-  exit 0
-fi
-if [[ "${1:-}" == "--find" ]]; then
-  echo "not built yet (expected in $dest)" >&2
-  exit 1
-fi
+cache_at argocd "$key"
+built() { [[ -x "$dest/argocd" && -f "$dest/crds/application-crd.yaml" ]]; }
+done_or_find "${1:-}" built
 mkdir -p "$dest"
 tmp="$(mktemp -d "$dest/build.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
 echo "[argocd] building argocd ${ARGOCD_VERSION}" >&2
-(cd "$here" && CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -trimpath -ldflags "-s -w" \
-  -o "$tmp/argocd" "github.com/argoproj/argo-cd/v3/cmd")
+(cd "$here" && go_release "$tmp/argocd" "github.com/argoproj/argo-cd/v3/cmd")
 module_dir="$(cd "$here" && go list -m -f '{{.Dir}}' github.com/argoproj/argo-cd/v3)"
 mkdir -p "$tmp/crds"
 cp "$module_dir"/manifests/crds/app{lication,project}-crd.yaml "$tmp/crds/"

@@ -12,6 +12,7 @@
 # GPUSLICE_CONTROLPLANE_CACHE overrides the cache root (default ~/.cache/gpuslice/controlplane).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/../cache.sh"
 
 K8S_VERSION=v1.36.3
 ETCD_VERSION=v3.6.16
@@ -19,22 +20,14 @@ KWOK_VERSION=v0.8.0
 
 key_input="$(cat "$here"/*/go.mod "$here"/*/go.sum "$here"/*/*.go)"
 key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_$(printf '%s' "$key_input" | sha256sum | cut -c1-12)"
-root="${GPUSLICE_CONTROLPLANE_CACHE:-$HOME/.cache/gpuslice/controlplane}"
-dest="$root/$key"
+cache_at controlplane "$key"
 
 binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl kwok)
 complete() {
   for b in "${binaries[@]}"; do [[ -x "$dest/bin/$b" ]] || return 1; done
   [[ -f "$dest/stages/stages.yaml" ]]
 }
-if complete; then
-  echo "$dest"
-  exit 0
-fi
-if [[ "${1:-}" == "--find" ]]; then
-  echo "not built yet (expected in $dest)" >&2
-  exit 1
-fi
+done_or_find "${1:-}" complete
 
 work="$(mktemp -d "$root.build.XXXXXX" 2>/dev/null || { mkdir -p "$root"; mktemp -d "$root.build.XXXXXX"; })"
 trap 'rm -rf "$work"' EXIT

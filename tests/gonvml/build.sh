@@ -10,18 +10,11 @@
 # go-nvml needs cgo (it dlopens libnvidia-ml at run time, nothing links against it at build time).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/../cache.sh"
 GO_NVML_VERSION=v0.13.4-1
 key="gonvml-go-nvml-${GO_NVML_VERSION}_$(cat "$here/go.mod" "$here/go.sum" "$here/main.go" | sha256sum | cut -c1-12)"
-root="${GPUSLICE_GONVML_CACHE:-$HOME/.cache/gpuslice/gonvml}"
-dest="$root/$key/gonvml"
-if [[ -x "$dest" ]]; then
-  echo "$dest"
-  exit 0
-fi
-if [[ "${1:-}" == "--find" ]]; then
-  echo "not built yet (expected at $dest)" >&2
-  exit 1
-fi
+cache_at gonvml "$key" gonvml
+done_or_find "${1:-}" test -x "$dest"
 grep -q "github.com/NVIDIA/go-nvml ${GO_NVML_VERSION}\$" "$here/go.mod" || {
   echo "[gonvml] go.mod does not require github.com/NVIDIA/go-nvml ${GO_NVML_VERSION}" >&2
   exit 1

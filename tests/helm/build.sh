@@ -8,25 +8,17 @@
 # GPUSLICE_HELM_CACHE overrides the cache root (default ~/.cache/gpuslice/helm).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/../cache.sh"
 HELM_VERSION=v3.21.4
 key="helm-${HELM_VERSION}_$(cat "$here/go.mod" "$here/go.sum" | sha256sum | cut -c1-12)"
-root="${GPUSLICE_HELM_CACHE:-$HOME/.cache/gpuslice/helm}"
-dest="$root/$key/helm"
-if [[ -x "$dest" ]]; then
-  echo "$dest"
-  exit 0
-fi
-if [[ "${1:-}" == "--find" ]]; then
-  echo "not built yet (expected at $dest)" >&2
-  exit 1
-fi
+cache_at helm "$key" helm
+done_or_find "${1:-}" test -x "$dest"
 mkdir -p "$root/$key"
 tmp="$(mktemp "$root/$key/helm.XXXXXX")"
 trap 'rm -f "$tmp"' EXIT
 echo "[helm] building helm ${HELM_VERSION}" >&2
-(cd "$here" && CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -trimpath \
-  -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=${HELM_VERSION}" \
-  -o "$tmp" helm.sh/helm/v3/cmd/helm)
+(cd "$here" && go_release "$tmp" helm.sh/helm/v3/cmd/helm \
+  -X "helm.sh/helm/v3/internal/version.version=${HELM_VERSION}")
 mv "$tmp" "$dest"
 trap - EXIT
 echo "$dest"

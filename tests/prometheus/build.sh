@@ -9,25 +9,18 @@
 # GPUSLICE_PROMETHEUS_CACHE overrides the cache root (default ~/.cache/gpuslice/prometheus).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/../cache.sh"
 PROMETHEUS_VERSION=v0.316.0 # Prometheus 3.16
 key="prometheus-${PROMETHEUS_VERSION}_$(cat "$here/go.mod" "$here/go.sum" | sha256sum | cut -c1-12)"
-root="${GPUSLICE_PROMETHEUS_CACHE:-$HOME/.cache/gpuslice/prometheus}"
-dest="$root/$key"
-if [[ -x "$dest/prometheus" && -x "$dest/promtool" ]]; then
-  echo "$dest"
-  exit 0
-fi
-if [[ "${1:-}" == "--find" ]]; then
-  echo "not built yet (expected in $dest)" >&2
-  exit 1
-fi
+cache_at prometheus "$key"
+built() { [[ -x "$dest/prometheus" && -x "$dest/promtool" ]]; }
+done_or_find "${1:-}" built
 mkdir -p "$dest"
 tmp="$(mktemp -d "$dest/build.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
 for tool in promtool prometheus; do
   echo "[prometheus] building $tool ${PROMETHEUS_VERSION}" >&2
-  (cd "$here" && CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -trimpath -ldflags "-s -w" \
-    -o "$tmp/$tool" "github.com/prometheus/prometheus/cmd/$tool")
+  (cd "$here" && go_release "$tmp/$tool" "github.com/prometheus/prometheus/cmd/$tool")
 done
 mv "$tmp/promtool" "$tmp/prometheus" "$dest/"
 echo "$dest"

@@ -10,25 +10,41 @@ use gpuslice_contract::cuda::{
 };
 use gpuslice_emulator::timeline::now_ns;
 
-#[derive(Clone, Copy, Debug, Default)]
+/// What one worker does; its command line (`gpuslice bench compute-worker`).
+#[derive(Clone, Copy, Debug, Default, clap::Args)]
 pub struct Plan {
+    #[arg(long)]
     pub kernel_us: u64,
+    #[arg(long, default_value_t = 1.0)]
     pub seconds: f64,
+    #[arg(long)]
     pub busy_ms: Option<u64>,
+    #[arg(long, default_value_t = 0)]
     pub idle_ms: u64,
+    /// Launch CUDA graphs of this many kernels.
+    #[arg(long)]
     pub graph: Option<u32>,
+    #[arg(long)]
     pub cooperative: bool,
+    /// Launch with cuLaunchKernelEx.
+    #[arg(long)]
     pub ex: bool,
+    /// Launch this many kernels as fast as possible and report the rate.
+    #[arg(long)]
     pub launches: Option<u64>,
     /// Stop after this many kernels instead of after `seconds` (a job of fixed work).
+    #[arg(long)]
     pub kernels: Option<u64>,
     /// On a real GPU: the busy loop's iterations per kernel (from `calibrate`); without it
     /// the emulator's timed kernel is launched.
+    #[arg(long)]
     pub iterations: Option<u64>,
     /// Find `iterations` for `kernel_us` on this GPU and report it (real GPUs only).
+    #[arg(long)]
     pub calibrate: bool,
     /// Start working at this CLOCK_MONOTONIC time (ns), once set up, so workers that take
     /// different times to start all start together.
+    #[arg(long)]
     pub start_at: Option<u64>,
 }
 
