@@ -353,10 +353,7 @@ fn agent_in_cluster(
         .with_cache_root(settings.cache_root.clone())
         .with_mps_control(settings.mps_control.clone())
         .with_watchdog(gpuslice_node::NvmlGpus::open(library.as_deref())?, watchdog);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = super::tokio_runtime(super::Threads::One)?;
     runtime.block_on(async {
         let client = kube_client().await?;
         tracing::info!("gpuslice agent: node {} in the cluster", node.name);

@@ -192,8 +192,7 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
             Ok(print_table(&table, ok))
         }
         Bench::ComputeWorker(plan) => {
-            let report = gpuslice_bench::compute::worker::run(plan)
-                .map_err(anyhow::Error::msg)?;
+            let report = gpuslice_bench::compute::worker::run(plan).map_err(anyhow::Error::msg)?;
             println!("{report}");
             Ok(ExitCode::SUCCESS)
         }

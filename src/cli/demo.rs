@@ -37,10 +37,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         clock,
         window_in: window_in.into(),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = super::tokio_runtime(super::Threads::Many)?;
     runtime.block_on(async {
         eprintln!("starting the demo (about 20 s)…");
         let demo = Demo::start(&options).await?;

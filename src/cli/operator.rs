@@ -38,10 +38,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         agent_timeout,
     } = args;
     let clock = gpuslice_runtime::clock::Clock::from_env()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = super::tokio_runtime(super::Threads::Many)?;
     runtime.block_on(async {
         let client = kube_client().await?;
         let mut registry = prometheus_client::registry::Registry::default();
@@ -97,10 +94,7 @@ pub struct CompactArgs {
 
 pub fn compact(args: CompactArgs) -> anyhow::Result<ExitCode> {
     let CompactArgs { pool } = args;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = super::tokio_runtime(super::Threads::One)?;
     runtime.block_on(async {
         let client = kube_client().await?;
         gpuslice_operator::compaction::ask(&client, &pool).await?;

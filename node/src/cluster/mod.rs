@@ -87,20 +87,28 @@ async fn read_config(client: &Client) -> Config {
     }
     Config {
         pools: pools.map(|l| l.items).unwrap_or_default(),
-        policies: policies
-            .map(|l| l.items)
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|p| Some((p.metadata.name?, p.spec)))
-            .collect(),
-        checkpoints: checkpoints
-            .map(|l| l.items)
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|c| Some((c.metadata.name?, c.spec)))
-            .collect(),
+        policies: by_name(policies, |p| (p.metadata.name, p.spec)),
+        checkpoints: by_name(checkpoints, |c| (c.metadata.name, c.spec)),
         revision: None,
     }
+}
+
+/// The specs of a list's objects by name (none where the list failed).
+fn by_name<K, S>(
+    list: Result<kube::api::ObjectList<K>, kube::Error>,
+    parts: impl Fn(K) -> (Option<String>, S),
+) -> std::collections::BTreeMap<String, S>
+where
+    K: Clone,
+{
+    list.map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|k| match parts(k) {
+            (Some(name), spec) => Some((name, spec)),
+            (None, _) => None,
+        })
+        .collect()
 }
 
 /// How the agent runs in a cluster.

@@ -496,21 +496,14 @@ impl Plugin {
         {
             return Ok(done);
         }
-        let Allocation {
-            pods,
-            pod_names,
-            policy,
-            memory_limit,
-            compute_limit,
-            checkpoint_policy,
-            devices,
-        } = self.allocation(claim).await?;
+        let given = self.allocation(claim).await?;
         let refuse = |reason: String| PluginError::Claim {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
             reason,
         };
-        let software: Vec<&str> = devices
+        let software: Vec<&str> = given
+            .devices
             .iter()
             .filter(|(_, _, s)| s.kind.shares_gpu())
             .map(|(_, _, s)| s.id.as_str())
@@ -525,7 +518,7 @@ impl Plugin {
             )));
         }
         // A container of an MPS slice without its GPU's daemon would run outside MPS.
-        if let Some((_, _, s)) = devices.iter().find(|(_, _, s)| {
+        if let Some((_, _, s)) = given.devices.iter().find(|(_, _, s)| {
             s.kind == SliceKind::Mps
                 && !self
                     .state
@@ -538,7 +531,7 @@ impl Plugin {
                 s.gpu
             )));
         }
-        let ids: Vec<String> = devices.iter().map(|(_, _, s)| s.id.clone()).collect();
+        let ids: Vec<String> = given.devices.iter().map(|(_, _, s)| s.id.clone()).collect();
         let key = format!("{}/{}", claim.namespace, claim.name);
         self.claims.pin(&ids, &key).map_err(|held| {
             refuse(format!(
@@ -555,16 +548,17 @@ impl Plugin {
             write_atomically(&preload, format!("{CONTAINER_SHIM}\n").as_bytes())?;
         }
         let mut named: Vec<(String, SliceConfig, PathBuf)> = Vec::new();
-        for (name, _, slice) in &devices {
+        for (name, _, slice) in &given.devices {
             crate::gpu::slices::new_workload(&self.state, &slice.id);
             // An MPS slice's share of the SMs is the policy's limit where that is lower (the
             // arbiter keeps a time-sliced one's).
-            let compute_percent = match compute_limit {
+            let compute_percent = match given.compute_limit {
                 Some(limit) if slice.kind == SliceKind::Mps => limit.min(slice.compute_percent),
                 _ => slice.compute_percent,
             };
             let config = SliceConfig {
-                memory_bytes: memory_limit
+                memory_bytes: given
+                    .memory_limit
                     .map_or(slice.memory_bytes, |m| m.min(slice.memory_bytes)),
                 compute_percent,
                 ..slice.clone()
@@ -577,7 +571,7 @@ impl Plugin {
             )?;
             named.push((name.clone(), slice.clone(), path));
         }
-        let checkpoint = match &checkpoint_policy {
+        let checkpoint = match &given.checkpoint_policy {
             Some(name) => Api::<gpuslice_api::CheckpointPolicy>::all(self.client.clone())
                 .get_opt(name)
                 .await
@@ -604,7 +598,8 @@ impl Plugin {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
             uid: claim.uid.clone(),
-            devices: devices
+            devices: given
+                .devices
                 .into_iter()
                 .map(|(name, request, slice)| PreparedDevice {
                     request,
@@ -613,9 +608,9 @@ impl Plugin {
                     cdi_id: format!("{CDI_KIND}={name}"),
                 })
                 .collect(),
-            pods,
-            pod_names,
-            policy,
+            pods: given.pods,
+            pod_names: given.pod_names,
+            policy: given.policy,
         };
         // Recorded last: a crash before this prepares again, from scratch.
         write_atomically(
