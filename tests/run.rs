@@ -768,6 +768,28 @@ impl WatchedNode {
             .stderr(Stdio::null())
     }
 
+    /// The pids NVIDIA's Python client (pynvml, `GPUSLICE_TEST_PYTHON`) lists on GPU 0: its
+    /// compute processes and its MPS clients. `None` (said) without that Python.
+    fn nvml_processes(&self) -> Option<(Vec<u32>, Vec<u32>)> {
+        let Ok(python) = std::env::var("GPUSLICE_TEST_PYTHON") else {
+            eprintln!("SKIPPED the pynvml check: GPUSLICE_TEST_PYTHON is not set");
+            return None;
+        };
+        let script = "import json, pynvml\n\
+            pynvml.nvmlInit()\n\
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)\n\
+            pids = lambda ps: [p.pid for p in ps]\n\
+            print(json.dumps([pids(pynvml.nvmlDeviceGetComputeRunningProcesses(h)),\n\
+                pids(pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h))]))\n";
+        let out = self
+            .with_driver(Command::new(python).args(["-c", script]))
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "pynvml: {out:?}");
+        Some(serde_json::from_slice(&out.stdout).unwrap())
+    }
+
     /// Whether the child with this pid (one the node keeps) has not ended.
     fn still_runs(&mut self, pid: u32) -> bool {
         let child = self.children.0.iter_mut().find(|c| c.id() == pid);
@@ -1224,6 +1246,8 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
     eventually("the GPU's MPS daemon listens", || {
         pipe.join("control").exists()
     });
+    let pid_file = pipe.join("nvidia-cuda-mps-control.pid");
+    let daemon = std::fs::read_to_string(&pid_file).unwrap();
     let told = run(
         &node.state,
         &[
@@ -1252,6 +1276,12 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
         &format!("exec env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 {together}"),
         true,
     );
+    // Mid-run, as NVIDIA's own client (pynvml) sees GPU 0.
+    let mid_run = Duration::from_nanos(
+        (start + 1_000_000_000).saturating_sub(gpuslice_emulator::timeline::now_ns()),
+    );
+    std::thread::sleep(mid_run);
+    let listed = node.nvml_processes();
     let (modest, greedy) = (
         modest.wait_with_output().unwrap(),
         greedy.wait_with_output().unwrap(),
@@ -1272,6 +1302,20 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
             k.end - k.start,
             4_000_000,
             "a 2 ms kernel takes 4 ms on half the SMs"
+        );
+    }
+    if let Some((compute, mps)) = listed {
+        let server: u32 = daemon.trim().parse().unwrap();
+        let workers = [worker_pid(&modest), worker_pid(&greedy)];
+        for worker in workers {
+            assert!(
+                compute.contains(&worker) && mps.contains(&worker),
+                "worker {worker} is an MPS client (M+C): compute {compute:?}, MPS {mps:?}"
+            );
+        }
+        assert!(
+            compute.contains(&server) && !mps.contains(&server),
+            "the daemon's server {server} holds a context of its own and is no client: compute {compute:?}, MPS {mps:?}"
         );
     }
     let overlapping = a
@@ -1304,9 +1348,10 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
     let status = exit_of(&mut outside, "the workload outside MPS");
     assert_eq!(status.code(), Some(128 + 15), "stopped by SIGTERM");
 
-    // A daemon that dies is started again by the next pass.
-    let pid_file = pipe.join("nvidia-cuda-mps-control.pid");
+    // The watchdog took the MPS server, on the GPU with no slice of its own, for no stray.
     let first = std::fs::read_to_string(&pid_file).unwrap();
+    assert_eq!(first, daemon, "the daemon (and its server) still runs");
+    // A daemon that dies is started again by the next pass.
     let killed = Command::new("kill")
         .args(["-KILL", first.trim()])
         .status()

@@ -28,8 +28,23 @@ pub fn device_key(gpu: u32, gpu_instance: Option<u32>) -> u32 {
 
 /// The GPU and GPU instance a ledger key names.
 pub fn device_of_key(key: u32) -> (u32, Option<u32>) {
+    let key = key & !MPS_CONTEXT;
     let gi = key & 0xFFFF;
     (key >> 16, (gi != 0xFFFF).then_some(gi))
+}
+
+/// Set on the key of a ledger row that holds no memory and says its process has an MPS context
+/// on that device (it is an MPS client there): a key of its own, so no device's sum counts it.
+const MPS_CONTEXT: u32 = 1 << 31;
+
+/// The key of the row that marks an MPS client of device `key`.
+pub fn mps_context_key(key: u32) -> u32 {
+    key | MPS_CONTEXT
+}
+
+/// Whether a ledger row's key marks an MPS client rather than holding memory.
+pub fn is_mps_context(key: u32) -> bool {
+    key & MPS_CONTEXT != 0
 }
 /// An emulated driver library (`libnvidia_ml.so`, `libcuda.so`) cargo built next to the running
 /// test or benchmark binary (in its `deps/` folder or the one above). Panics when it is not there:

@@ -97,6 +97,10 @@ pub struct Process {
     /// GPU when it exits, as the driver frees a dead process's memory. Seeded processes stay.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub real: bool,
+    /// Its context is an MPS client's: NVML lists it among the MPS processes as well
+    /// (`nvidia-smi` shows it as `M+C`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mps: bool,
 }
 
 /// One emulated GPU.
@@ -482,6 +486,7 @@ impl Machine {
             memory,
             gpu_instance,
             real: false,
+            mps: false,
         });
         Ok(())
     }
@@ -499,6 +504,16 @@ impl Machine {
             p.real = true;
         }
         Ok(())
+    }
+
+    /// Marks process `pid` on GPU `index` (and GPU instance) as an MPS client there.
+    pub fn mark_mps_client(&mut self, index: u32, pid: u32, gpu_instance: Option<u32>) {
+        if let Ok(gpu) = self.gpu_mut(index) {
+            gpu.processes
+                .iter_mut()
+                .filter(|p| p.pid == pid && p.gpu_instance == gpu_instance)
+                .for_each(|p| p.mps = true);
+        }
     }
 
     /// Drops real processes that are no longer alive.
@@ -572,6 +587,7 @@ fn process(p: &gpuslice_api::GpuProcess, gpu_instance: Option<u32>) -> Process {
         memory,
         gpu_instance,
         real: false,
+        mps: false,
     }
 }
 

@@ -11,7 +11,10 @@
 //! `set_default_device_pinned_mem_limit <device> <limit>`, `get_default_device_pinned_mem_limit
 //! <device>`. The emulated CUDA driver connects at `cuInit` (`client <pid>`) and is told the
 //! daemon's defaults: a client's `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` only lowers the daemon's.
-//! The emulation has one server, in the daemon's own process.
+//! The emulation has one server, in the daemon's own process, started for the first client and
+//! kept until `quit`: NVML lists it as a compute process holding [`SERVER_CONTEXT`] and no MPS
+//! client, and lists each client (whose CUDA context the emulated driver marks) in both lists,
+//! as `nvidia-smi` shows `C` for `nvidia-cuda-mps-server` and `M+C` for its clients.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -121,6 +124,47 @@ struct Daemon {
     pinned: BTreeMap<u32, u64>,
     clients: BTreeMap<u64, u32>,
     next: u64,
+    /// Whether the MPS server runs: started for the first client, it stays until `quit`.
+    server: bool,
+}
+
+/// What the MPS server's own context holds on its device (a modelled figure; NVIDIA's is of this
+/// order).
+pub const SERVER_CONTEXT: u64 = 32 << 20;
+
+/// Starts the emulation's MPS server (this process) on the daemon's GPU, the first of
+/// `CUDA_VISIBLE_DEVICES` (a UUID or an index; the first GPU without it): its context goes into
+/// the CUDA emulator's ledger, so NVML lists this process among the GPU's compute processes (and
+/// not among its MPS clients), as the driver lists `nvidia-cuda-mps-server`. Outside an emulated
+/// machine there is nothing to hold.
+fn start_server() {
+    let Some(state) = std::env::var_os(gpuslice_contract::env::EMULATOR_STATE) else {
+        return;
+    };
+    let state = PathBuf::from(state);
+    let Ok(machine) = crate::Store::open(&state).and_then(|s| s.snapshot()) else {
+        return;
+    };
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
+    let first = visible.split(',').next().unwrap_or("").trim();
+    let key = machine.gpus.iter().find_map(|g| {
+        if let Some(i) = g
+            .instances
+            .iter()
+            .find(|i| !first.is_empty() && i.uuid == first)
+        {
+            return Some(crate::device_key(g.index, Some(i.id)));
+        }
+        let by_index = first.parse::<u32>().ok().or(first.is_empty().then_some(0));
+        (g.uuid == first || by_index == Some(g.index)).then(|| crate::device_key(g.index, None))
+    });
+    let Some(key) = key else { return };
+    if let Ok(ledger) = gpuslice_shm::Ledger::open(&crate::cuda_ledger_path(&state))
+        && let Ok(row) = ledger.row_for(gpuslice_shm::Process::current(), key)
+    {
+        // Held for the process's life: the ledger frees it when the process is gone.
+        ledger.charge(row, SERVER_CONTEXT);
+    }
 }
 
 /// Why the daemon cannot start.
@@ -225,6 +269,11 @@ fn session(stream: UnixStream, daemon: &Arc<Mutex<Daemon>>, logger: &Logger, pip
             let pid: u32 = pid.parse().unwrap_or(0);
             let (id, reply) = {
                 let mut d = lock();
+                if !d.server {
+                    start_server();
+                    d.server = true;
+                    logger.line(&format!("Starting new server {}", std::process::id()));
+                }
                 d.next += 1;
                 let id = d.next;
                 d.clients.insert(id, pid);
@@ -267,7 +316,7 @@ fn session(stream: UnixStream, daemon: &Arc<Mutex<Daemon>>, logger: &Logger, pip
         }
         ["get_server_list"] => {
             let d = lock();
-            if !d.clients.is_empty() {
+            if d.server {
                 let _ = writeln!(out, "{}", std::process::id());
             }
             false

@@ -15,7 +15,9 @@
 #    latency and the PASS/FAIL verdict.
 #
 # 3. While the bench runs, NVML's compute processes (nvidia-smi --query-compute-apps), once a
-#    second: whether the MPS server shows as a process of its own and the clients' memory.
+#    second: whether the MPS server shows as a process of its own and the clients' memory; and
+#    nvidia-smi's process table, whose type column says which list each is in (C: compute,
+#    M+C: MPS client and compute), as the emulator models it.
 #
 # Daemons run with private pipe and log folders and are quit at the end; nothing on the GPU is
 # reconfigured (no MIG, clock or compute-mode change). About 1 minute. It uses target/release
@@ -64,6 +66,7 @@ transcript() { # tool name
   # own? are the clients' memory figures there, for the watchdog?).
   ( for _ in $(seq 1 20); do
       nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader -i 0
+      nvidia-smi -i 0 | sed -n '/Processes:/,$p' | grep -E ' (C|M|M\+C|C\+G) ' || true
       sleep 1
     done > "$tmp/apps.txt" 2>&1 ) &
   sampler=$!

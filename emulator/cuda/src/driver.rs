@@ -156,10 +156,16 @@ impl Driver {
             return Ok((*row, total, key));
         }
         let process = self.process.ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
-        let row = self
-            .ledger()?
+        let ledger = self.ledger()?;
+        let row = ledger
             .row_for(process, key)
             .map_err(|_| CUDA_ERROR_UNKNOWN)?;
+        // An MPS client's context on the device: NVML lists it among the device's MPS processes.
+        if self.mps.is_some() {
+            ledger
+                .row_for(process, gpuslice_emulator::mps_context_key(key))
+                .map_err(|_| CUDA_ERROR_UNKNOWN)?;
+        }
         self.rows.insert(key, row);
         Ok((row, total, key))
     }

@@ -9,7 +9,7 @@
 //!   index, UUID and PCI bus id, name, UUID, index, PCI info, serial, minor number, brand,
 //!   architecture, compute capability, VBIOS version;
 //! - memory from the model and the CUDA emulator's allocations (whole GPU, or a MIG device's
-//!   instance), BAR1, compute processes (graphics and MPS lists are empty: nothing else runs);
+//!   instance), BAR1, compute processes and, among them, MPS clients (the graphics list is empty: nothing else runs);
 //! - utilisation from the kernels the GPU timeline recorded in the last second
 //!   ([`monitor`]), and temperature, power, energy, clocks as functions of it within the board's
 //!   real ranges ([`board`]); modes (compute, persistence, ECC, display), P-state, ECC counts;
@@ -106,12 +106,20 @@ fn add_cuda_processes(machine: &mut Machine, state: &std::path::Path) {
         .any(|(p, _, _)| p.pidns != 0)
         .then(gpuslice_emulator::shm::HostProcesses::read)
         .unwrap_or_default();
+    let mut mps_clients = Vec::new();
     for (process, key, bytes) in rows {
         let Some(pid) = host.local_pid(process) else {
             continue;
         };
         let (gpu, gpu_instance) = gpuslice_emulator::device_of_key(key);
-        let _ = machine.attach_real_process(gpu, pid, bytes, gpu_instance);
+        if gpuslice_emulator::is_mps_context(key) {
+            mps_clients.push((gpu, pid, gpu_instance));
+        } else {
+            let _ = machine.attach_real_process(gpu, pid, bytes, gpu_instance);
+        }
+    }
+    for (gpu, pid, gpu_instance) in mps_clients {
+        machine.mark_mps_client(gpu, pid, gpu_instance);
     }
 }
 
@@ -428,25 +436,33 @@ pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     infos: *mut nvmlProcessInfo_t,
 ) -> nvmlReturn_t {
     guard(|| {
-        // A MIG device lists the processes in its instance; a whole GPU lists them all.
-        let (i, mig) = gpu_and_instance(device)?;
-        let procs = read(|m| {
-            Ok(m.gpu(i)?
-                .processes
-                .iter()
-                .filter(|p| mig.is_none_or(|gi| p.gpu_instance == Some(gi)))
-                .map(|p| nvmlProcessInfo_t {
-                    pid: p.pid,
-                    usedGpuMemory: p.memory as c_ulonglong,
-                    gpuInstanceId: p.gpu_instance.unwrap_or(u32::MAX),
-                    computeInstanceId: if p.gpu_instance.is_some() {
-                        0
-                    } else {
-                        u32::MAX
-                    },
-                })
-                .collect::<Vec<_>>())
-        })?;
+        let procs = process_infos(device, |_| true)?;
         put_list(infos, count, &procs)
+    })
+}
+
+/// The processes on `device` that `which` keeps, as NVML lists them: a MIG device's are those in
+/// its instance, a whole GPU's all of them.
+pub(crate) fn process_infos(
+    device: nvmlDevice_t,
+    which: impl Fn(&gpuslice_emulator::model::Process) -> bool,
+) -> Result<Vec<nvmlProcessInfo_t>, nvmlReturn_t> {
+    let (i, mig) = gpu_and_instance(device)?;
+    read(|m| {
+        Ok(m.gpu(i)?
+            .processes
+            .iter()
+            .filter(|p| mig.is_none_or(|gi| p.gpu_instance == Some(gi)) && which(p))
+            .map(|p| nvmlProcessInfo_t {
+                pid: p.pid,
+                usedGpuMemory: p.memory as c_ulonglong,
+                gpuInstanceId: p.gpu_instance.unwrap_or(u32::MAX),
+                computeInstanceId: if p.gpu_instance.is_some() {
+                    0
+                } else {
+                    u32::MAX
+                },
+            })
+            .collect::<Vec<_>>())
     })
 }

@@ -751,7 +751,9 @@ pub extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
     })
 }
 
-/// Empty: the emulator runs no MPS server.
+/// The processes with an MPS client's context on the device; they are among its compute
+/// processes too (`nvidia-smi` shows them as `M+C`), the MPS server only there (`C`). Volta or
+/// newer only, as NVML documents: NOT_SUPPORTED before.
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
     device: nvmlDevice_t,
@@ -759,8 +761,14 @@ pub extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
     infos: *mut nvmlProcessInfo_t,
 ) -> nvmlReturn_t {
     guard(|| {
-        crate::gpu_and_instance(device)?;
-        put_list(infos, count, &[])
+        // A MIG device's is its GPU's.
+        let (i, _) = crate::gpu_and_instance(device)?;
+        let model = read(|m| Ok(m.gpu(i)?.model.clone()))?;
+        if board(&model).is_none_or(|b| b.compute_capability.0 < 7) {
+            return Err(NOT_SUPPORTED);
+        }
+        let clients = crate::process_infos(device, |p| p.mps)?;
+        put_list(infos, count, &clients)
     })
 }
 

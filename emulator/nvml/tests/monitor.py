@@ -36,6 +36,15 @@ def processes(handle):
     ]
 
 
+def mps_processes(handle):
+    """The pids with an MPS client's context on the device (`nvidia-smi` marks them M+C);
+    None before Volta, where NVML has no such list."""
+    try:
+        return [p.pid for p in pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)]
+    except pynvml.NVMLError_NotSupported:
+        return None
+
+
 def process_utilization(handle):
     """Per-process SM and memory use over the last sample period, as `nvidia-smi pmon` shows it:
     None where not supported, [] where no process ran (NVML says NOT_FOUND)."""
@@ -106,6 +115,7 @@ def device(index, handle):
         "mig_mode": mig,
         "mig_devices": mig_devices(handle) if mig and mig[0] else [],
         "processes": processes(handle),
+        "mps_processes": mps_processes(handle),
         "process_utilization": process_utilization(handle),
     }
 
@@ -124,6 +134,7 @@ def mig_devices(handle):
                 "memory": memory(mig),
                 "utilization": maybe(pynvml.nvmlDeviceGetUtilizationRates, mig),
                 "processes": processes(mig),
+                "mps_processes": mps_processes(mig),
             }
         )
     return found

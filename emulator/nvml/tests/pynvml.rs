@@ -182,6 +182,10 @@ fn a_pynvml_monitoring_tool_runs_unchanged_on_the_emulator() {
     assert!(ledger.try_charge(row, 3 * GIB, 100 * GIB));
     let mig_row = ledger.row_for(me, device_key(2, Some(1))).unwrap();
     assert!(ledger.try_charge(mig_row, GIB, 60 * GIB));
+    // On GPU 0 it is an MPS client, as the CUDA emulator marks one.
+    ledger
+        .row_for(me, gpuslice_emulator::mps_context_key(device_key(0, None)))
+        .unwrap();
     let timeline = Timeline::open(&timeline_path(&node.state, device_key(0, None))).unwrap();
     timeline.run(me.pid, now_ns() - 2_000 * MS, 7_000 * MS);
 
@@ -214,6 +218,17 @@ fn a_pynvml_monitoring_tool_runs_unchanged_on_the_emulator() {
     assert_eq!(h200["processes"][0]["pid"], me.pid, "{}", h200["processes"]);
     assert_eq!(h200["processes"][0]["memory"], 3 * GIB);
     assert!(h200["processes"][0]["name"].is_string());
+    assert_eq!(
+        h200["processes"].as_array().unwrap().len(),
+        1,
+        "an MPS client's context is one compute process: {}",
+        h200["processes"]
+    );
+    assert_eq!(
+        h200["mps_processes"],
+        serde_json::json!([me.pid]),
+        "and among the MPS processes"
+    );
     // Busy for the whole last second: full load, at the board's limits.
     assert_eq!(
         h200["utilization"],
@@ -245,6 +260,7 @@ fn a_pynvml_monitoring_tool_runs_unchanged_on_the_emulator() {
         a100["utilization"],
         serde_json::json!({"gpu": 0, "memory": 0})
     );
+    assert_eq!(a100["mps_processes"], serde_json::json!([]));
     assert_eq!(
         a100["process_utilization"],
         serde_json::json!([]),
@@ -268,6 +284,11 @@ fn a_pynvml_monitoring_tool_runs_unchanged_on_the_emulator() {
     assert_eq!(mig["memory"]["used"], GIB);
     assert_eq!(mig["utilization"], Value::Null);
     assert_eq!(mig["processes"][0]["pid"], me.pid);
+    assert_eq!(
+        mig["mps_processes"],
+        serde_json::json!([]),
+        "not an MPS client there"
+    );
 }
 
 #[test]

@@ -202,9 +202,15 @@ impl NvmlGpus {
             .memory_info()
             .map_err(call("nvmlDeviceGetMemoryInfo"))?
             .total;
-        let processes = device
+        let mut processes = device
             .running_compute_processes()
             .map_err(call("nvmlDeviceGetComputeRunningProcesses"))?;
+        // MPS clients, should a driver list one only there (GPUs before Volta have no list).
+        for client in device.mps_running_compute_processes().unwrap_or_default() {
+            if !processes.iter().any(|p| p.pid == client.pid) {
+                processes.push(client);
+            }
+        }
         let mig_enabled = match device.mig_mode() {
             Ok(mode) => Some(mode.current == 1),
             Err(nvml_wrapper::error::NvmlError::NotSupported) => None,
@@ -506,29 +512,41 @@ impl NvmlGpus {
         out
     }
 
-    /// The device memory of every compute process on every GPU, as the driver reports it (a
-    /// GPU that does not answer is left out; a process whose figure is not available holds 0).
+    /// The device memory of every compute process on every GPU, MPS clients included, as the
+    /// driver reports it (a GPU that does not answer is left out; a process whose figure is not
+    /// available holds 0).
     pub fn compute_processes(&self) -> Vec<ProcessMemory> {
-        let Ok(call) = self
-            .nvml
-            .lib()
-            .nvmlDeviceGetComputeRunningProcesses_v3
-            .as_ref()
-        else {
+        let lib = self.nvml.lib();
+        let (Ok(compute), mps) = (
+            lib.nvmlDeviceGetComputeRunningProcesses_v3.as_ref(),
+            lib.nvmlDeviceGetMPSComputeRunningProcesses_v3.as_ref().ok(),
+        ) else {
             return Vec::new();
         };
         let count = self.nvml.device_count().unwrap_or(0);
-        let mut out = Vec::new();
+        let mut out: Vec<ProcessMemory> = Vec::new();
         for gpu in 0..count {
             let Ok(device) = self.handle(gpu) else {
                 continue;
             };
             // SAFETY: `device` is live; `buffer` has room for `count` entries, as NVML is told.
-            let Ok(processes) =
-                list_in_one_call(|buffer, count| unsafe { call(device, count, buffer) })
+            let Ok(mut processes) =
+                list_in_one_call(|buffer, count| unsafe { compute(device, count, buffer) })
             else {
                 continue;
             };
+            // MPS clients, should a driver list one only there (no list before Volta).
+            if let Some(mps) = mps
+                // SAFETY: as above.
+                && let Ok(clients) =
+                    list_in_one_call(|buffer, count| unsafe { mps(device, count, buffer) })
+            {
+                for client in clients {
+                    if !processes.iter().any(|p| p.pid == client.pid) {
+                        processes.push(client);
+                    }
+                }
+            }
             out.extend(processes.into_iter().map(|p| ProcessMemory {
                 gpu,
                 pid: p.pid,

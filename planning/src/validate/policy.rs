@@ -271,11 +271,7 @@ fn why_not_fits(
 }
 
 /// A policy's host limits (`spec.host`): the CPU and memory quantities parse.
-fn check_host(
-    doc: usize,
-    host: Option<&gpuslice_api::HostResources>,
-    out: &mut Findings,
-) {
+fn check_host(doc: usize, host: Option<&gpuslice_api::HostResources>, out: &mut Findings) {
     let Some(host) = host else {
         return;
     };
