@@ -155,7 +155,7 @@ pub fn run(
             };
             gpuslice_node::gpu::mps::client_env(
                 &given,
-                &state.mps_pipe(given.gpu),
+                &state.mps_pipe(gpuslice_contract::slice::mps_device_of(&given.id)),
                 0,
                 given.memory_bytes,
             )

@@ -2497,7 +2497,7 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
     };
     apply_policies(&setup, MPS_A100, 1).await;
     let control = gpuslice_contract::StateDir::new(&setup.state)
-        .mps_pipe(0)
+        .mps_pipe("gpu0")
         .join("control");
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !control.exists() {
@@ -2529,7 +2529,7 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
         "the emulated nvidia-cuda-mps-control is not built: cargo build --workspace"
     );
     let pid_file = gpuslice_contract::StateDir::new(&setup.state)
-        .mps_pipe(0)
+        .mps_pipe("gpu0")
         .join("nvidia-cuda-mps-control.pid");
     let daemon = std::fs::read_to_string(&pid_file).unwrap();
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");

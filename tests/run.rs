@@ -325,6 +325,15 @@ fn lab(
 /// exist: the scratch directory, the agent's state directory and the agent itself (killed by
 /// the test, or with the directory's `Reaper`).
 fn agent_on(pool: String, extra: &[&str]) -> (tempfile::TempDir, std::path::PathBuf, Child) {
+    agent_until(pool, extra, "gpu0-s1")
+}
+
+/// [`agent_on`], waiting for slice `slice` to exist.
+fn agent_until(
+    pool: String,
+    extra: &[&str],
+    slice: &str,
+) -> (tempfile::TempDir, std::path::PathBuf, Child) {
     let dir = tempfile::tempdir().unwrap();
     let source = dir.path().join("gitops");
     std::fs::create_dir_all(&source).unwrap();
@@ -332,7 +341,7 @@ fn agent_on(pool: String, extra: &[&str]) -> (tempfile::TempDir, std::path::Path
     let state = dir.path().join("state");
     let agent = agent_with(dir.path(), &source, Stdio::null(), extra);
     eventually("the slices exist", || {
-        state.join("slices/gpu0-s1/config").exists()
+        state.join("slices").join(slice).join("config").exists()
     });
     (dir, state, agent)
 }
@@ -747,7 +756,13 @@ impl WatchedNode {
 
     /// The node following `pool` (whose policy is `small`).
     fn on(pool: String, interval: &str) -> WatchedNode {
-        let (dir, state, agent) = agent_on(pool, &["--memory-watchdog-interval", interval]);
+        WatchedNode::cut(pool, interval, "gpu0-s1")
+    }
+
+    /// [`WatchedNode::on`], once slice `slice` exists.
+    fn cut(pool: String, interval: &str, slice: &str) -> WatchedNode {
+        let (dir, state, agent) =
+            agent_until(pool, &["--memory-watchdog-interval", interval], slice);
         let (probe, lib) = gpuslice_testcluster::build_probe(Path::new(BIN), dir.path());
         let machine = gpuslice_contract::StateDir::new(&state).emulated_machine("run-node");
         WatchedNode {
@@ -1214,8 +1229,12 @@ fn mps_pool() -> String {
 
 /// The kernels the emulated GPU 0 ran for `pid`.
 fn kernels_of(machine: &Path, pid: u32) -> Vec<gpuslice_emulator::timeline::Interval> {
-    let path =
-        gpuslice_emulator::timeline::timeline_path(machine, gpuslice_emulator::device_key(0, None));
+    kernels_on(machine, gpuslice_emulator::device_key(0, None), pid)
+}
+
+/// The kernels process `pid` ran on the emulated device of ledger key `device`.
+fn kernels_on(machine: &Path, device: u32, pid: u32) -> Vec<gpuslice_emulator::timeline::Interval> {
+    let path = gpuslice_emulator::timeline::timeline_path(machine, device);
     gpuslice_emulator::timeline::Timeline::open(&path)
         .unwrap()
         .intervals()
@@ -1242,7 +1261,7 @@ fn worker_pid(output: &std::process::Output) -> u32 {
 fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
     let mut node = WatchedNode::on(mps_pool(), "300ms");
     let contract = gpuslice_contract::StateDir::new(&node.state);
-    let pipe = contract.mps_pipe(0);
+    let pipe = contract.mps_pipe("gpu0");
     eventually("the GPU's MPS daemon listens", || {
         pipe.join("control").exists()
     });
@@ -1395,6 +1414,101 @@ fn one_pass(
     )
 }
 
+/// MPS inside a MIG instance (`mig.mps`): the A100's one 7g instance in two MPS slices, each
+/// half the instance's memory and SMs, shared through a daemon of the instance's own (started
+/// on its MIG device). A workload is told the MIG device, its share and its daemon; two run
+/// their kernels side by side on the instance, each on half its SMs.
+#[test]
+fn mps_inside_a_mig_instance_shares_it_among_its_slices_side_by_side() {
+    let pool = pool(2, "20Gi")
+        .replace(
+            "    software: {slices: 2, memory: 20Gi, compute: 50}",
+            "    mig: {profiles: {7g.80gb: 1}, mps: {slices: 2}}",
+        )
+        .replace("limit: 25", "limit: 50");
+    let node = WatchedNode::cut(pool, "300ms", "gpu0-mig0-7g.80gb-s1");
+    let contract = gpuslice_contract::StateDir::new(&node.state);
+    let pipe = contract.mps_pipe("gpu0-mig0-7g.80gb");
+    eventually("the instance's MPS daemon listens", || {
+        pipe.join("control").exists()
+    });
+    let config: gpuslice_contract::SliceConfig = serde_json::from_slice(
+        &std::fs::read(node.state.join("slices/gpu0-mig0-7g.80gb-s1/config")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config.kind, gpuslice_contract::SliceKind::Mps);
+    assert!(config.device_uuid.starts_with("MIG-"), "{config:?}");
+    assert_eq!(config.compute_percent, 50);
+    let machine = gpuslice_emulator::Store::open(&node.machine)
+        .unwrap()
+        .snapshot()
+        .unwrap();
+    let instance = machine.gpus[0]
+        .instances
+        .iter()
+        .find(|i| i.uuid == config.device_uuid)
+        .expect("the slice's MIG device is the 7g instance");
+    let half_of_80g: u64 = 40 << 30;
+    assert!(
+        config.memory_bytes <= half_of_80g && config.memory_bytes > half_of_80g - (2 << 30),
+        "half the instance's memory: {config:?}"
+    );
+
+    let told = node
+        .with_driver(&mut run(
+            &node.state,
+            &[
+                "--policy",
+                "small",
+                "--",
+                "sh",
+                "-c",
+                "echo $CUDA_VISIBLE_DEVICES $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_MPS_PIPE_DIRECTORY",
+            ],
+        ))
+        .output()
+        .unwrap();
+    let told = String::from_utf8_lossy(&told.stdout);
+    let words: Vec<&str> = told.split_whitespace().collect();
+    assert_eq!(
+        words,
+        [config.device_uuid.as_str(), "50", pipe.to_str().unwrap()],
+        "{told}"
+    );
+
+    let worker = format!("{BIN} bench compute-worker --kernel-us 2000 --seconds 2");
+    let start = gpuslice_emulator::timeline::now_ns() + 3_000_000_000;
+    let together = format!("exec {worker} --start-at {start}");
+    let (a, b) = (node.run(&together, true), node.run(&together, true));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let key = gpuslice_emulator::device_key(0, Some(instance.id));
+    let (a, b) = (
+        kernels_on(&node.machine, key, worker_pid(&a)),
+        kernels_on(&node.machine, key, worker_pid(&b)),
+    );
+    assert!(
+        a.len() > 100 && b.len() > 100,
+        "{} and {} kernels on the instance",
+        a.len(),
+        b.len()
+    );
+    for k in a.iter().chain(&b) {
+        assert_eq!(
+            k.share, 50,
+            "every kernel on half the instance's SMs: {k:?}"
+        );
+    }
+    let overlapping = a
+        .iter()
+        .filter(|x| b.iter().any(|y| x.start < y.end && y.start < x.end))
+        .count();
+    assert!(
+        overlapping * 2 > a.len(),
+        "side by side on the instance: {overlapping} of {} kernels overlap the other's",
+        a.len()
+    );
+}
+
 /// An `mps` layout on a GPU before Volta (a P100, compute capability 6.0, as NVML says): MPS
 /// cannot hold a client to its share of the SMs there, so the agent cuts no slice and says why
 /// and what to do.
@@ -1418,7 +1532,11 @@ fn an_mps_layout_on_a_gpu_before_volta_is_refused_and_no_slice_is_cut() {
         !state.join("slices/gpu0-s0").exists(),
         "no MPS slice of the P100 is cut"
     );
-    assert!(!gpuslice_contract::StateDir::new(&state).mps(0).exists());
+    assert!(
+        !gpuslice_contract::StateDir::new(&state)
+            .mps("gpu0")
+            .exists()
+    );
 }
 
 /// An `mps` layout where the driver's MPS tool cannot run: no slice is cut without a daemon to

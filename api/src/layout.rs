@@ -71,6 +71,7 @@ impl Layout {
                     .map(|(p, n)| (p.to_string(), n))
                     .collect(),
                 preset: None,
+                mps: None,
             }),
             ..Layout::default()
         }
@@ -93,6 +94,20 @@ pub struct MigLayout {
     /// `balanced` (one 3g, one 2g and two 1g; on A30 one 2g and two 1g) or `whole` (one full-GPU instance).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preset: Option<MigPreset>,
+    /// CUDA MPS inside every instance: the agent runs one MPS control daemon per instance, and
+    /// each instance is shared by `slices` workloads that run side by side, each on an equal
+    /// share of the instance's SMs and memory (memory capped per slice as for `software`).
+    /// Without it each instance is one slice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<MigMps>,
+}
+
+/// How every MIG instance of a layout is shared through CUDA MPS.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct MigMps {
+    /// MPS slices per instance (2–48): each gets `1/slices` of the instance's SMs and memory.
+    #[schemars(range(min = 2, max = 48))]
+    pub slices: u32,
 }
 
 /// Named MIG layouts that gpuslice expands per GPU model.

@@ -23,7 +23,9 @@ pub use kube::core::Duration;
 pub use checkpoint::{
     CheckpointPolicy, CheckpointPolicySpec, CheckpointPolicyStatus, CheckpointStorage, Signal,
 };
-pub use layout::{ExclusiveLayout, Layout, LayoutKind, MigLayout, MigPreset, SoftwareLayout};
+pub use layout::{
+    ExclusiveLayout, Layout, LayoutKind, MigLayout, MigMps, MigPreset, SoftwareLayout,
+};
 pub use node::{
     AssignedShape, Assignment, DriverVersions, EvictionRequest, GpuAssignment, GpuInventory,
     GpuNode, GpuNodeSpec, GpuNodeStatus, GpuProcess, MigInstance, MigState, NextAssignment,

@@ -395,6 +395,9 @@ pub struct MigInstance {
     /// Processes using the instance; an instance with processes is busy and is never destroyed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub processes: Vec<GpuProcess>,
+    /// The instance's MPS slices (layout `mig.mps`); empty when the instance is one slice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slices: Vec<SoftwareSliceState>,
 }
 
 /// A MIG placement: the first memory slice and how many it spans.

@@ -4,13 +4,16 @@
 //! <state>/socket/agent.sock          the agent's socket (claims and compute shares), alone in its
 //!                                    directory: containers get the directory, so a restarted
 //!                                    agent's new socket reaches them
-//! <state>/gpu-<index>.slices.json    a GPU's software slice table
+//! <state>/gpu-<index>.slices.json    a GPU's software slice table (and its MIG instances' MPS
+//!                                    slices, each naming its instance)
 //! <state>/slices/<id>/config         a slice's read-only config (SliceConfig as JSON)
 //! <state>/slices/<id>/memory         the slice's memory ledger (shared by its processes)
 //! <state>/slices/<id>/checkpoint-done  written by the workload when it has checkpointed
-//! <state>/mps/gpu<i>/pipe/           the MPS control daemon of GPU i (layout `mps`): its pipe
+//! <state>/mps/<device>/pipe/         the MPS control daemon of a device shared through MPS: a
+//!                                    GPU (`gpu0`, layout `mps`) or a MIG instance
+//!                                    (`gpu0-mig4-3g.40gb`, layout `mig.mps`): its pipe
 //!                                    directory, which containers of its slices get
-//! <state>/mps/gpu<i>/log/            and its log directory
+//! <state>/mps/<device>/log/          and its log directory
 //! <state>/drains.json                what the agent signalled when (survives restarts)
 //! <state>/source/                    standalone: Git mirrors and the last good config
 //! <state>/emulated-<node>.json       with --emulate: the emulated machine
@@ -113,19 +116,26 @@ impl StateDir {
         self.root.join("quarantine.json")
     }
 
-    /// The directory of GPU `gpu`'s MPS control daemon (pipe and log directories inside).
-    pub fn mps(&self, gpu: u32) -> PathBuf {
-        self.root.join("mps").join(format!("gpu{gpu}"))
+    /// The MPS control daemons' directories, one per device shared through MPS.
+    pub fn mps_daemons(&self) -> PathBuf {
+        self.root.join("mps")
     }
 
-    /// The pipe directory of GPU `gpu`'s MPS control daemon (`CUDA_MPS_PIPE_DIRECTORY`).
-    pub fn mps_pipe(&self, gpu: u32) -> PathBuf {
-        self.mps(gpu).join("pipe")
+    /// The directory of the MPS control daemon of `device` (pipe and log directories inside):
+    /// a whole GPU (`gpu0`) or a MIG instance (`gpu0-mig4-3g.40gb`), named by its slice id (see
+    /// [`crate::slice::mps_device_of`]).
+    pub fn mps(&self, device: &str) -> PathBuf {
+        self.mps_daemons().join(device)
     }
 
-    /// The log directory of GPU `gpu`'s MPS control daemon (`CUDA_MPS_LOG_DIRECTORY`).
-    pub fn mps_log(&self, gpu: u32) -> PathBuf {
-        self.mps(gpu).join("log")
+    /// The pipe directory of `device`'s MPS control daemon (`CUDA_MPS_PIPE_DIRECTORY`).
+    pub fn mps_pipe(&self, device: &str) -> PathBuf {
+        self.mps(device).join("pipe")
+    }
+
+    /// The log directory of `device`'s MPS control daemon (`CUDA_MPS_LOG_DIRECTORY`).
+    pub fn mps_log(&self, device: &str) -> PathBuf {
+        self.mps(device).join("log")
     }
 
     /// Standalone mode: Git mirrors and the last good config.

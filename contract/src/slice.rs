@@ -61,6 +61,21 @@ pub fn mig_slice_id(gpu: u32, start: u32, profile: &str) -> String {
     format!("gpu{gpu}-mig{start}-{profile}")
 }
 
+/// The id of MPS slice `n` of the MIG instance whose slice id is `instance`.
+pub fn instance_slice_id(instance: &str, n: u32) -> String {
+    format!("{instance}-s{n}")
+}
+
+/// The device an MPS slice shares with its neighbours, as a slice id: the whole GPU's
+/// (`gpu0` for `gpu0-s1`) or the MIG instance's (`gpu0-mig4-3g.40gb` for `gpu0-mig4-3g.40gb-s1`).
+/// Its MPS daemon's folders are named after it.
+pub fn mps_device_of(slice: &str) -> &str {
+    slice
+        .rsplit_once("-s")
+        .filter(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(slice, |(device, _)| device)
+}
+
 /// The id of a whole GPU used as one slice.
 pub fn gpu_slice_id(gpu: u32) -> String {
     format!("gpu{gpu}")

@@ -291,6 +291,7 @@ impl Machine {
                                     placement: i.placement,
                                     uuid: Some(i.uuid.clone()),
                                     processes: procs(Some(i.id)),
+                                    slices: Vec::new(),
                                 })
                                 .collect(),
                         }),

@@ -62,6 +62,7 @@ fn preset(p: MigPreset) -> Layout {
         mig: Some(MigLayout {
             profiles: Default::default(),
             preset: Some(p),
+            mps: None,
         }),
         ..Layout::default()
     }
@@ -96,6 +97,7 @@ fn h200_gpu(index: u32, rng: &mut Lcg) -> GpuInventory {
         placement: Placement { start, size },
         uuid: None,
         processes: busy(rng),
+        slices: Vec::new(),
     };
     let instances = match rng.next() % 3 {
         // The day layout (balanced) in place.

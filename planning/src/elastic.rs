@@ -65,6 +65,23 @@ pub fn slots(
             }
             Some(slots)
         }
+        Desired::MigMps { profiles, slices } => {
+            let model = model?;
+            let mut slots = Vec::new();
+            for (name, n) in profiles {
+                let (memory, _) = crate::transition::mps_slice_of_instance(
+                    model.profile(&name)?.memory_bytes(),
+                    slices,
+                );
+                // A share of an instance: a slot of the instance's SMs, whole as far as a
+                // policy's GPU-wide compute limit goes.
+                slots.extend((0..n * slices).map(|_| Slot {
+                    memory,
+                    compute: whole,
+                }));
+            }
+            Some(slots)
+        }
         Desired::Exclusive => Some(vec![Slot {
             memory: gpu_memory,
             compute: whole,

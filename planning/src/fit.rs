@@ -2,7 +2,7 @@
 //! pool's headroom, and whether the guarantees placed on one GPU can all be honoured.
 
 use crate::catalog::GpuModel;
-use crate::transition::Desired;
+use crate::transition::{Desired, mps_slice_of_instance};
 
 /// The slice a request lands on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -11,6 +11,13 @@ pub enum SliceChoice {
     Software { memory: u64, compute: u32 },
     /// A MIG instance of this profile.
     Mig { profile: String, memory: u64 },
+    /// An MPS slice (`memory` bytes, `compute` % of the instance's SMs) of an instance of this
+    /// profile.
+    MigMps {
+        profile: String,
+        memory: u64,
+        compute: u32,
+    },
     /// A whole GPU.
     Whole { memory: u64 },
 }
@@ -20,6 +27,7 @@ impl SliceChoice {
         match self {
             SliceChoice::Software { memory, .. }
             | SliceChoice::Mig { memory, .. }
+            | SliceChoice::MigMps { memory, .. }
             | SliceChoice::Whole { memory } => *memory,
         }
     }
@@ -53,6 +61,20 @@ pub fn smallest_fitting(
                 .map(|p| SliceChoice::Mig {
                     profile: p.name.clone(),
                     memory: p.memory_bytes(),
+                })
+        }
+        Desired::MigMps { profiles, slices } => {
+            let model = model?;
+            profiles
+                .keys()
+                .filter_map(|name| model.profile(name))
+                .map(|p| (p, mps_slice_of_instance(p.memory_bytes(), *slices)))
+                .filter(|(_, (memory, _))| *memory >= need)
+                .min_by_key(|(p, (memory, _))| (*memory, p.compute_slices, p.name.clone()))
+                .map(|(p, (memory, compute))| SliceChoice::MigMps {
+                    profile: p.name.clone(),
+                    memory,
+                    compute,
                 })
         }
         Desired::Exclusive => {
@@ -95,6 +117,21 @@ pub fn fitting_slices(
                         .is_some_and(|p| p.memory_bytes() >= need)
                 })
                 .map(|(_, n)| *n)
+                .sum()
+        }
+        Desired::MigMps { profiles, slices } => {
+            let Some(model) = model else {
+                return 0;
+            };
+            let need = request.saturating_add(headroom);
+            profiles
+                .iter()
+                .filter(|(name, _)| {
+                    model
+                        .profile(name)
+                        .is_some_and(|p| mps_slice_of_instance(p.memory_bytes(), *slices).0 >= need)
+                })
+                .map(|(_, n)| n * slices)
                 .sum()
         }
         Desired::Exclusive => u32::from(

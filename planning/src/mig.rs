@@ -376,6 +376,7 @@ mod tests {
                 let layout = MigLayout {
                     profiles: BTreeMap::new(),
                     preset: Some(preset),
+                    mps: None,
                 };
                 let out =
                     solve(m, &layout).unwrap_or_else(|e| panic!("{} {preset:?}: {e}", m.name));
@@ -388,6 +389,7 @@ mod tests {
             &MigLayout {
                 profiles: BTreeMap::new(),
                 preset: Some(MigPreset::All1g),
+                mps: None,
             },
         )
         .unwrap();

@@ -70,7 +70,10 @@ pub struct GpuState {
     pub instances: Vec<Instance>,
     /// The software slice table, when one is configured.
     pub slices: Option<SliceTable>,
-    /// Ids of software slices held by a workload.
+    /// MPS slices per MIG instance (layout `mig.mps`): `Some(n)` when every instance has `n`,
+    /// `Some(0)` when only some have slices, `None` when none has.
+    pub instance_mps: Option<u32>,
+    /// Ids of software slices (MPS slices of instances too) held by a workload.
     pub busy_slices: Vec<String>,
     /// Processes on the whole GPU (exclusive use, outside MIG and slices).
     pub busy_gpu: bool,
@@ -103,14 +106,38 @@ impl GpuState {
                 })
                 .unwrap_or_default(),
             slices,
+            instance_mps: instance_mps(mig.map_or(&[], |m| m.instances.as_slice())),
             busy_slices: gpu
                 .slices
                 .iter()
+                .chain(
+                    mig.iter()
+                        .flat_map(|m| &m.instances)
+                        .flat_map(|i| &i.slices),
+                )
                 .filter(|s| !s.processes.is_empty())
                 .map(|s| s.id.clone())
                 .collect(),
             busy_gpu: !gpu.processes.is_empty(),
         }
+    }
+}
+
+/// The memory (whole MiB) and share of the instance's SMs (percent) of each of `slices` MPS
+/// slices of a MIG instance of `memory` bytes.
+pub fn mps_slice_of_instance(memory: u64, slices: u32) -> (u64, u32) {
+    let n = slices.max(1);
+    ((memory / u64::from(n)) >> 20 << 20, 100 / n)
+}
+
+/// How many MPS slices each of `instances` has (see [`GpuState::instance_mps`]).
+fn instance_mps(instances: &[gpuslice_api::MigInstance]) -> Option<u32> {
+    let counts: Vec<u32> = instances.iter().map(|i| i.slices.len() as u32).collect();
+    match counts.first() {
+        None => None,
+        Some(0) if counts.iter().all(|n| *n == 0) => None,
+        Some(&n) if counts.iter().all(|c| *c == n) => Some(n),
+        _ => Some(0),
     }
 }
 
@@ -120,6 +147,11 @@ impl GpuState {
 pub enum Desired {
     /// Profile name → count.
     Mig(BTreeMap<String, u32>),
+    /// MIG instances (profile name → count), each shared through CUDA MPS by `slices` slices.
+    MigMps {
+        profiles: BTreeMap<String, u32>,
+        slices: u32,
+    },
     Software(SliceTable),
     Exclusive,
 }
@@ -130,6 +162,13 @@ impl std::fmt::Display for Desired {
             Desired::Mig(counts) => {
                 let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{n} × {p}")).collect();
                 write!(f, "MIG {}", parts.join(" + "))
+            }
+            Desired::MigMps { profiles, slices } => {
+                write!(
+                    f,
+                    "{}, each instance in {slices} MPS slices",
+                    Desired::Mig(profiles.clone())
+                )
             }
             Desired::Software(t) if t.mps => write!(f, "{t}"),
             Desired::Software(t) => write!(f, "software {t}"),
@@ -170,7 +209,13 @@ impl Desired {
                     .filter(|(_, n)| *n > 0)
                     .map(|(p, n)| (model.profile(&p).map_or(p, |pr| pr.name.clone()), n))
                     .collect();
-                Ok(Desired::Mig(canonical))
+                Ok(match &m.mps {
+                    Some(mps) => Desired::MigMps {
+                        profiles: canonical,
+                        slices: mps.slices,
+                    },
+                    None => Desired::Mig(canonical),
+                })
             }
             LayoutKind::Software(s) => Ok(Desired::Software(SliceTable::of(s, false)?)),
             LayoutKind::Mps(s) => Ok(Desired::Software(SliceTable::of(s, true)?)),
@@ -201,6 +246,9 @@ pub enum Op {
     WriteSlices { table: SliceTable },
     /// Remove the software slice table.
     ClearSlices,
+    /// Write the MPS slice table of every instance the GPU has once the operations before ran:
+    /// `slices` slices each, of an equal share of the instance's memory and SMs.
+    WriteInstanceSlices { slices: u32 },
 }
 
 impl std::fmt::Display for Op {
@@ -225,6 +273,9 @@ impl std::fmt::Display for Op {
             }
             Op::WriteSlices { table } => write!(f, "write slice table: {table}"),
             Op::ClearSlices => f.write_str("remove the software slice table"),
+            Op::WriteInstanceSlices { slices } => {
+                write!(f, "write MPS slice tables: each instance in {slices}")
+            }
         }
     }
 }
@@ -301,14 +352,24 @@ pub fn plan(
     let mut plan = Plan::default();
     match desired {
         Desired::Mig(counts) => {
-            let model = model.ok_or_else(|| DesiredError::UnknownMigModel(String::new()))?;
-            let wanted = mig::resolve_counts(model, counts)?;
-            if !current.mig_enabled {
-                leave_software(current, &mut plan);
-                plan.ops.push(Op::EnableMig);
-                create(&mut plan, mig::place_around(&wanted, 0));
-            } else {
-                reshape_mig(model, current, &wanted, &mut plan);
+            to_mig(model, current, counts, &mut plan)?;
+            if current.instance_mps.is_some() {
+                block_slices(current, &mut plan);
+                plan.ops.push(Op::ClearSlices);
+            }
+        }
+        Desired::MigMps { profiles, slices } => {
+            to_mig(model, current, profiles, &mut plan)?;
+            let instances_change = plan
+                .ops
+                .iter()
+                .any(|o| matches!(o, Op::CreateInstance { .. } | Op::DestroyInstance { .. }));
+            if current.instance_mps != Some(*slices) || instances_change {
+                // Slices of another size: their workloads go first.
+                if current.instance_mps.is_some_and(|n| n != *slices) {
+                    block_slices(current, &mut plan);
+                }
+                plan.ops.push(Op::WriteInstanceSlices { slices: *slices });
             }
         }
         Desired::Software(table) => {
@@ -330,6 +391,25 @@ pub fn plan(
         }
     }
     Ok(plan)
+}
+
+/// The MIG part of a MIG target: MIG mode on and the instances `counts` asks for.
+fn to_mig(
+    model: Option<&GpuModel>,
+    current: &GpuState,
+    counts: &BTreeMap<String, u32>,
+    plan: &mut Plan,
+) -> Result<(), DesiredError> {
+    let model = model.ok_or_else(|| DesiredError::UnknownMigModel(String::new()))?;
+    let wanted = mig::resolve_counts(model, counts)?;
+    if !current.mig_enabled {
+        leave_software(current, plan);
+        plan.ops.push(Op::EnableMig);
+        create(plan, mig::place_around(&wanted, 0));
+    } else {
+        reshape_mig(model, current, &wanted, plan);
+    }
+    Ok(())
 }
 
 fn block_slices(current: &GpuState, plan: &mut Plan) {
@@ -359,6 +439,10 @@ fn leave_mig(current: &GpuState, plan: &mut Plan) {
         destroy(plan, i);
     }
     plan.ops.push(Op::DisableMig);
+    if current.instance_mps.is_some() {
+        // The instances' MPS slice table goes with them.
+        plan.ops.push(Op::ClearSlices);
+    }
 }
 
 fn destroy(plan: &mut Plan, i: &Instance) {
@@ -514,8 +598,10 @@ pub fn apply(current: &GpuState, ops: &[Op]) -> GpuState {
             }
             Op::ClearSlices => {
                 s.slices = None;
+                s.instance_mps = None;
                 s.busy_slices.clear();
             }
+            Op::WriteInstanceSlices { slices } => s.instance_mps = Some(*slices),
         }
     }
     s
@@ -536,7 +622,19 @@ pub fn satisfies(model: Option<&GpuModel>, state: &GpuState, desired: &Desired) 
                 let m = mig::mask(i.placement);
                 (used & m == 0).then_some(used | m)
             });
-            state.mig_enabled && state.slices.is_none() && &have == counts && overlap_free.is_some()
+            state.mig_enabled
+                && state.slices.is_none()
+                && state.instance_mps.is_none()
+                && &have == counts
+                && overlap_free.is_some()
+        }
+        Desired::MigMps { profiles, slices } => {
+            let as_mig = GpuState {
+                instance_mps: None,
+                ..state.clone()
+            };
+            satisfies(model, &as_mig, &Desired::Mig(profiles.clone()))
+                && state.instance_mps == Some(*slices)
         }
         Desired::Software(t) => {
             !state.mig_enabled && state.instances.is_empty() && state.slices == Some(*t)
@@ -607,6 +705,64 @@ mod tests {
             ]
         );
         assert!(satisfies(Some(h200), &apply(&now, &p.ops), &want));
+    }
+
+    /// MPS inside MIG instances: the instances are cut as for MIG, then each instance's MPS
+    /// slice table is written; the same layout again changes nothing; other slice counts wait
+    /// for busy slices; back to plain MIG the table goes.
+    #[test]
+    fn mps_slices_are_written_into_the_instances_once_they_exist() {
+        let a100 = model("A100-80GB").unwrap();
+        let want = Desired::MigMps {
+            profiles: [("3g.40gb".to_string(), 2)].into(),
+            slices: 2,
+        };
+        let p = plan(Some(a100), &GpuState::default(), &want).unwrap();
+        assert_eq!(p.ops.first(), Some(&Op::EnableMig));
+        assert_eq!(
+            p.ops.last(),
+            Some(&Op::WriteInstanceSlices { slices: 2 }),
+            "{p:?}"
+        );
+        let cut = apply(&GpuState::default(), &p.ops);
+        assert!(satisfies(Some(a100), &cut, &want));
+        assert!(
+            !satisfies(
+                Some(a100),
+                &cut,
+                &Desired::Mig([("3g.40gb".to_string(), 2)].into())
+            ),
+            "plain MIG is not MPS in MIG"
+        );
+        assert_eq!(plan(Some(a100), &cut, &want).unwrap().ops, Vec::<Op>::new());
+
+        let busy = GpuState {
+            busy_slices: vec!["gpu0-mig0-3g.40gb-s1".into()],
+            ..cut.clone()
+        };
+        let thirds = Desired::MigMps {
+            profiles: [("3g.40gb".to_string(), 2)].into(),
+            slices: 3,
+        };
+        let p = plan(Some(a100), &busy, &thirds).unwrap();
+        assert_eq!(
+            p.blocked_by,
+            vec![Blocker::Slices {
+                ids: vec!["gpu0-mig0-3g.40gb-s1".into()]
+            }]
+        );
+        assert_eq!(p.ops, vec![Op::WriteInstanceSlices { slices: 3 }]);
+        let plain = plan(
+            Some(a100),
+            &busy,
+            &Desired::Mig([("3g.40gb".to_string(), 2)].into()),
+        )
+        .unwrap();
+        assert!(plain.is_blocked());
+        assert_eq!(plain.ops, vec![Op::ClearSlices]);
+        // An instance of 40 GiB in halves: 20 GiB and half of its SMs each.
+        assert_eq!(mps_slice_of_instance(40 << 30, 2), (20 << 30, 50));
+        assert_eq!(mps_slice_of_instance(40 << 30, 3).1, 33);
     }
 
     #[test]

@@ -136,7 +136,8 @@ pub fn devices(
         if let Some(domain) = nvlink_domain(inventory, gpu.index) {
             attributes.insert(attribute::NVLINK_DOMAIN.to_string(), string(&domain));
         }
-        if slice.kind == SliceKind::Mig
+        // A MIG instance, or an MPS slice of one, names its profile.
+        if matches!(slice.kind, SliceKind::Mig | SliceKind::Mps)
             && let Some(instance) = gpu.mig.as_ref().and_then(|m| {
                 m.instances
                     .iter()

@@ -19,6 +19,8 @@ pub enum ConvergeError {
     Nvml(#[from] NvmlError),
     #[error(transparent)]
     Slices(#[from] slices::SliceError),
+    #[error("GPU {gpu}: {message}")]
+    Model { gpu: u32, message: String },
 }
 
 /// What one pass did to one GPU.
@@ -111,7 +113,7 @@ pub fn read_node(
 ) -> Result<NodeInventory, ConvergeError> {
     let mut inventory = gpus.inventory(node)?;
     for gpu in &mut inventory.gpus {
-        gpu.slices = slices::read(state, gpu.index)?;
+        slices::read_into(state, gpu)?;
         for h in held {
             let process = gpuslice_api::GpuProcess {
                 pid: h.pid,
@@ -120,7 +122,17 @@ pub fn read_node(
             };
             if h.slice == gpu_slice_id(gpu.index) {
                 gpu.processes.push(process);
-            } else if let Some(s) = gpu.slices.iter_mut().find(|s| s.id == h.slice) {
+            } else if let Some(s) = gpu
+                .slices
+                .iter_mut()
+                .chain(
+                    gpu.mig
+                        .iter_mut()
+                        .flat_map(|m| &mut m.instances)
+                        .flat_map(|i| &mut i.slices),
+                )
+                .find(|s| s.id == h.slice)
+            {
                 s.processes.push(process);
             } else if let Some(i) = gpu.mig.as_mut().and_then(|m| {
                 m.instances
@@ -175,6 +187,37 @@ pub fn converge(
         }
     }
     Ok((outcomes, after))
+}
+
+/// Writes the MPS slice tables of the instances GPU `gpu` (as read before) has once `ops` ran.
+fn write_instance_slices(
+    state: &StateDir,
+    gpu: &GpuInventory,
+    ops: &[Op],
+    slices: u32,
+) -> Result<(), ConvergeError> {
+    let model = catalog::model(&gpu.model).map_err(|e| ConvergeError::Model {
+        gpu: gpu.index,
+        message: e.to_string(),
+    })?;
+    let mut instances: Vec<(String, gpuslice_api::Placement)> = gpu
+        .mig
+        .iter()
+        .flat_map(|m| &m.instances)
+        .map(|i| (i.profile.clone(), i.placement))
+        .collect();
+    for op in ops {
+        match op {
+            Op::DestroyInstance { placement, .. } => instances.retain(|(_, p)| p != placement),
+            Op::CreateInstance { profile, placement } => {
+                instances.push((profile.clone(), *placement))
+            }
+            _ => {}
+        }
+    }
+    Ok(slices::write_instances(
+        state, gpu, model, &instances, slices,
+    )?)
 }
 
 /// Converges the node to explicit layouts, outside any pool: one read, each GPU planned from
@@ -296,6 +339,9 @@ fn converge_gpu(
                 slices::write(state, gpu, table).map_err(ConvergeError::from)
             }
             Op::ClearSlices => slices::clear(state, gpu.index).map_err(ConvergeError::from),
+            Op::WriteInstanceSlices { slices: n } => {
+                write_instance_slices(state, gpu, &outcome.ops, *n)
+            }
             other => gpus.apply(gpu.index, other).map_err(ConvergeError::from),
         };
         if let Err(e) = done {

@@ -16,6 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpuslice_api::NodeInventory;
+use gpuslice_contract::slice::{gpu_slice_id, mig_slice_id};
 use gpuslice_contract::{SliceConfig, StateDir, env};
 use gpuslice_planning::transition::Desired;
 
@@ -61,11 +62,11 @@ pub enum MpsError {
         source: std::io::Error,
     },
     #[error(
-        "GPU {gpu} has no UUID from NVML, and its MPS daemon must be given one (CUDA_VISIBLE_DEVICES); give its pool a software layout"
+        "{device} has no UUID from NVML, and its MPS daemon must be given one (CUDA_VISIBLE_DEVICES); give its pool a layout without MPS"
     )]
-    NoUuid { gpu: u32 },
-    #[error("GPU {gpu}'s slice memory {memory:?} is not a size")]
-    Memory { gpu: u32, memory: String },
+    NoUuid { device: String },
+    #[error("{device}'s slice memory {memory:?} is not a size")]
+    Memory { device: String, memory: String },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> MpsError + '_ {
@@ -193,43 +194,42 @@ impl MpsDaemons {
         MpsDaemons { control }
     }
 
-    fn of(&self, state: &StateDir, gpu: u32) -> MpsControl {
+    fn of(&self, state: &StateDir, device: &str) -> MpsControl {
         MpsControl {
             tool: self.control.clone(),
-            pipe: state.mps_pipe(gpu),
-            log: state.mps_log(gpu),
+            pipe: state.mps_pipe(device),
+            log: state.mps_log(device),
         }
     }
 
-    /// Brings each GPU's daemon in line with its layout: running with the slice's defaults on a
-    /// GPU whose slices are `mps`, stopped elsewhere. Returns, per GPU, why its daemon could not
-    /// be started.
+    /// Brings each daemon in line with the layouts: one running with its slices' defaults for
+    /// each GPU whose slices are `mps` and each MIG instance with MPS slices, none elsewhere.
+    /// Returns, per GPU, why a daemon of it could not be started.
     pub fn keep(&self, state: &StateDir, node: &NodeInventory) -> BTreeMap<u32, MpsError> {
         let mut failed = BTreeMap::new();
-        for gpu in &node.gpus {
-            let wanted = gpu
-                .slices
-                .first()
-                .filter(|s| s.mps)
-                .map(|s| Wanted::of(gpu, s.compute, &s.memory.0));
-            let dir = state.mps(gpu.index);
-            match wanted {
-                Some(wanted) => {
-                    if let Err(why) = wanted.and_then(|w| self.keep_running(state, gpu.index, &w)) {
-                        tracing::warn!(gpu = gpu.index, "MPS control daemon: {why}");
-                        failed.insert(gpu.index, why);
-                    }
-                }
-                None if dir.exists() => {
-                    // Quit may find no daemon (it died): the directory goes either way.
-                    self.of(state, gpu.index).quit();
-                    if let Err(e) = std::fs::remove_dir_all(&dir) {
-                        tracing::warn!("{}: {e}", dir.display());
-                    } else {
-                        tracing::info!(gpu = gpu.index, "MPS control daemon stopped");
-                    }
-                }
-                None => {}
+        let mut kept = std::collections::BTreeSet::new();
+        for (gpu, device, wanted) in mps_devices(node) {
+            if let Err(why) = wanted.and_then(|w| self.keep_running(state, &device, &w)) {
+                tracing::warn!(gpu, device, "MPS control daemon: {why}");
+                failed.insert(gpu, why);
+            }
+            kept.insert(device);
+        }
+        // Devices no longer shared through MPS: their daemons quit (one that died already is
+        // no matter) and their folders go.
+        let gone = std::fs::read_dir(state.mps_daemons())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|device| !kept.contains(device));
+        for device in gone {
+            self.of(state, &device).quit();
+            let dir = state.mps(&device);
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!("{}: {e}", dir.display());
+            } else {
+                tracing::info!(device, "MPS control daemon stopped");
             }
         }
         failed
@@ -262,8 +262,9 @@ impl MpsDaemons {
             // As the slices will read it back (NodeInventory's quantity), so that the next
             // pass finds the daemon started for what it sees.
             let memory = gpuslice_api::quantity::format_bytes(table.memory);
-            let wanted = Wanted::of(gpu, table.compute, &memory);
-            if let Err(why) = wanted.and_then(|w| self.keep_running(state, gpu.index, &w)) {
+            let device = gpu_slice_id(gpu.index);
+            let wanted = Wanted::of(&device, gpu.uuid.as_deref(), table.compute, &memory);
+            if let Err(why) = wanted.and_then(|w| self.keep_running(state, &device, &w)) {
                 tracing::warn!(gpu = gpu.index, "MPS control daemon: {why}");
                 plan.ops.clear();
                 refused.insert(gpu.index, why);
@@ -272,10 +273,15 @@ impl MpsDaemons {
         refused
     }
 
-    fn keep_running(&self, state: &StateDir, gpu: u32, wanted: &Wanted) -> Result<(), MpsError> {
-        let daemon = self.of(state, gpu);
+    fn keep_running(
+        &self,
+        state: &StateDir,
+        device: &str,
+        wanted: &Wanted,
+    ) -> Result<(), MpsError> {
+        let daemon = self.of(state, device);
         let alive = daemon.send("get_server_list").is_ok();
-        let started = std::fs::read_to_string(started_file(state, gpu)).ok();
+        let started = std::fs::read_to_string(started_file(state, device)).ok();
         if alive && started.as_deref() == Some(wanted.record().as_str()) {
             // Its defaults again, whoever may have changed them since (they apply to the next
             // server it starts).
@@ -284,16 +290,22 @@ impl MpsDaemons {
         if alive {
             // Running with other defaults (the layout changed): start it again with these.
             daemon.quit();
-            tracing::info!(gpu, "MPS control daemon restarted for the new slice size");
+            tracing::info!(
+                device,
+                "MPS control daemon restarted for the new slice size"
+            );
         } else if started.is_some() {
-            tracing::warn!(gpu, "MPS control daemon not answering; starting it again");
+            tracing::warn!(
+                device,
+                "MPS control daemon not answering; starting it again"
+            );
         }
         daemon.start(&wanted.uuid)?;
         daemon.set_defaults(wanted.compute, Some(wanted.memory))?;
-        let record = started_file(state, gpu);
+        let record = started_file(state, device);
         std::fs::write(&record, wanted.record()).map_err(io(&record))?;
         tracing::info!(
-            gpu,
+            device,
             compute = wanted.compute,
             "MPS control daemon started ({})",
             daemon.pipe.display()
@@ -346,23 +358,25 @@ fn finish_within(
 }
 
 impl Wanted {
-    /// What GPU `gpu`'s daemon is started with for slices of `compute` % and `memory` (a
-    /// quantity), or why it cannot be.
+    /// What `device`'s daemon is started with for slices of `compute` % and `memory` (a
+    /// quantity) on the device of `uuid`, or why it cannot be.
     fn of(
-        gpu: &gpuslice_api::GpuInventory,
+        device: &str,
+        uuid: Option<&str>,
         compute: u32,
         memory: &str,
     ) -> Result<Wanted, MpsError> {
-        let uuid = gpu
-            .uuid
-            .clone()
+        let uuid = uuid
             .filter(|u| !u.is_empty())
-            .ok_or(MpsError::NoUuid { gpu: gpu.index })?;
+            .ok_or_else(|| MpsError::NoUuid {
+                device: device.to_string(),
+            })?
+            .to_string();
         let memory = gpuslice_api::bytes_of(memory)
             .ok()
             .filter(|m| *m >= 1 << 20)
             .ok_or_else(|| MpsError::Memory {
-                gpu: gpu.index,
+                device: device.to_string(),
                 memory: memory.to_string(),
             })?;
         Ok(Wanted {
@@ -378,17 +392,38 @@ impl Wanted {
     }
 }
 
-/// Where the agent records what GPU `gpu`'s daemon was started with (its defaults cannot be read
-/// back in a form every driver version prints alike).
-fn started_file(state: &StateDir, gpu: u32) -> PathBuf {
-    state.mps(gpu).join("started")
+/// Each device of `node` shared through MPS: its GPU, its name (its slice id: `gpu0`, or
+/// `gpu0-mig4-3g.40gb` for a MIG instance) and what its daemon must be started with.
+fn mps_devices(node: &NodeInventory) -> Vec<(u32, String, Result<Wanted, MpsError>)> {
+    let mut out = Vec::new();
+    for gpu in &node.gpus {
+        if let Some(s) = gpu.slices.first().filter(|s| s.mps) {
+            let device = gpu_slice_id(gpu.index);
+            let wanted = Wanted::of(&device, gpu.uuid.as_deref(), s.compute, &s.memory.0);
+            out.push((gpu.index, device, wanted));
+        }
+        for i in gpu.mig.iter().flat_map(|m| &m.instances) {
+            if let Some(s) = i.slices.first() {
+                let device = mig_slice_id(gpu.index, i.placement.start, &i.profile);
+                let wanted = Wanted::of(&device, i.uuid.as_deref(), s.compute, &s.memory.0);
+                out.push((gpu.index, device, wanted));
+            }
+        }
+    }
+    out
+}
+
+/// Where the agent records what `device`'s daemon was started with (its defaults cannot be
+/// read back in a form every driver version prints alike).
+fn started_file(state: &StateDir, device: &str) -> PathBuf {
+    state.mps(device).join("started")
 }
 
 /// The MPS servers the agent's daemons started (children of a daemon whose pid file is under
 /// the state directory), among `pids`: each shows on its GPU as a compute process of its own,
 /// holding no slice, and must not be taken for a stray.
 pub fn servers_among(state: &StateDir, pids: impl IntoIterator<Item = u32>) -> Vec<u32> {
-    let daemons: Vec<u32> = std::fs::read_dir(state.root().join("mps"))
+    let daemons: Vec<u32> = std::fs::read_dir(state.mps_daemons())
         .into_iter()
         .flatten()
         .flatten()

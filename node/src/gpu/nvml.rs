@@ -238,6 +238,8 @@ impl NvmlGpus {
                             .filter(|p| p.gpu_instance_id == Some(id))
                             .map(to_process)
                             .collect(),
+                        // The agent's slice tables say (read with them).
+                        slices: Vec::new(),
                     });
                 }
                 instances.sort_by_key(|i| i.placement);

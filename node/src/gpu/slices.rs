@@ -13,7 +13,7 @@ use gpuslice_api::k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use gpuslice_api::quantity::format_bytes;
 use gpuslice_api::{GpuInventory, NodeInventory, SoftwareSliceState};
 use gpuslice_contract::StateDir;
-use gpuslice_contract::slice::{gpu_slice_id, mig_slice_id, software_slice_id};
+use gpuslice_contract::slice::{gpu_slice_id, instance_slice_id, mig_slice_id, software_slice_id};
 pub use gpuslice_contract::{SliceConfig, SliceKind};
 use gpuslice_planning::transition::SliceTable;
 use serde::{Deserialize, Serialize};
@@ -44,6 +44,9 @@ pub struct SliceEntry {
     /// The GPU's slices share it through CUDA MPS.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub mps: bool,
+    /// The MIG instance (its slice id) whose MPS slice this is; none for a whole GPU's slice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SliceError + '_ {
@@ -53,8 +56,12 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SliceError + '_ {
     }
 }
 
-/// The slices configured on a GPU (none when it has no table).
-pub fn read(state: &StateDir, gpu: u32) -> Result<Vec<SoftwareSliceState>, SliceError> {
+/// The slices configured on a GPU (none when it has no table): the whole GPU's, and the MPS
+/// slices of each MIG instance (by the instance's slice id).
+pub fn read(
+    state: &StateDir,
+    gpu: u32,
+) -> Result<Vec<(Option<String>, SoftwareSliceState)>, SliceError> {
     let path = state.slice_table(gpu);
     let text = match std::fs::read(&path) {
         Ok(t) => t,
@@ -68,20 +75,54 @@ pub fn read(state: &StateDir, gpu: u32) -> Result<Vec<SoftwareSliceState>, Slice
         })?;
     Ok(entries
         .into_iter()
-        .map(|e| SoftwareSliceState {
-            id: e.id,
-            memory: Quantity(format_bytes(e.memory_bytes)),
-            compute: e.compute_percent,
-            mps: e.mps,
-            processes: Vec::new(),
+        .map(|e| {
+            let slice = SoftwareSliceState {
+                id: e.id,
+                memory: Quantity(format_bytes(e.memory_bytes)),
+                compute: e.compute_percent,
+                mps: e.mps,
+                processes: Vec::new(),
+            };
+            (e.instance, slice)
         })
         .collect())
 }
 
-/// Replaces a GPU's slice table.
-pub fn write(state: &StateDir, gpu: &GpuInventory, table: &SliceTable) -> Result<(), SliceError> {
+/// Reads GPU `gpu`'s slice tables into its inventory entry: its own slices, and each MIG
+/// instance's MPS slices (those of an instance that is gone are dropped).
+pub fn read_into(state: &StateDir, gpu: &mut GpuInventory) -> Result<(), SliceError> {
+    let mut instances: Vec<(String, &mut gpuslice_api::MigInstance)> = gpu
+        .mig
+        .iter_mut()
+        .flat_map(|m| &mut m.instances)
+        .map(|i| (mig_slice_id(gpu.index, i.placement.start, &i.profile), i))
+        .collect();
+    gpu.slices.clear();
+    for (instance, slice) in read(state, gpu.index)? {
+        match instance {
+            None => gpu.slices.push(slice),
+            Some(id) => {
+                if let Some((_, i)) = instances.iter_mut().find(|(own, _)| *own == id) {
+                    i.slices.push(slice);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn write_entries(state: &StateDir, gpu: u32, entries: &[SliceEntry]) -> Result<(), SliceError> {
     let root = state.root();
     std::fs::create_dir_all(root).map_err(io(root))?;
+    let path = state.slice_table(gpu);
+    let tmp = tempfile::NamedTempFile::new_in(root).map_err(io(root))?;
+    serde_json::to_writer_pretty(&tmp, entries).map_err(|e| io(&path)(e.into()))?;
+    tmp.persist(&path).map_err(|e| io(&path)(e.error))?;
+    Ok(())
+}
+
+/// Replaces a GPU's slice table.
+pub fn write(state: &StateDir, gpu: &GpuInventory, table: &SliceTable) -> Result<(), SliceError> {
     let uuid = gpu.uuid.clone().unwrap_or_default();
     let entries: Vec<SliceEntry> = (0..table.slices)
         .map(|s| SliceEntry {
@@ -90,13 +131,39 @@ pub fn write(state: &StateDir, gpu: &GpuInventory, table: &SliceTable) -> Result
             memory_bytes: table.memory,
             compute_percent: table.compute,
             mps: table.mps,
+            instance: None,
         })
         .collect();
-    let path = state.slice_table(gpu.index);
-    let tmp = tempfile::NamedTempFile::new_in(root).map_err(io(root))?;
-    serde_json::to_writer_pretty(&tmp, &entries).map_err(|e| io(&path)(e.into()))?;
-    tmp.persist(&path).map_err(|e| io(&path)(e.error))?;
-    Ok(())
+    write_entries(state, gpu.index, &entries)
+}
+
+/// Replaces a GPU's slice table with `slices` MPS slices in each of `instances` (profile and
+/// placement, as the GPU has them once its transition ran), each an equal share of its
+/// instance's memory and SMs; `model` gives the profiles' memory.
+pub fn write_instances(
+    state: &StateDir,
+    gpu: &GpuInventory,
+    model: &gpuslice_planning::catalog::GpuModel,
+    instances: &[(String, gpuslice_api::Placement)],
+    slices: u32,
+) -> Result<(), SliceError> {
+    let uuid = gpu.uuid.clone().unwrap_or_default();
+    let mut entries = Vec::new();
+    for (profile, placement) in instances {
+        let instance = mig_slice_id(gpu.index, placement.start, profile);
+        let memory = model.profile(profile).map_or(0, |p| p.memory_bytes());
+        let (memory_bytes, compute_percent) =
+            gpuslice_planning::transition::mps_slice_of_instance(memory, slices);
+        entries.extend((0..slices).map(|s| SliceEntry {
+            id: instance_slice_id(&instance, s),
+            gpu_uuid: uuid.clone(),
+            memory_bytes,
+            compute_percent,
+            mps: true,
+            instance: Some(instance.clone()),
+        }));
+    }
+    write_entries(state, gpu.index, &entries)
 }
 
 /// Removes a GPU's slice table.
@@ -145,20 +212,39 @@ pub fn configs(node: &NodeInventory) -> Vec<SliceConfig> {
             }));
         } else if gpu.mig.as_ref().is_some_and(|m| m.enabled) {
             let model = gpuslice_planning::catalog::model(&gpu.model).ok();
-            out.extend(instances.iter().filter_map(|i| {
-                Some(SliceConfig {
-                    id: mig_slice_id(gpu.index, i.placement.start, &i.profile),
-                    kind: SliceKind::Mig,
-                    gpu: gpu.index,
-                    device_minor: gpu.minor,
-                    // Without its UUID a workload could not be pointed at the instance.
-                    device_uuid: i.uuid.clone()?,
-                    memory_bytes: model
-                        .and_then(|m| m.profile(&i.profile))
-                        .map_or(0, |p| p.memory_bytes()),
-                    compute_percent: 100,
+            // An instance with MPS slices is those slices, on the instance's MIG device.
+            out.extend(instances.iter().flat_map(|i| {
+                i.slices.iter().filter_map(|s| {
+                    Some(SliceConfig {
+                        id: s.id.clone(),
+                        kind: SliceKind::Mps,
+                        gpu: gpu.index,
+                        device_minor: gpu.minor,
+                        device_uuid: i.uuid.clone()?,
+                        memory_bytes: gpuslice_api::bytes_of(&s.memory.0).unwrap_or(0),
+                        compute_percent: s.compute,
+                    })
                 })
             }));
+            out.extend(
+                instances
+                    .iter()
+                    .filter(|i| i.slices.is_empty())
+                    .filter_map(|i| {
+                        Some(SliceConfig {
+                            id: mig_slice_id(gpu.index, i.placement.start, &i.profile),
+                            kind: SliceKind::Mig,
+                            gpu: gpu.index,
+                            device_minor: gpu.minor,
+                            // Without its UUID a workload could not be pointed at the instance.
+                            device_uuid: i.uuid.clone()?,
+                            memory_bytes: model
+                                .and_then(|m| m.profile(&i.profile))
+                                .map_or(0, |p| p.memory_bytes()),
+                            compute_percent: 100,
+                        })
+                    }),
+            );
         } else {
             out.push(SliceConfig {
                 id: gpu_slice_id(gpu.index),

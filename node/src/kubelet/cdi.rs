@@ -92,11 +92,12 @@ pub fn cdi_spec(
                 }
             }
             if slice.kind == SliceKind::Mps {
-                // The GPU's MPS daemon at CUDA's default pipe directory, read-only: a workload
+                // The device's MPS daemon (the GPU's or the MIG instance's) at CUDA's default pipe directory, read-only: a workload
                 // can neither remove its neighbours' way in nor, by unsetting the variable,
                 // miss the daemon and run outside MPS.
                 let pipe = Path::new(gpuslice_contract::paths::MPS_PIPE_IN_CONTAINER);
-                mounts.push(bind(&state.mps_pipe(slice.gpu), pipe, "ro"));
+                let daemon = state.mps_pipe(gpuslice_contract::slice::mps_device_of(&slice.id));
+                mounts.push(bind(&daemon, pipe, "ro"));
                 // The claim's config: the policy's cap and share where they are lower.
                 let given = std::fs::read(claim_config)
                     .ok()

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use gpuslice_api::dra;
 use gpuslice_api::k8s_openapi::api::resource::v1::ResourceClaim;
+use gpuslice_contract::slice::mps_device_of;
 use gpuslice_contract::{SliceConfig, SliceKind, StateDir};
 use kube::Api;
 use serde::{Deserialize, Serialize};
@@ -370,17 +371,18 @@ impl Plugin {
                 software.join(", ")
             )));
         }
-        // A container of an MPS slice without its GPU's daemon would run outside MPS.
+        // A container of an MPS slice without its device's daemon would run outside MPS.
         if let Some((_, _, s)) = given.devices.iter().find(|(_, _, s)| {
             s.kind == SliceKind::Mps
                 && !self
                     .state
-                    .mps_pipe(s.gpu)
+                    .mps_pipe(mps_device_of(&s.id))
                     .join(crate::gpu::mps::CONTROL_SOCKET)
                     .exists()
         }) {
             return Err(refuse(format!(
-                "GPU {}'s MPS control daemon is not running (the GpuNode's status says why); the kubelet asks again",
+                "the MPS control daemon of {} (GPU {}) is not running (the GpuNode's status says why); the kubelet asks again",
+                mps_device_of(&s.id),
                 s.gpu
             )));
         }

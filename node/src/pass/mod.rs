@@ -392,7 +392,13 @@ impl Agent {
             mps_daemons = after
                 .gpus
                 .iter()
-                .filter(|g| g.slices.first().is_some_and(|s| s.mps))
+                .filter(|g| {
+                    g.slices.first().is_some_and(|s| s.mps)
+                        || g.mig
+                            .iter()
+                            .flat_map(|m| &m.instances)
+                            .any(|i| !i.slices.is_empty())
+                })
                 .map(|g| (g.index, !failed.contains_key(&g.index)))
                 .chain(refused.keys().map(|gpu| (*gpu, false)))
                 .collect();

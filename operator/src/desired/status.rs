@@ -181,6 +181,9 @@ impl Footprint {
                 held.gpus += 1;
                 held.slices += match &g.desired {
                     Some(Desired::Mig(counts)) => counts.values().sum(),
+                    Some(Desired::MigMps { profiles, slices }) => {
+                        profiles.values().sum::<u32>() * slices
+                    }
                     Some(Desired::Software(table)) => table.slices,
                     Some(Desired::Exclusive) => 1,
                     None => 0,

@@ -12,6 +12,7 @@ use super::pool::{
 use super::{Findings, Located, Repo, WorkloadRef};
 use crate::catalog::GpuModel;
 use crate::mig;
+use crate::transition::mps_slice_of_instance;
 
 /// A workload whose policy's CheckpointPolicy (its own, else its pool's) mounts storage: it may
 /// not declare the volume admission adds, and the claim should exist in its namespace.
@@ -70,7 +71,11 @@ fn check_count(
     if spec.count > 1 {
         let software: Vec<String> = layouts(pool)
             .into_iter()
-            .filter(|(_, _, layout)| layout.software.is_some() || layout.mps.is_some())
+            .filter(|(_, _, layout)| {
+                layout.software.is_some()
+                    || layout.mps.is_some()
+                    || layout.mig.as_ref().is_some_and(|m| m.mps.is_some())
+            })
             .map(|(_, what, _)| what)
             .collect();
         if !software.is_empty() {
@@ -78,7 +83,7 @@ fn check_count(
                 doc,
                 "spec.count",
                 format!(
-                    "count {} on pool {:?}, which gives software slices in {}: a container is capped to one software slice, so its pods would never start; set count to 1, or use a pool of whole GPUs (exclusive) or MIG instances",
+                    "count {} on pool {:?}, which gives software slices in {}: a container is capped to one software or MPS slice, so its pods would never start; set count to 1, or use a pool of whole GPUs (exclusive) or MIG instances without mps",
                     spec.count,
                     spec.pool,
                     software.join(" and ")
@@ -233,15 +238,23 @@ fn why_not_fits(
                     counts
                         .keys()
                         .filter_map(|p| model.profile(p))
-                        .map(|p| p.memory_bytes())
+                        .map(|p| match &m.mps {
+                            Some(mps) => mps_slice_of_instance(p.memory_bytes(), mps.slices).0,
+                            None => p.memory_bytes(),
+                        })
                         .max()
                 })
                 .max();
+            let slice = if m.mps.is_some() {
+                "MPS slice of a MIG instance"
+            } else {
+                "MIG instance"
+            };
             match largest {
                 Some(largest) if need > largest => Some((
                     "spec.memory",
                     format!(
-                        "{} + memoryHeadroom {} = {} does not fit the largest MIG instance of {what} ({})",
+                        "{} + memoryHeadroom {} = {} does not fit the largest {slice} of {what} ({})",
                         format_bytes(memory),
                         format_bytes(headroom),
                         format_bytes(need),

@@ -118,7 +118,7 @@ impl NvmlGpus {
             }
             Op::CreateInstance { profile, placement } => self.create(gpu, profile, *placement),
             Op::DestroyInstance { placement, .. } => self.destroy(gpu, *placement),
-            Op::WriteSlices { .. } | Op::ClearSlices => Ok(()),
+            Op::WriteSlices { .. } | Op::ClearSlices | Op::WriteInstanceSlices { .. } => Ok(()),
         }
     }
 
