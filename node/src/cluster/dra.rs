@@ -398,6 +398,38 @@ gpus:
         assert_eq!(capacity["compute"].value.0, "25");
     }
 
+    /// A MIG instance cut into MPS slices is published as those slices: kind `mps`, on the
+    /// instance (its profile), each with its memory and share of the instance; the instance
+    /// itself is not offered whole.
+    #[test]
+    fn mps_slices_of_a_mig_instance_are_its_devices() {
+        let mut inventory = node();
+        let three_g = &mut inventory.gpus[1].mig.as_mut().unwrap().instances[0];
+        three_g.slices = serde_yaml::from_str(
+            "[{id: gpu1-mig4-3g.71gb-s0, memory: 35Gi, compute: 50, mps: true},
+              {id: gpu1-mig4-3g.71gb-s1, memory: 35Gi, compute: 50, mps: true}]",
+        )
+        .unwrap();
+        let got = devices(&inventory, &[assignment(1, "infer")], &|_, _| {
+            Some(Vec::new())
+        });
+        let names: Vec<&str> = got.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "gpu1-mig0-1g-18gb",
+                "gpu1-mig4-3g-71gb-s0",
+                "gpu1-mig4-3g-71gb-s1"
+            ]
+        );
+        let mps = &got[1];
+        assert_eq!(attr(mps, "kind").string.as_deref(), Some("mps"));
+        assert_eq!(attr(mps, "migProfile").string.as_deref(), Some("3g.71gb"));
+        let capacity = mps.capacity.as_ref().unwrap();
+        assert_eq!(capacity["memory"].value.0, "35Gi");
+        assert_eq!(capacity["compute"].value.0, "50");
+    }
+
     #[test]
     fn gpus_joined_by_nvlink_directly_or_through_others_share_a_domain() {
         let mut inventory = node();
