@@ -2492,12 +2492,30 @@ spec:
 /// quarter of the SMs (MPS clients side by side; a client outside MPS would show the whole GPU).
 #[tokio::test]
 async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
+    mps_pods_run_side_by_side(MPS_A100, "gpu0").await;
+}
+
+/// The same inside a MIG instance (`mig.mps`): the A100's one 7g instance in two MPS slices,
+/// shared through the instance's own daemon; the pods see the MIG device, and their kernels run
+/// side by side on the instance, each on a quarter of its SMs (the policy's limit).
+#[tokio::test]
+async fn pods_on_mps_slices_of_a_mig_instance_run_side_by_side_through_its_daemon() {
+    let pool = MPS_A100.replace(
+        "layout: {mps: {slices: 2, memory: 40Gi, compute: 50}}",
+        "layout: {mig: {profiles: {7g.80gb: 1}, mps: {slices: 2}}}",
+    );
+    mps_pods_run_side_by_side(&pool, "gpu0-mig0-7g.80gb").await;
+}
+
+/// Two pods on the MPS slices of `device` (the daemon's name: `gpu0` or a MIG instance's slice
+/// id) of the pool `pool`: see the tests above.
+async fn mps_pods_run_side_by_side(pool: &str, device: &str) {
     let Some(setup) = Setup::start(CLOCK, &[]).await else {
         return;
     };
-    apply_policies(&setup, MPS_A100, 1).await;
+    apply_policies(&setup, pool, 1).await;
     let control = gpuslice_contract::StateDir::new(&setup.state)
-        .mps_pipe("gpu0")
+        .mps_pipe(device)
         .join("control");
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !control.exists() {
@@ -2529,8 +2547,23 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
         "the emulated nvidia-cuda-mps-control is not built: cargo build --workspace"
     );
     let pid_file = gpuslice_contract::StateDir::new(&setup.state)
-        .mps_pipe("gpu0")
+        .mps_pipe(device)
         .join("nvidia-cuda-mps-control.pid");
+    // The device's timeline: the GPU's, or its instance's.
+    let machine = gpuslice_emulator::Store::open(&setup.machine)
+        .unwrap()
+        .snapshot()
+        .unwrap();
+    let (key, visible) = match machine.gpus[0].instances.first() {
+        Some(instance) => (
+            gpuslice_emulator::device_key(0, Some(instance.id)),
+            instance.uuid.clone(),
+        ),
+        None => (
+            gpuslice_emulator::device_key(0, None),
+            machine.gpus[0].uuid.clone(),
+        ),
+    };
     let daemon = std::fs::read_to_string(&pid_file).unwrap();
     let pods: Api<Pod> = Api::namespaced(setup.client.clone(), "default");
     // Both start their kernels at the same moment, a while after they are created.
@@ -2538,7 +2571,7 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
     // What a tenant tries first: plant a file where the daemon's socket is, and tell the
     // daemon to quit (or to give every client all the SMs).
     let script = format!(
-        "echo \"mps=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,$CUDA_MPS_PIPE_DIRECTORY\"; \
+        "echo \"mps=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,$CUDA_MPS_PIPE_DIRECTORY,$CUDA_VISIBLE_DEVICES\"; \
          ls \"$CUDA_MPS_PIPE_DIRECTORY\"; \
          touch \"$CUDA_MPS_PIPE_DIRECTORY/planted\" 2>/dev/null && echo planted=yes || echo planted=no; \
          echo set_default_active_thread_percentage 100 | {IMAGE_MPS_TOOL}; echo \"set-status=$?\"; \
@@ -2578,6 +2611,7 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
             "{output}"
         );
         assert_eq!(told[2], gpuslice_contract::paths::MPS_PIPE_IN_CONTAINER);
+        assert_eq!(told[3], visible, "the device shared through MPS: {output}");
         for line in ["control", "planted=no", "set-status=1", "quit-status=1"] {
             assert!(
                 output.lines().any(|l| l == line),
@@ -2604,12 +2638,10 @@ async fn pods_on_an_mps_pool_run_side_by_side_through_the_nodes_mps_daemon() {
         spans.iter().map(|s| s.1).min().unwrap(),
     );
     assert!(to > from + 1_000_000_000, "the two ran together: {spans:?}");
-    let timeline =
-        gpuslice_emulator::timeline::Timeline::open(&gpuslice_emulator::timeline::timeline_path(
-            &setup.machine,
-            gpuslice_emulator::device_key(0, None),
-        ))
-        .unwrap();
+    let timeline = gpuslice_emulator::timeline::Timeline::open(
+        &gpuslice_emulator::timeline::timeline_path(&setup.machine, key),
+    )
+    .unwrap();
     let together: Vec<_> = timeline
         .intervals()
         .into_iter()
