@@ -1309,20 +1309,7 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
         kernels_of(&node.machine, worker_pid(&modest)),
         kernels_of(&node.machine, worker_pid(&greedy)),
     );
-    assert!(
-        a.len() > 100 && b.len() > 100,
-        "{} and {} kernels",
-        a.len(),
-        b.len()
-    );
-    for k in a.iter().chain(&b) {
-        assert_eq!(k.share, 50, "every kernel on half the SMs: {k:?}");
-        assert_eq!(
-            k.end - k.start,
-            4_000_000,
-            "a 2 ms kernel takes 4 ms on half the SMs"
-        );
-    }
+    side_by_side_on_half_the_sms(&a, &b);
     if let Some((compute, mps)) = listed {
         let server: u32 = daemon.trim().parse().unwrap();
         let workers = [worker_pid(&modest), worker_pid(&greedy)];
@@ -1337,15 +1324,6 @@ fn an_mps_pool_runs_its_workloads_side_by_side_each_on_its_share_of_the_sms() {
             "the daemon's server {server} holds a context of its own and is no client: compute {compute:?}, MPS {mps:?}"
         );
     }
-    let overlapping = a
-        .iter()
-        .filter(|x| b.iter().any(|y| x.start < y.end && y.start < x.end))
-        .count();
-    assert!(
-        overlapping * 2 > a.len(),
-        "side by side, not taking turns: {overlapping} of {} kernels overlap the other's",
-        a.len()
-    );
 
     // Around the shim, MPS's pinned limit is what stops it: 20 GiB of the 24 asked for.
     let probe = node.probe.clone();
@@ -1486,16 +1464,27 @@ fn mps_inside_a_mig_instance_shares_it_among_its_slices_side_by_side() {
         kernels_on(&node.machine, key, worker_pid(&a)),
         kernels_on(&node.machine, key, worker_pid(&b)),
     );
+    side_by_side_on_half_the_sms(&a, &b);
+}
+
+/// Two workers' 2 ms kernels (`a`, `b`): each ran on half the SMs (4 ms long), and most of
+/// them at the same time as the other's, not taking turns.
+fn side_by_side_on_half_the_sms(
+    a: &[gpuslice_emulator::timeline::Interval],
+    b: &[gpuslice_emulator::timeline::Interval],
+) {
     assert!(
         a.len() > 100 && b.len() > 100,
-        "{} and {} kernels on the instance",
+        "{} and {} kernels",
         a.len(),
         b.len()
     );
-    for k in a.iter().chain(&b) {
+    for k in a.iter().chain(b) {
+        assert_eq!(k.share, 50, "every kernel on half the SMs: {k:?}");
         assert_eq!(
-            k.share, 50,
-            "every kernel on half the instance's SMs: {k:?}"
+            k.end - k.start,
+            4_000_000,
+            "a 2 ms kernel takes 4 ms on half the SMs"
         );
     }
     let overlapping = a
@@ -1504,7 +1493,7 @@ fn mps_inside_a_mig_instance_shares_it_among_its_slices_side_by_side() {
         .count();
     assert!(
         overlapping * 2 > a.len(),
-        "side by side on the instance: {overlapping} of {} kernels overlap the other's",
+        "side by side, not taking turns: {overlapping} of {} kernels overlap the other's",
         a.len()
     );
 }
