@@ -21,8 +21,18 @@ pub struct Instance {
     pub placement: Placement,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
-    /// Has processes: never destroyed by a plan.
+    /// Has processes, or MPS slices held by a workload: never destroyed by a plan.
     pub busy: bool,
+    /// Its MPS slices (layout `mig.mps`); 0 when the instance is one slice.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub mps_slices: u32,
+    /// Ids of its MPS slices held by a workload.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub busy_slices: Vec<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A software slice table: `slices` slices of `memory` bytes and `compute` percent each, taking
@@ -96,11 +106,21 @@ impl GpuState {
                 .map(|m| {
                     m.instances
                         .iter()
-                        .map(|i| Instance {
-                            profile: i.profile.clone(),
-                            placement: i.placement,
-                            uuid: i.uuid.clone(),
-                            busy: !i.processes.is_empty(),
+                        .map(|i| {
+                            let busy_slices: Vec<String> = i
+                                .slices
+                                .iter()
+                                .filter(|s| !s.processes.is_empty())
+                                .map(|s| s.id.clone())
+                                .collect();
+                            Instance {
+                                profile: i.profile.clone(),
+                                placement: i.placement,
+                                uuid: i.uuid.clone(),
+                                busy: !i.processes.is_empty() || !busy_slices.is_empty(),
+                                mps_slices: i.slices.len() as u32,
+                                busy_slices,
+                            }
                         })
                         .collect()
                 })
@@ -365,10 +385,19 @@ pub fn plan(
                 .iter()
                 .any(|o| matches!(o, Op::CreateInstance { .. } | Op::DestroyInstance { .. }));
             if current.instance_mps != Some(*slices) || instances_change {
-                // Slices of another size: their workloads go first.
-                if current.instance_mps.is_some_and(|n| n != *slices) {
-                    block_slices(current, &mut plan);
+                // Instances that stay and are cut otherwise: what runs on them goes first (a
+                // workload on a whole instance, or on MPS slices of another size).
+                let mut blocked = Vec::new();
+                for i in kept(current, &plan).filter(|i| i.mps_slices != *slices) {
+                    if i.mps_slices == 0 && i.busy {
+                        blocked.push(instance_blocker(i));
+                    } else if !i.busy_slices.is_empty() {
+                        blocked.push(Blocker::Slices {
+                            ids: i.busy_slices.clone(),
+                        });
+                    }
                 }
+                plan.blocked_by.extend(blocked);
                 plan.ops.push(Op::WriteInstanceSlices { slices: *slices });
             }
         }
@@ -412,6 +441,23 @@ fn to_mig(
     Ok(())
 }
 
+/// The instances of `current` that `plan` does not destroy.
+fn kept<'a>(current: &'a GpuState, plan: &'a Plan) -> impl Iterator<Item = &'a Instance> {
+    current.instances.iter().filter(|i| {
+        !plan.ops.iter().any(
+            |o| matches!(o, Op::DestroyInstance { placement, .. } if *placement == i.placement),
+        )
+    })
+}
+
+fn instance_blocker(i: &Instance) -> Blocker {
+    Blocker::Instance {
+        profile: i.profile.clone(),
+        placement: i.placement,
+        uuid: i.uuid.clone(),
+    }
+}
+
 fn block_slices(current: &GpuState, plan: &mut Plan) {
     if !current.busy_slices.is_empty() {
         plan.blocked_by.push(Blocker::Slices {
@@ -447,11 +493,7 @@ fn leave_mig(current: &GpuState, plan: &mut Plan) {
 
 fn destroy(plan: &mut Plan, i: &Instance) {
     if i.busy {
-        plan.blocked_by.push(Blocker::Instance {
-            profile: i.profile.clone(),
-            placement: i.placement,
-            uuid: i.uuid.clone(),
-        });
+        plan.blocked_by.push(instance_blocker(i));
     }
     plan.ops.push(Op::DestroyInstance {
         profile: i.profile.clone(),
@@ -591,6 +633,8 @@ pub fn apply(current: &GpuState, ops: &[Op]) -> GpuState {
                 placement: *placement,
                 uuid: None,
                 busy: false,
+                mps_slices: 0,
+                busy_slices: Vec::new(),
             }),
             Op::WriteSlices { table } => {
                 s.slices = Some(*table);
@@ -600,8 +644,18 @@ pub fn apply(current: &GpuState, ops: &[Op]) -> GpuState {
                 s.slices = None;
                 s.instance_mps = None;
                 s.busy_slices.clear();
+                for i in &mut s.instances {
+                    i.mps_slices = 0;
+                    i.busy_slices.clear();
+                }
             }
-            Op::WriteInstanceSlices { slices } => s.instance_mps = Some(*slices),
+            Op::WriteInstanceSlices { slices } => {
+                s.instance_mps = Some(*slices);
+                for i in &mut s.instances {
+                    i.mps_slices = *slices;
+                    i.busy_slices.clear();
+                }
+            }
         }
     }
     s
@@ -656,6 +710,8 @@ mod tests {
             placement: Placement { start, size },
             uuid: None,
             busy,
+            mps_slices: 0,
+            busy_slices: Vec::new(),
         }
     }
 
@@ -736,10 +792,15 @@ mod tests {
         );
         assert_eq!(plan(Some(a100), &cut, &want).unwrap().ops, Vec::<Op>::new());
 
-        let busy = GpuState {
-            busy_slices: vec!["gpu0-mig0-3g.40gb-s1".into()],
-            ..cut.clone()
-        };
+        let mut busy = cut.clone();
+        busy.busy_slices = vec!["gpu0-mig0-3g.40gb-s1".into()];
+        let first = busy
+            .instances
+            .iter_mut()
+            .find(|i| i.placement.start == 0)
+            .unwrap();
+        first.busy = true;
+        first.busy_slices = vec!["gpu0-mig0-3g.40gb-s1".into()];
         let thirds = Desired::MigMps {
             profiles: [("3g.40gb".to_string(), 2)].into(),
             slices: 3,
@@ -760,6 +821,39 @@ mod tests {
         .unwrap();
         assert!(plain.is_blocked());
         assert_eq!(plain.ops, vec![Op::ClearSlices]);
+        // To another MIG layout the busy instance stays, and so must its slices' size.
+        let bigger = plan(
+            Some(a100),
+            &busy,
+            &Desired::MigMps {
+                profiles: [("3g.40gb".to_string(), 1), ("2g.20gb".to_string(), 1)].into(),
+                slices: 2,
+            },
+        )
+        .unwrap();
+        assert!(!bigger.is_blocked(), "{bigger:?}");
+        assert!(
+            !bigger.ops.iter().any(|o| matches!(
+                o,
+                Op::DestroyInstance { placement, .. } if placement.start == 0
+            )),
+            "the busy instance is kept: {bigger:?}"
+        );
+        // A workload on a whole instance blocks cutting that instance into MPS slices.
+        let mut whole = mig_state(vec![
+            inst("3g.40gb", 0, 4, true),
+            inst("3g.40gb", 4, 4, false),
+        ]);
+        whole.instance_mps = None;
+        let p = plan(Some(a100), &whole, &want).unwrap();
+        assert_eq!(
+            p.blocked_by,
+            vec![Blocker::Instance {
+                profile: "3g.40gb".into(),
+                placement: Placement { start: 0, size: 4 },
+                uuid: None
+            }]
+        );
         // An instance of 40 GiB in halves: 20 GiB and half of its SMs each.
         assert_eq!(mps_slice_of_instance(40 << 30, 2), (20 << 30, 50));
         assert_eq!(mps_slice_of_instance(40 << 30, 3).1, 33);

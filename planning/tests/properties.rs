@@ -141,6 +141,8 @@ fn current_state() -> impl Strategy<Value = (&'static GpuModel, GpuState)> {
                     placement: p.placement,
                     uuid: None,
                     busy,
+                    mps_slices: 0,
+                    busy_slices: Vec::new(),
                 })
                 .collect();
             (

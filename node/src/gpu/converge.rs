@@ -70,11 +70,21 @@ fn blocking_processes(gpu: &GpuInventory, blockers: &[Blocker]) -> Vec<BlockingP
                     .iter()
                     .filter(|i| i.placement == *placement && i.profile == *profile)
                 {
+                    // On its MPS slices, by slice (so a claim's pod is drained as a pod), then
+                    // any other process on the instance.
+                    let on_slices = slice_processes(&i.slices, |_| true);
                     let slice = mig_slice_id(gpu.index, i.placement.start, &i.profile);
-                    out.extend(i.processes.iter().map(|p| BlockingProcess {
-                        pid: p.pid,
-                        slice: slice.clone(),
-                    }));
+                    let rest: Vec<BlockingProcess> = i
+                        .processes
+                        .iter()
+                        .filter(|p| !on_slices.iter().any(|s| s.pid == p.pid))
+                        .map(|p| BlockingProcess {
+                            pid: p.pid,
+                            slice: slice.clone(),
+                        })
+                        .collect();
+                    out.extend(on_slices);
+                    out.extend(rest);
                 }
             }
             Blocker::Gpu => out.extend(gpu.processes.iter().map(|p| BlockingProcess {
@@ -82,11 +92,9 @@ fn blocking_processes(gpu: &GpuInventory, blockers: &[Blocker]) -> Vec<BlockingP
                 slice: gpu_slice_id(gpu.index),
             })),
             Blocker::Slices { ids } => {
-                for s in gpu.slices.iter().filter(|s| ids.contains(&s.id)) {
-                    out.extend(s.processes.iter().map(|p| BlockingProcess {
-                        pid: p.pid,
-                        slice: s.id.clone(),
-                    }));
+                out.extend(slice_processes(&gpu.slices, |id| ids.contains(id)));
+                for i in instances {
+                    out.extend(slice_processes(&i.slices, |id| ids.contains(id)));
                 }
             }
         }
@@ -94,6 +102,23 @@ fn blocking_processes(gpu: &GpuInventory, blockers: &[Blocker]) -> Vec<BlockingP
     out.sort_by_key(|p| p.pid);
     out.dedup();
     out
+}
+
+/// The processes on those of `slices` whose id `which` keeps, each with its slice.
+fn slice_processes(
+    slices: &[gpuslice_api::SoftwareSliceState],
+    which: impl Fn(&String) -> bool,
+) -> Vec<BlockingProcess> {
+    slices
+        .iter()
+        .filter(|s| which(&s.id))
+        .flat_map(|s| {
+            s.processes.iter().map(|p| BlockingProcess {
+                pid: p.pid,
+                slice: s.id.clone(),
+            })
+        })
+        .collect()
 }
 
 /// A slice held by a workload (a claim), which makes it busy even before the workload touches
@@ -112,6 +137,25 @@ pub fn read_node(
     held: &[Held],
 ) -> Result<NodeInventory, ConvergeError> {
     let mut inventory = gpus.inventory(node)?;
+    // The MPS servers of the agent's own daemons hold no slice: they make nothing busy.
+    let pids = inventory.gpus.iter().flat_map(|g| {
+        g.processes
+            .iter()
+            .chain(
+                g.mig
+                    .iter()
+                    .flat_map(|m| &m.instances)
+                    .flat_map(|i| &i.processes),
+            )
+            .map(|p| p.pid)
+    });
+    let servers = crate::gpu::mps::servers_among(state, pids.collect::<Vec<_>>());
+    for gpu in &mut inventory.gpus {
+        gpu.processes.retain(|p| !servers.contains(&p.pid));
+        for i in gpu.mig.iter_mut().flat_map(|m| &mut m.instances) {
+            i.processes.retain(|p| !servers.contains(&p.pid));
+        }
+    }
     for gpu in &mut inventory.gpus {
         slices::read_into(state, gpu)?;
         for h in held {
@@ -351,4 +395,60 @@ fn converge_gpu(
         }
     }
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What blocks a change of an instance cut into MPS slices is named by slice, so that a
+    /// claim's pod is drained as a pod: its held slice, and the instance's processes on it.
+    #[test]
+    fn processes_on_an_instances_mps_slices_are_named_by_their_slice() {
+        let gpu: GpuInventory = serde_yaml::from_str(
+            "
+index: 0
+model: NVIDIA A100-SXM4-80GB
+mig:
+  enabled: true
+  instances:
+  - profile: 7g.80gb
+    placement: {start: 0, size: 8}
+    uuid: MIG-a
+    processes: [{pid: 41}, {pid: 42}]
+    slices:
+    - {id: gpu0-mig0-7g.80gb-s0, memory: 39Gi, compute: 50, mps: true, processes: [{pid: 41}]}
+    - {id: gpu0-mig0-7g.80gb-s1, memory: 39Gi, compute: 50, mps: true}
+",
+        )
+        .unwrap();
+        let on_slice = BlockingProcess {
+            pid: 41,
+            slice: "gpu0-mig0-7g.80gb-s0".into(),
+        };
+        assert_eq!(
+            blocking_processes(
+                &gpu,
+                &[Blocker::Slices {
+                    ids: vec!["gpu0-mig0-7g.80gb-s0".into()]
+                }]
+            ),
+            std::slice::from_ref(&on_slice)
+        );
+        let instance = Blocker::Instance {
+            profile: "7g.80gb".into(),
+            placement: gpuslice_api::Placement { start: 0, size: 8 },
+            uuid: Some("MIG-a".into()),
+        };
+        assert_eq!(
+            blocking_processes(&gpu, &[instance]),
+            [
+                on_slice,
+                BlockingProcess {
+                    pid: 42,
+                    slice: "gpu0-mig0-7g.80gb".into()
+                }
+            ]
+        );
+    }
 }
