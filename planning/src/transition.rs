@@ -80,9 +80,6 @@ pub struct GpuState {
     pub instances: Vec<Instance>,
     /// The software slice table, when one is configured.
     pub slices: Option<SliceTable>,
-    /// MPS slices per MIG instance (layout `mig.mps`): `Some(n)` when every instance has `n`,
-    /// `Some(0)` when only some have slices, `None` when none has.
-    pub instance_mps: Option<u32>,
     /// Ids of software slices (MPS slices of instances too) held by a workload.
     pub busy_slices: Vec<String>,
     /// Processes on the whole GPU (exclusive use, outside MIG and slices).
@@ -126,7 +123,6 @@ impl GpuState {
                 })
                 .unwrap_or_default(),
             slices,
-            instance_mps: instance_mps(mig.map_or(&[], |m| m.instances.as_slice())),
             busy_slices: gpu
                 .slices
                 .iter()
@@ -150,14 +146,17 @@ pub fn mps_slice_of_instance(memory: u64, slices: u32) -> (u64, u32) {
     ((memory / u64::from(n)) >> 20 << 20, 100 / n)
 }
 
-/// How many MPS slices each of `instances` has (see [`GpuState::instance_mps`]).
-fn instance_mps(instances: &[gpuslice_api::MigInstance]) -> Option<u32> {
-    let counts: Vec<u32> = instances.iter().map(|i| i.slices.len() as u32).collect();
-    match counts.first() {
-        None => None,
-        Some(0) if counts.iter().all(|n| *n == 0) => None,
-        Some(&n) if counts.iter().all(|c| *c == n) => Some(n),
-        _ => Some(0),
+impl GpuState {
+    /// MPS slices per MIG instance (layout `mig.mps`): `Some(n)` when every instance has `n`,
+    /// `Some(0)` when only some have slices, `None` when none has.
+    pub fn instance_mps(&self) -> Option<u32> {
+        let mut counts = self.instances.iter().map(|i| i.mps_slices);
+        let first = counts.next()?;
+        match (first, counts.all(|n| n == first)) {
+            (0, true) => None,
+            (n, true) => Some(n),
+            _ => Some(0),
+        }
     }
 }
 
@@ -373,7 +372,7 @@ pub fn plan(
     match desired {
         Desired::Mig(counts) => {
             to_mig(model, current, counts, &mut plan)?;
-            if current.instance_mps.is_some() {
+            if current.instance_mps().is_some() {
                 block_slices(current, &mut plan);
                 plan.ops.push(Op::ClearSlices);
             }
@@ -384,7 +383,7 @@ pub fn plan(
                 .ops
                 .iter()
                 .any(|o| matches!(o, Op::CreateInstance { .. } | Op::DestroyInstance { .. }));
-            if current.instance_mps != Some(*slices) || instances_change {
+            if current.instance_mps() != Some(*slices) || instances_change {
                 // Instances that stay and are cut otherwise: what runs on them goes first (a
                 // workload on a whole instance, or on MPS slices of another size).
                 let mut blocked = Vec::new();
@@ -485,7 +484,7 @@ fn leave_mig(current: &GpuState, plan: &mut Plan) {
         destroy(plan, i);
     }
     plan.ops.push(Op::DisableMig);
-    if current.instance_mps.is_some() {
+    if current.instance_mps().is_some() {
         // The instances' MPS slice table goes with them.
         plan.ops.push(Op::ClearSlices);
     }
@@ -642,7 +641,6 @@ pub fn apply(current: &GpuState, ops: &[Op]) -> GpuState {
             }
             Op::ClearSlices => {
                 s.slices = None;
-                s.instance_mps = None;
                 s.busy_slices.clear();
                 for i in &mut s.instances {
                     i.mps_slices = 0;
@@ -650,7 +648,6 @@ pub fn apply(current: &GpuState, ops: &[Op]) -> GpuState {
                 }
             }
             Op::WriteInstanceSlices { slices } => {
-                s.instance_mps = Some(*slices);
                 for i in &mut s.instances {
                     i.mps_slices = *slices;
                     i.busy_slices.clear();
@@ -678,17 +675,16 @@ pub fn satisfies(model: Option<&GpuModel>, state: &GpuState, desired: &Desired) 
             });
             state.mig_enabled
                 && state.slices.is_none()
-                && state.instance_mps.is_none()
+                && state.instance_mps().is_none()
                 && &have == counts
                 && overlap_free.is_some()
         }
         Desired::MigMps { profiles, slices } => {
-            let as_mig = GpuState {
-                instance_mps: None,
-                ..state.clone()
-            };
+            // The instances as plain MIG would have them, and each cut into `slices`.
+            let mut as_mig = state.clone();
+            as_mig.instances.iter_mut().for_each(|i| i.mps_slices = 0);
             satisfies(model, &as_mig, &Desired::Mig(profiles.clone()))
-                && state.instance_mps == Some(*slices)
+                && state.instance_mps() == Some(*slices)
         }
         Desired::Software(t) => {
             !state.mig_enabled && state.instances.is_empty() && state.slices == Some(*t)
@@ -840,11 +836,10 @@ mod tests {
             "the busy instance is kept: {bigger:?}"
         );
         // A workload on a whole instance blocks cutting that instance into MPS slices.
-        let mut whole = mig_state(vec![
+        let whole = mig_state(vec![
             inst("3g.40gb", 0, 4, true),
             inst("3g.40gb", 4, 4, false),
         ]);
-        whole.instance_mps = None;
         let p = plan(Some(a100), &whole, &want).unwrap();
         assert_eq!(
             p.blocked_by,

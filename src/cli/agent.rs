@@ -95,7 +95,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = StrayProcesses::Stop)]
     pub stray_processes: StrayProcesses,
     /// NVIDIA's MPS control tool, which the agent runs (`-d`) for each GPU with an `mps`
-    /// layout; default: nvidia-cuda-mps-control on PATH (with --emulate, the emulated one).
+    /// layout; default: nvidia-cuda-mps-control on PATH (in a developer build with --emulate, the emulated one).
     #[arg(long)]
     pub mps_control: Option<PathBuf>,
     /// The instant to plan for (RFC 3339), with --once; now by default.
