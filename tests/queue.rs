@@ -908,6 +908,69 @@ spec: {pool: recut, memory: 8Gi}
     .await;
 }
 
+#[tokio::test]
+async fn a_pod_goes_only_to_a_node_with_its_cpu_free_and_says_so_when_none_has_it() {
+    // Two nodes of one pool, a GPU each in four slices; a100-c has 4 CPUs, a100-d 64. Equal on
+    // GPUs, a100-c would be picked first (by name): it has no room for an 8-CPU pod, which
+    // kube-scheduler would then never bind there.
+    let Some(mut h) = Harness::start(CLOCK, "a100-c", "roomy", "4", 1).await else {
+        return;
+    };
+    h.add_node("a100-d", "roomy", &["NVIDIA A100-SXM4-80GB"])
+        .await;
+    let client = h.client.clone();
+    let docs = gpuslice_testcluster::documents(
+        "
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuPool
+metadata: {name: roomy}
+spec:
+  nodeSelector: {matchLabels: {gpuslice.io/pool: roomy}}
+  layout: {software: {slices: 4, memory: 20Gi, compute: 25}}
+---
+apiVersion: gpuslice.io/v1alpha1
+kind: GpuSlicePolicy
+metadata: {name: job}
+spec: {pool: roomy, memory: 8Gi}
+",
+    );
+    h.apply_and_wait(&docs, 1).await;
+    let asking = |name: &str, cpu: &str| {
+        let mut p = pod(name, "default", "job");
+        let spec = p.spec.as_mut().unwrap();
+        spec.containers[0].resources =
+            Some(serde_json::from_value(serde_json::json!({"requests": {"cpu": cpu}})).unwrap());
+        p
+    };
+    h.create_gated(&asking("wide", "8")).await;
+    h.create_gated(&asking("huge", "100")).await;
+    eventually("the 8-CPU pod is bound on the node with room", || {
+        let client = client.clone();
+        async move {
+            let pods: Api<Pod> = Api::namespaced(client, "default");
+            let node = pods
+                .get("wide")
+                .await
+                .map_err(|e| e.to_string())?
+                .spec
+                .and_then(|s| s.node_name);
+            (node.as_deref() == Some("a100-d"))
+                .then_some(())
+                .ok_or(format!("on {node:?}"))
+        }
+    })
+    .await;
+    eventually("the 100-CPU pod waits and says why", || async {
+        let (reason, message) = queued(&client, "default", "huge").await?;
+        (reason == "NoRoom"
+            && message.contains("no node that has them has the 100000m CPU")
+            && message.contains("lower the pod's requests"))
+        .then_some(())
+        .ok_or(format!("{reason}: {message}"))
+    })
+    .await;
+}
+
 /// The Warning Events on pool `pool` with `reason`: their messages.
 async fn pool_events(client: &Client, pool: &str, reason: &str) -> Vec<String> {
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(client.clone());

@@ -93,6 +93,15 @@ impl PublishedDevice {
             .is_some_and(|k| k == dra::kind::SOFTWARE || k == dra::kind::MPS)
     }
 
+    /// A MIG instance.
+    pub fn is_mig(&self) -> bool {
+        self.attributes
+            .kind
+            .as_ref()
+            .and_then(|k| k.string.as_deref())
+            .is_some_and(|k| k == dra::kind::MIG)
+    }
+
     /// The NVLink domain of its GPU; none for a GPU without NVLink peers.
     pub fn nvlink_domain(&self) -> Option<&str> {
         self.attributes.nvlink_domain.as_ref()?.string.as_deref()

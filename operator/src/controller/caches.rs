@@ -7,7 +7,7 @@ use std::sync::Arc;
 use futures::StreamExt as _;
 use gpuslice_api::dra;
 use gpuslice_api::{CheckpointPolicy, GpuNode, GpuPool, GpuSlicePolicy, NodeInventory};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, NodeStatus, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
@@ -133,15 +133,24 @@ impl Stores {
             all(),
             changed.clone(),
         );
-        // Of a Node, only its name and labels are read (which pools select it).
+        // Of a Node, only its name, labels (which pools select it) and allocatable CPU and
+        // memory (the queue's room on it) are read.
         let nodes = trimmed_cache(
             Api::<Node>::all(client.clone()),
             all(),
             changed.clone(),
             |n| {
                 n.spec = None;
-                n.status = None;
                 n.metadata.annotations = None;
+                let allocatable = n.status.take().and_then(|s| s.allocatable).map(|a| {
+                    a.into_iter()
+                        .filter(|(k, _)| k == "cpu" || k == "memory")
+                        .collect()
+                });
+                n.status = allocatable.map(|allocatable| NodeStatus {
+                    allocatable: Some(allocatable),
+                    ..Default::default()
+                });
             },
         );
         let gpu_nodes = cache(Api::<GpuNode>::all(client.clone()), all(), changed.clone());
@@ -216,6 +225,21 @@ pub(super) async fn watch_pods(
         crate::queue::trim_pod,
     );
     fan_out(pods_changed, [queue_changed.clone(), changed.clone()]);
+    filled(&pods, "Pod").await?;
+    Ok(pods)
+}
+
+/// Watches every pod bound to a node and not finished, for the CPU and memory it requests (the
+/// queue's room on each node; it reads them each pass, so their changes wake nothing), and
+/// waits until the cache has filled.
+pub(super) async fn watch_bound_pods(client: &Client) -> Result<Store<Pod>, OperatorError> {
+    let pods = trimmed_cache(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default()
+            .fields("spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"),
+        Arc::new(Notify::new()),
+        crate::queue::trim_bound_pod,
+    );
     filled(&pods, "Pod").await?;
     Ok(pods)
 }

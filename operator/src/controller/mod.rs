@@ -33,7 +33,8 @@ use crate::admission::allowed_namespaces;
 use crate::desired::{Observed, desired};
 use crate::election::Leadership;
 use caches::{
-    Stores, allocated, cache, fan_out, filled, observe, trimmed_cache, watch_pods, with_max_loss,
+    Stores, allocated, cache, fan_out, filled, observe, trimmed_cache, watch_bound_pods,
+    watch_pods, with_max_loss,
 };
 use write::Writer;
 
@@ -81,6 +82,7 @@ pub async fn run(
     // wakes the queue, and this loop too (the policies count their waiting pods).
     let queue_changed = Arc::new(Notify::new());
     let pods = watch_pods(&client, &queue_changed, &changed).await?;
+    let bound_pods = watch_bound_pods(&client).await?;
     // A policy's priority may name a PriorityClass: the queue orders by its value.
     let priority_classes = cache(
         Api::<PriorityClass>::all(client.clone()),
@@ -126,6 +128,8 @@ pub async fn run(
             gpu_nodes: stores.gpu_nodes.clone(),
             priority_classes,
             volume_claims: volume_claims.clone(),
+            nodes: stores.nodes.clone(),
+            bound_pods,
         },
         queue_changed,
         metrics.queue.clone(),

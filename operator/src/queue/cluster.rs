@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use gpuslice_api::{GpuNode, GpuPool, GpuSlicePolicy, Scheduling, dra};
-use gpuslice_planning::queue::{FreeDevice, Need};
+use gpuslice_planning::placement::WHOLE;
+use gpuslice_planning::queue::{FreeDevice, Need, Room};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::ResourceExt as _;
@@ -20,6 +21,7 @@ pub(super) struct Published {
     pub(super) device: FreeDevice,
     pub(super) tainted: bool,
     pub(super) software: bool,
+    pub(super) mig: bool,
 }
 
 /// Every gpuslice device published, by (ResourceSlice pool, device name).
@@ -49,6 +51,29 @@ fn published(
             }
         }
     }
+    // Each GPU's memory, for the share of it a MIG instance is.
+    let mut gpu_memory: BTreeMap<(String, i64), u64> = BTreeMap::new();
+    for node in gpu_nodes.state() {
+        for gpu in node
+            .status
+            .iter()
+            .flat_map(|s| s.inventory.iter())
+            .flat_map(|i| i.gpus.iter())
+        {
+            let memory = gpu
+                .memory
+                .as_ref()
+                .and_then(|m| gpuslice_api::bytes_of(&m.0).ok())
+                .or_else(|| {
+                    gpuslice_planning::catalog::model(&gpu.model)
+                        .ok()
+                        .map(|m| m.memory_bytes())
+                });
+            if let Some(memory) = memory {
+                gpu_memory.insert((node.name_any(), i64::from(gpu.index)), memory);
+            }
+        }
+    }
     let mut software_on_gpu: BTreeMap<(String, i64), u32> = BTreeMap::new();
     let mut out: BTreeMap<(String, String), (Published, i64)> = BTreeMap::new();
     for slice in slices.state() {
@@ -73,12 +98,15 @@ fn published(
                             device: device.name.clone(),
                             memory_bytes: device.memory_bytes(),
                             compute: u32::try_from(device.compute()).unwrap_or(0),
-                            slices_on_gpu: 0,
+                            // A whole GPU; a MIG instance by its memory (below, with a
+                            // software slice's).
+                            share: WHOLE,
                             recut_at: recut_at.get(&(node.clone(), gpu)).copied(),
                             nvlink_domain: device.nvlink_domain().map(str::to_string),
                         },
                         tainted: device.is_tainted() || reshaping.contains(&(node.clone(), gpu)),
                         software,
+                        mig: device.is_mig(),
                     },
                     gpu,
                 ),
@@ -87,10 +115,16 @@ fn published(
     }
     out.into_iter()
         .map(|(key, (mut p, gpu))| {
-            p.device.slices_on_gpu = software_on_gpu
-                .get(&(p.device.node.clone(), gpu))
-                .copied()
-                .unwrap_or(0);
+            let at = (p.device.node.clone(), gpu);
+            if p.software {
+                p.device.share = WHOLE / software_on_gpu.get(&at).copied().unwrap_or(1).max(1);
+            } else if p.mig
+                && let Some(&memory) = gpu_memory.get(&at).filter(|m| **m > 0)
+            {
+                let share =
+                    u128::from(p.device.memory_bytes) * u128::from(WHOLE) / u128::from(memory);
+                p.device.share = u32::try_from(share).unwrap_or(WHOLE).clamp(1, WHOLE);
+            }
             (key, p)
         })
         .collect()
@@ -293,6 +327,10 @@ pub(super) struct Pass {
     pub(super) agents: Agents,
     /// The pods that name a policy.
     pub(super) pods: Vec<Arc<Pod>>,
+    /// Each node's CPU and memory free ([`super::room`]).
+    pub(super) rooms: BTreeMap<String, Room>,
+    /// Per GpuPool, per node, the pool's GPUs there (free or not).
+    pub(super) pool_gpus: BTreeMap<String, BTreeMap<String, u32>>,
     /// The PersistentVolumeClaims that exist (looked up, never copied: there may be many).
     pub(super) volume_claims: Store<k8s_openapi::api::core::v1::PersistentVolumeClaim>,
     /// The operator's clock (windows, usage).
@@ -326,6 +364,25 @@ impl Pass {
             .collect();
         let agents = Agents::of(&gpu_nodes);
         let pods = caches.pods.state();
+        let rooms = super::room::rooms(&caches.nodes, &caches.bound_pods, &pods);
+        let mut gpus: BTreeMap<String, BTreeMap<String, BTreeSet<u32>>> = BTreeMap::new();
+        for p in devices.values() {
+            gpus.entry(p.pool.clone())
+                .or_default()
+                .entry(p.device.node.clone())
+                .or_default()
+                .insert(p.device.gpu);
+        }
+        let pool_gpus = gpus
+            .into_iter()
+            .map(|(pool, nodes)| {
+                let counts = nodes
+                    .into_iter()
+                    .map(|(node, set)| (node, u32::try_from(set.len()).unwrap_or(u32::MAX)))
+                    .collect();
+                (pool, counts)
+            })
+            .collect();
         let volume_claims = caches.volume_claims.clone();
         Pass {
             pools,
@@ -340,6 +397,8 @@ impl Pass {
             classes,
             agents,
             pods,
+            rooms,
+            pool_gpus,
             volume_claims,
             now,
             wall,

@@ -98,6 +98,15 @@ impl Telling<'_> {
                     "every free slice of pool {pool_name} that fits policy {policy} is re-cut by a window change before the pod's expected run time ({RUN_TIME_ANNOTATION}) ends"
                 ),
             ),
+            (Reason::NoRoom, _) => {
+                let (cpu, memory) = asking.map_or((0, 0), |w| (w.cpu_milli, w.memory_mib));
+                (
+                    "NoRoom",
+                    format!(
+                        "free slices of pool {pool_name} fit policy {policy}, but no node that has them has the {cpu}m CPU and {memory}Mi memory the pod requests free: lower the pod's requests, or free room on those nodes"
+                    ),
+                )
+            }
             (Reason::UnknownPolicy, _) => (
                 "UnknownPolicy",
                 format!(

@@ -24,8 +24,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use gpuslice_api::{FairShareStatus, GpuNode, GpuPool, GpuSlicePolicy, Preemption};
-use gpuslice_planning::queue::{EnginePlacer, FreeDevice};
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use gpuslice_planning::queue::{EnginePlacer, FreeDevice, Nodes};
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::ResourceExt as _;
@@ -40,10 +40,12 @@ mod messages;
 mod metrics;
 mod pool;
 mod preempt;
+mod room;
 mod run;
 mod share;
 
 pub use metrics::QueueMetrics;
+pub use room::trim_bound_pod;
 pub use run::run;
 
 use cluster::{Pass, admitted_to};
@@ -73,6 +75,10 @@ pub struct Caches {
     pub priority_classes: Store<PriorityClass>,
     /// The PersistentVolumeClaims (names only): a pod's checkpoint storage must exist.
     pub volume_claims: Store<PersistentVolumeClaim>,
+    /// The Nodes (their allocatable CPU and memory).
+    pub nodes: Store<Node>,
+    /// Every pod bound to a node and not finished (its CPU and memory requests).
+    pub bound_pods: Store<Pod>,
 }
 
 /// The field manager of the preemptions the queue writes into `GpuNode.spec`.
@@ -119,8 +125,10 @@ pub fn at_the_gate(pods: &Store<Pod>, volume_claims: &Store<PersistentVolumeClai
 pub fn trim_pod(pod: &mut Pod) {
     pod.status = None;
     if let Some(spec) = &mut pod.spec {
-        // Of its containers, only how many slices each asks for.
+        // Of its containers, only how many slices each asks for and its CPU and memory
+        // requests (the node it goes to must have them free).
         let slices_only = |c: &mut k8s_openapi::api::core::v1::Container| {
+            let requests = room::cpu_and_memory_requests(c);
             let limits = c
                 .resources
                 .take()
@@ -133,9 +141,12 @@ pub fn trim_pod(pod: &mut Pod) {
                 .filter(|l| !l.is_empty());
             *c = k8s_openapi::api::core::v1::Container {
                 name: std::mem::take(&mut c.name),
-                resources: limits.map(|limits| k8s_openapi::api::core::v1::ResourceRequirements {
-                    limits: Some(limits),
-                    ..Default::default()
+                resources: (limits.is_some() || requests.is_some()).then(|| {
+                    k8s_openapi::api::core::v1::ResourceRequirements {
+                        limits,
+                        requests,
+                        ..Default::default()
+                    }
                 }),
                 ..Default::default()
             };
@@ -257,8 +268,14 @@ impl Queue {
             .map_or(0.0, |t| (now - t).num_milliseconds().max(0) as f64 / 1000.0);
         self.last = Some(now);
         let mut asked_now = BTreeSet::new();
+        // The nodes' rooms are shared by the pools: what one admits leaves less for the next.
+        let mut nodes = Nodes {
+            rooms: pass.rooms.clone(),
+            gpus: BTreeMap::new(),
+        };
         for pool in &pass.pools {
-            asked_now.extend(self.plan_pool(&pass, pool, elapsed, &mut free, &mut plan));
+            asked_now
+                .extend(self.plan_pool(&pass, pool, elapsed, &mut free, &mut nodes, &mut plan));
         }
         self.compact(&mut plan, &pass);
         self.follow_up.keep_only(&asked_now, wall);

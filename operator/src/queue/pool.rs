@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use gpuslice_api::{GpuPool, Preemption};
-use gpuslice_planning::queue::{self, Decision, FreeDevice, Need, Waiting};
+use gpuslice_planning::queue::{self, Decision, FreeDevice, Need, Nodes, Waiting};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt as _;
 
@@ -26,6 +26,7 @@ impl Queue {
         pool: &GpuPool,
         elapsed: f64,
         free: &mut BTreeMap<String, Vec<FreeDevice>>,
+        nodes: &mut Nodes,
         plan: &mut Plan,
     ) -> Vec<String> {
         let at = PoolPass::new(pass, pool);
@@ -44,8 +45,15 @@ impl Queue {
         }
         let order = queue::order(at.scheduling.policy, &waiting, &shares);
         let devices = free.remove(&at.name).unwrap_or_default();
-        let Decision { admit, wait, left } =
-            queue::decide(&waiting, &order, &at.needs, &devices, &mut self.placer);
+        nodes.gpus = pass.pool_gpus.get(&at.name).cloned().unwrap_or_default();
+        let Decision { admit, wait, left } = queue::decide(
+            &waiting,
+            &order,
+            &at.needs,
+            &devices,
+            nodes,
+            &mut self.placer,
+        );
         at.admitted(plan, &waiting, admit);
         // Pods no free slice fits may take one back from running pods.
         let mut preempted = if at.scheduling.preemption {
@@ -134,6 +142,7 @@ impl PoolPass<'_> {
                 }
                 let count =
                     slices_asked(p, &policy).unwrap_or_else(|| spec.map_or(1, |s| s.spec.count));
+                let (cpu_milli, memory_mib) = super::room::requests(p);
                 Some(Waiting {
                     namespace,
                     name: p.name_any(),
@@ -156,6 +165,8 @@ impl PoolPass<'_> {
                     nvlink: spec.is_some_and(|s| {
                         s.spec.topology == Some(gpuslice_api::Topology::Nvlink)
                     }),
+                    cpu_milli,
+                    memory_mib,
                 })
             })
             .collect();

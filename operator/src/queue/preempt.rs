@@ -147,7 +147,9 @@ impl PoolPass<'_> {
     ) -> Vec<Preempt> {
         let unfit: Vec<&Waiting> = wait
             .iter()
-            .filter(|(_, _, r)| *r != Reason::UnknownPolicy)
+            // Taking a slice back helps neither a pod of an unknown policy nor one whose
+            // slices are free but whose nodes lack its CPU or memory.
+            .filter(|(_, _, r)| matches!(r, Reason::NoSliceFits | Reason::WindowChangeAhead))
             .filter_map(|(k, _, _)| waiting.iter().find(|w| w.key() == *k))
             .collect();
         let running = self.running(follow_up);

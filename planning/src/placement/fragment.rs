@@ -59,12 +59,14 @@ pub fn expected(node: &Node, mix: &[Typical]) -> f64 {
 
 /// `node` after `choice` takes `request` from it.
 pub fn after(node: &Node, request: &Request, choice: &Choice) -> Node {
+    // Saturating: a caller that scores a choice the node cannot hold gets an empty node back,
+    // never a panic.
     let mut next = node.clone();
-    next.cpu_free -= request.cpu_milli;
-    next.memory_free -= request.memory_mib;
+    next.cpu_free = next.cpu_free.saturating_sub(request.cpu_milli);
+    next.memory_free = next.memory_free.saturating_sub(request.memory_mib);
     for &(g, milli) in &choice.gpus {
-        if let Gpu::Shared { free } = &mut next.gpus[g] {
-            *free -= milli;
+        if let Some(Gpu::Shared { free }) = next.gpus.get_mut(g) {
+            *free = free.saturating_sub(milli);
         }
     }
     next
