@@ -129,15 +129,18 @@ pub struct TraceResult {
     pub ours_slowest: Duration,
 }
 
-/// Replays one trace under every policy for `seeds` seeds.
-pub fn run_trace(nodes: &[Node], path: &Path, seeds: u64) -> Result<TraceResult, BenchError> {
-    let trace = path
-        .file_stem()
+/// A trace's name in the tables (`default` for `openb_pod_list_default.csv`).
+pub fn trace_name(path: &Path) -> String {
+    path.file_stem()
         .and_then(|s| s.to_str())
         .unwrap_or_default()
         .trim_start_matches("openb_pod_list_")
-        .to_string();
-    Ok(run_pods(nodes, &trace, &pods(path)?, seeds))
+        .to_string()
+}
+
+/// Replays one trace under every policy for `seeds` seeds.
+pub fn run_trace(nodes: &[Node], path: &Path, seeds: u64) -> Result<TraceResult, BenchError> {
+    Ok(run_pods(nodes, &trace_name(path), &pods(path)?, seeds))
 }
 
 /// Replays `pods` (named `trace` in the table) under every policy for `seeds` seeds.

@@ -25,6 +25,10 @@ pub enum Bench {
         /// The seed the constrained variants are generated with.
         #[arg(long, default_value_t = 1)]
         variant_seed: u64,
+        /// Replay the admission queue's own path instead: each trace's GPU pods in creation
+        /// order through the queue's code on the trace's nodes cut into whole GPUs and slices.
+        #[arg(long, conflicts_with = "constrained")]
+        queue: bool,
     },
     /// Compute shares: real processes under the shim on the emulated GPU (or a real one), target
     /// vs achieved share per slice in every 1 s window, the arbitration's launch overhead,
@@ -122,7 +126,14 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
             traces,
             constrained,
             variant_seed,
-        } => placement(&data, seeds, &traces, constrained, variant_seed),
+            queue,
+        } => {
+            if queue {
+                queue_path(&data, &traces)
+            } else {
+                placement(&data, seeds, &traces, constrained, variant_seed)
+            }
+        }
         Bench::Compute {
             seconds,
             scenarios,
@@ -197,6 +208,26 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `bench placement --queue`: the queue's path on every trace in `data` (or the `traces` named).
+fn queue_path(data: &Path, traces: &[String]) -> anyhow::Result<ExitCode> {
+    use gpuslice_bench::{placement, queue_path};
+    let nodes = placement::cluster(data)?;
+    let files = if traces.is_empty() {
+        placement::traces(data)?
+    } else {
+        traces.iter().map(|t| data.join(t)).collect()
+    };
+    let mut results = Vec::new();
+    for file in &files {
+        let arrivals = queue_path::arrivals(file)?;
+        let name = placement::trace_name(file);
+        results.push((name, queue_path::run(&nodes, &arrivals)));
+        eprintln!("replayed {}", file.display());
+    }
+    let (table, ok) = queue_path::render(&results);
+    Ok(print_table(&table, ok))
 }
 
 /// `bench placement`: every trace in `data` (or the `traces` named), or the constrained

@@ -10,6 +10,7 @@
 //! ones kube-scheduler's allocator is given on that node ([`taken_on`]). The offline replay
 //! ([`super::replay`]) builds the same inputs from a trace and calls the same code.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::placement::{self, Choice, Gpu, GpuAsk, Policy, Request, WHOLE, policies};
@@ -240,17 +241,22 @@ impl Placer for EnginePlacer {
             }
             let on_node = free_on.get(name.as_str()).map_or(&[][..], Vec::as_slice);
             let (view, choice) = engine_view(name, &taken, on_node, nodes);
-            let score = match scored.get(&(view.clone(), choice.gpus.clone())) {
-                Some(s) => *s,
-                None => {
+            let score = match scored.entry((view, choice.gpus)) {
+                Entry::Occupied(known) => *known.get(),
+                Entry::Vacant(state) => {
+                    let (view, gpus) = state.key();
+                    let choice = Choice {
+                        node: 0,
+                        gpus: gpus.clone(),
+                        mig: None,
+                    };
                     // A device larger than the pod needs (a 3g instance for a 1g pod) loses
                     // the difference for as long as the pod runs: a certain loss, counted in
                     // the unit of the policy's packing loss (millionths of a GPU).
-                    let taken: u32 = choice.gpus.iter().map(|(_, milli)| milli).sum();
+                    let taken: u32 = gpus.iter().map(|(_, milli)| milli).sum();
                     let waste = taken.saturating_sub(asked(&request));
-                    let s = self.policy.score(&view, &request, &choice) - f64::from(waste) * 1e3;
-                    scored.insert((view, choice.gpus), s);
-                    s
+                    let s = self.policy.score(view, &request, &choice) - f64::from(waste) * 1e3;
+                    *state.insert(s)
                 }
             };
             let better = match best {

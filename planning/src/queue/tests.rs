@@ -814,3 +814,60 @@ spec:
     assert_eq!(at("etl", "batch-critical", day), 5000);
     assert_eq!(at("etl", "no-such-class", day), 100);
 }
+
+#[test]
+fn a_replay_cycles_the_arrivals_and_reads_the_unallocated_share_at_each_mark() {
+    use super::replay::{Arrival, Pool, replay};
+    // Two nodes, one GPU each in four slices; n1 has room for two 4-core pods only.
+    let devices: Vec<FreeDevice> = ["n1", "n2"]
+        .iter()
+        .flat_map(|n| (0..4).map(move |s| device(n, 0, &format!("gpu0-s{s}"), 20)))
+        .collect();
+    let pools = BTreeMap::from([(
+        "shared".to_string(),
+        Pool {
+            devices,
+            needs: BTreeMap::from([(
+                "notebook".to_string(),
+                Need {
+                    memory_bytes: 16 << 30,
+                    compute: 0,
+                },
+            )]),
+        },
+    )]);
+    let rooms = BTreeMap::from([
+        ("n1".to_string(), Room::empty(8000, 1 << 20)),
+        ("n2".to_string(), Room::empty(64000, 1 << 20)),
+    ]);
+    let arrival = Arrival {
+        pool: "shared".into(),
+        pod: Waiting {
+            cpu_milli: 4000,
+            ..pod("a", "p", 0, 0)
+        },
+        demand: 250,
+    };
+    let r = replay(
+        &pools,
+        rooms,
+        &[arrival],
+        &mut EnginePlacer::default(),
+        &[50.0, 100.0],
+    );
+    // Four arrive by the first mark (half the GPUs asked for), eight by the second; n1 takes
+    // two (its CPU), n2 four: six of eight slices.
+    assert_eq!(r.arrived, 8);
+    assert_eq!(r.placed, 6);
+    assert_eq!(r.unallocated.len(), 2);
+    assert!(
+        (r.unallocated[0] - 50.0).abs() < 1e-9,
+        "{:?}",
+        r.unallocated
+    );
+    assert!(
+        (r.unallocated[1] - 25.0).abs() < 1e-9,
+        "{:?}",
+        r.unallocated
+    );
+}
