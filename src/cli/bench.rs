@@ -26,7 +26,9 @@ pub enum Bench {
         #[arg(long, default_value_t = 1)]
         variant_seed: u64,
         /// Replay the admission queue's own path instead: each trace's GPU pods in creation
-        /// order through the queue's code on the trace's nodes cut into whole GPUs and slices.
+        /// order through the queue's code on the trace's nodes cut into whole GPUs and slices
+        /// (by default the default and gpushare* traces: the cpu* ones differ only in GPU-less
+        /// pods, which the queue never sees).
         #[arg(long, conflicts_with = "constrained")]
         queue: bool,
     },
@@ -214,8 +216,12 @@ pub fn run(which: Bench) -> anyhow::Result<ExitCode> {
 fn queue_path(data: &Path, traces: &[String]) -> anyhow::Result<ExitCode> {
     use gpuslice_bench::{placement, queue_path};
     let nodes = placement::cluster(data)?;
-    let files = if traces.is_empty() {
+    // The cpu* traces add GPU-less pods to the default one, which the queue never sees.
+    let files: Vec<PathBuf> = if traces.is_empty() {
         placement::traces(data)?
+            .into_iter()
+            .filter(|f| !placement::trace_name(f).starts_with("cpu"))
+            .collect()
     } else {
         traces.iter().map(|t| data.join(t)).collect()
     };
