@@ -184,7 +184,10 @@ fn engine_view(
         mig: None,
     };
     for d in taken {
-        let at = position[&d.gpu];
+        // Taken devices are among the node's free ones, so their GPU has a position.
+        let Some(&at) = position.get(&d.gpu) else {
+            continue;
+        };
         match choice.gpus.iter_mut().find(|(g, _)| *g == at) {
             Some((_, milli)) => *milli += share_of(d),
             None => choice.gpus.push((at, share_of(d))),

@@ -377,6 +377,14 @@ fn engine_pick(pod: &Waiting, free: &[FreeDevice], nodes: &Nodes) -> String {
     EnginePlacer::default().pick(pod, &candidates, free, nodes)
 }
 
+/// Nodes with these many GPUs of the pool each, and no room limit.
+fn gpus_on(nodes: &[(&str, u32)]) -> Nodes {
+    Nodes {
+        gpus: nodes.iter().map(|(n, g)| (n.to_string(), *g)).collect(),
+        ..Nodes::default()
+    }
+}
+
 #[test]
 fn the_engine_packs_shares_onto_the_fuller_node() {
     // n1 has one free slice left of four on its GPU, n2 a whole free GPU: the engine keeps
@@ -384,10 +392,7 @@ fn the_engine_packs_shares_onto_the_fuller_node() {
     let free: Vec<FreeDevice> = std::iter::once(device("n1", 0, "gpu0-s3", 20))
         .chain((0..4).map(|s| device("n2", 0, &format!("gpu0-s{s}"), 20)))
         .collect();
-    let nodes = Nodes {
-        gpus: BTreeMap::from([("n1".into(), 1), ("n2".into(), 1)]),
-        ..Nodes::default()
-    };
+    let nodes = gpus_on(&[("n1", 1), ("n2", 1)]);
     assert_eq!(engine_pick(&pod("a", "p", 0, 0), &free, &nodes), "n1");
 }
 
@@ -402,10 +407,7 @@ fn the_engine_takes_the_mig_instance_that_wastes_least_and_keeps_whole_gpus_whol
         instance("n1", "gpu0-mig0-3g.40gb", 40, 500),
         instance("n2", "gpu0-mig6-1g.10gb", 10, 125),
     ];
-    let nodes = Nodes {
-        gpus: BTreeMap::from([("n1".into(), 1), ("n2".into(), 1)]),
-        ..Nodes::default()
-    };
+    let nodes = gpus_on(&[("n1", 1), ("n2", 1)]);
     assert_eq!(engine_pick(&pod("a", "p", 0, 0), &free, &nodes), "n2");
 
     // Whole GPUs: one left free on n1 (of 8), all 8 free on n2; a one-GPU pod goes to n1, so
@@ -417,10 +419,7 @@ fn the_engine_takes_the_mig_instance_that_wastes_least_and_keeps_whole_gpus_whol
     let free: Vec<FreeDevice> = std::iter::once(whole("n1", 7))
         .chain((0..8).map(|g| whole("n2", g)))
         .collect();
-    let nodes = Nodes {
-        gpus: BTreeMap::from([("n1".into(), 8), ("n2".into(), 8)]),
-        ..Nodes::default()
-    };
+    let nodes = gpus_on(&[("n1", 8), ("n2", 8)]);
     assert_eq!(engine_pick(&pod("a", "p", 0, 0), &free, &nodes), "n1");
 }
 
