@@ -47,6 +47,14 @@ pub enum QuantityError {
     NotCpu(String),
 }
 
+/// `value` as a whole number, where it is one up to the binary floating point's round-off
+/// (`700m` × 1000 is 700.0000000000001 in f64); none when negative, too large or fractional.
+fn whole(value: f64) -> Option<u64> {
+    let rounded = value.round();
+    let exact = (value - rounded).abs() <= 1e-9 * rounded.max(1.0);
+    ((0.0..=u64::MAX as f64).contains(&rounded) && exact).then_some(rounded as u64)
+}
+
 /// The millicores a CPU quantity (`4`, `500m`, `1.5`) stands for.
 pub fn millicores_of(text: &str) -> Result<u64, QuantityError> {
     let parsed: ParsedQuantity = Quantity(text.to_string())
@@ -56,10 +64,7 @@ pub fn millicores_of(text: &str) -> Result<u64, QuantityError> {
         .to_bytes_f64()
         .map(|cores| cores * 1000.0)
         .ok_or_else(|| QuantityError::NotCpu(text.to_string()))?;
-    if !(0.0..=u64::MAX as f64).contains(&value) || value.fract() != 0.0 {
-        return Err(QuantityError::NotCpu(text.to_string()));
-    }
-    Ok(value as u64)
+    whole(value).ok_or_else(|| QuantityError::NotCpu(text.to_string()))
 }
 
 /// The number of bytes a quantity (`20Gi`, `1.5G`, `1024`) stands for.
@@ -70,10 +75,7 @@ pub fn bytes_of(text: &str) -> Result<u64, QuantityError> {
     let value = parsed
         .to_bytes_f64()
         .ok_or_else(|| QuantityError::NotBytes(text.to_string()))?;
-    if !(0.0..=u64::MAX as f64).contains(&value) || value.fract() != 0.0 {
-        return Err(QuantityError::NotBytes(text.to_string()));
-    }
-    Ok(value as u64)
+    whole(value).ok_or_else(|| QuantityError::NotBytes(text.to_string()))
 }
 
 /// A byte count in the largest binary unit that divides it (`20Gi`, `1536Mi`).
@@ -119,6 +121,18 @@ mod tests {
             Err(QuantityError::Malformed(_))
         ));
         assert!(bytes_of(q("1m")).is_err());
+    }
+
+    #[test]
+    fn millicores_that_binary_floating_point_cannot_hold_exactly_still_read() {
+        // 700m, 940m (GKE's allocatable on one vCPU) and 31580m are not exact in f64 after
+        // scaling; every whole millicore count must read back as itself.
+        for m in [9, 13, 700, 940, 1900, 31580, 199_999] {
+            assert_eq!(millicores_of(&format!("{m}m")), Ok(m), "{m}m");
+        }
+        assert_eq!(millicores_of("1.5"), Ok(1500));
+        assert!(millicores_of("0.5m").is_err());
+        assert!(millicores_of("-1").is_err());
     }
 
     #[test]

@@ -74,7 +74,8 @@ fn published(
             }
         }
     }
-    let mut software_on_gpu: BTreeMap<(String, i64), u32> = BTreeMap::new();
+    // Distinct devices: a republished ResourceSlice may list a device twice for a while.
+    let mut software_on_gpu: BTreeMap<(String, i64), BTreeSet<String>> = BTreeMap::new();
     let mut out: BTreeMap<(String, String), (Published, i64)> = BTreeMap::new();
     for slice in slices.state() {
         let node = slice.spec.node_name.clone().unwrap_or_default();
@@ -82,7 +83,10 @@ fn published(
             let gpu = device.gpu_index().unwrap_or(-1);
             let software = device.is_software();
             if software {
-                *software_on_gpu.entry((node.clone(), gpu)).or_default() += 1;
+                software_on_gpu
+                    .entry((node.clone(), gpu))
+                    .or_default()
+                    .insert(device.name.clone());
             }
             let Some(pool) = device.pool().map(str::to_string) else {
                 continue;
@@ -117,7 +121,8 @@ fn published(
         .map(|(key, (mut p, gpu))| {
             let at = (p.device.node.clone(), gpu);
             if p.software {
-                p.device.share = WHOLE / software_on_gpu.get(&at).copied().unwrap_or(1).max(1);
+                let slices = software_on_gpu.get(&at).map_or(1, BTreeSet::len).max(1);
+                p.device.share = WHOLE / u32::try_from(slices).unwrap_or(WHOLE);
             } else if p.mig
                 && let Some(&memory) = gpu_memory.get(&at).filter(|m| **m > 0)
             {

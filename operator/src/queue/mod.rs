@@ -141,6 +141,7 @@ pub fn trim_pod(pod: &mut Pod) {
                 .filter(|l| !l.is_empty());
             *c = k8s_openapi::api::core::v1::Container {
                 name: std::mem::take(&mut c.name),
+                restart_policy: c.restart_policy.take(),
                 resources: (limits.is_some() || requests.is_some()).then(|| {
                     k8s_openapi::api::core::v1::ResourceRequirements {
                         limits,

@@ -36,26 +36,34 @@ fn requested(c: &Container) -> (u64, u64) {
 }
 
 /// What a pod takes of its node's CPU (millicores) and memory (MiB), as kube-scheduler counts
-/// it: its containers' requests summed, or its largest init container's where that is more,
-/// plus the pod's overhead.
+/// it: its containers' and native sidecars' (init containers with `restartPolicy: Always`)
+/// requests summed, or an init container's with the sidecars started before it where that is
+/// more, plus the pod's overhead.
 pub fn requests(pod: &Pod) -> (u64, u64) {
     let Some(spec) = &pod.spec else {
         return (0, 0);
     };
-    let (mut cpu, mut memory) = spec
-        .containers
-        .iter()
-        .map(requested)
-        .fold((0, 0), |(c, m), (dc, dm)| (c + dc, m + dm));
+    let add =
+        |(c, m): (u64, u64), (dc, dm): (u64, u64)| (c.saturating_add(dc), m.saturating_add(dm));
+    let mut sidecars = (0u64, 0u64);
+    let mut init_peak = (0u64, 0u64);
     for init in spec.init_containers.iter().flatten() {
-        let (c, m) = requested(init);
-        cpu = cpu.max(c);
-        memory = memory.max(m);
+        if init.restart_policy.as_deref() == Some("Always") {
+            sidecars = add(sidecars, requested(init));
+        } else {
+            let (c, m) = add(sidecars, requested(init));
+            init_peak = (init_peak.0.max(c), init_peak.1.max(m));
+        }
     }
+    let running = spec.containers.iter().map(requested).fold(sidecars, add);
     let overhead = spec.overhead.as_ref();
-    cpu += millicores(overhead.and_then(|o| o.get("cpu")));
-    memory += mebibytes(overhead.and_then(|o| o.get("memory")));
-    (cpu, memory)
+    add(
+        (running.0.max(init_peak.0), running.1.max(init_peak.1)),
+        (
+            millicores(overhead.and_then(|o| o.get("cpu"))),
+            mebibytes(overhead.and_then(|o| o.get("memory"))),
+        ),
+    )
 }
 
 /// A container's CPU and memory requests, none when it requests neither.
@@ -86,6 +94,7 @@ pub fn trim_bound_pod(pod: &mut Pod) {
                 ..Default::default()
             }),
             name: c.name,
+            restart_policy: c.restart_policy,
             ..Default::default()
         };
         pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
@@ -108,16 +117,22 @@ pub(super) fn rooms(
     queued: &[Arc<Pod>],
 ) -> BTreeMap<String, Room> {
     let mut out: BTreeMap<String, Room> = BTreeMap::new();
+    // A resource the Node does not state (or states unreadably) does not limit it.
+    let unlimited = u64::MAX / 4;
     for node in nodes.state() {
         let Some(allocatable) = node.status.as_ref().and_then(|s| s.allocatable.as_ref()) else {
             continue;
         };
+        let cpu = allocatable
+            .get("cpu")
+            .and_then(|q| gpuslice_api::millicores_of(&q.0).ok());
+        let memory = allocatable
+            .get("memory")
+            .and_then(|q| gpuslice_api::bytes_of(&q.0).ok())
+            .map(|b| b / MIB);
         out.insert(
             node.name_any(),
-            Room::empty(
-                millicores(allocatable.get("cpu")),
-                mebibytes(allocatable.get("memory")),
-            ),
+            Room::empty(cpu.unwrap_or(unlimited), memory.unwrap_or(unlimited)),
         );
     }
     let mut counted: BTreeSet<(String, String)> = BTreeSet::new();
@@ -143,4 +158,35 @@ pub(super) fn rooms(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_takes_its_containers_and_sidecars_or_its_largest_init_step() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"},
+            "spec": {
+                "initContainers": [
+                    {"name": "mesh", "restartPolicy": "Always",
+                     "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}},
+                    {"name": "fetch", "resources": {"requests": {"cpu": "3", "memory": "128Mi"}}}
+                ],
+                "containers": [
+                    {"name": "a", "resources": {"requests": {"cpu": "700m", "memory": "1Gi"}}},
+                    {"name": "b", "resources": {"requests": {"cpu": "940m"}}}
+                ],
+                "overhead": {"cpu": "10m", "memory": "8Mi"}
+            }
+        }))
+        .unwrap();
+        // CPU: the init step (3000m + the sidecar's 100m) beats 700 + 940 + 100; memory: the
+        // containers and the sidecar (1024 + 64) beat the init step (128 + 64); then overhead.
+        assert_eq!(requests(&pod), (3110, 1096));
+        let mut trimmed = pod.clone();
+        trim_bound_pod(&mut trimmed);
+        assert_eq!(requests(&trimmed), requests(&pod));
+    }
 }

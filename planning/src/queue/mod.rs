@@ -280,8 +280,12 @@ fn taken_on(count: u32, nvlink: bool, candidates: &[&FreeDevice]) -> Vec<FreeDev
     let count = count.max(1) as usize;
     let mut groups: BTreeMap<Option<&str>, Vec<&FreeDevice>> = BTreeMap::new();
     for &d in candidates {
-        let domain = if nvlink {
-            d.nvlink_domain.as_deref()
+        let domain = if nvlink && count > 1 {
+            // Devices of no NVLink domain never serve such a pod (as in `together_at`).
+            let Some(domain) = d.nvlink_domain.as_deref() else {
+                continue;
+            };
+            Some(domain)
         } else {
             None
         };
@@ -341,6 +345,9 @@ pub fn admit(
     let usable = |d: &FreeDevice| need.fits(d) && pod.outlived_by(d);
     let mut candidates = candidates(pod, free.iter().filter(|d| usable(d)));
     let fitting = !candidates.is_empty();
+    if fitting {
+        placer.arrived(pod, &candidates);
+    }
     candidates.retain(|node, _| nodes.fits(node, pod));
     if candidates.is_empty() {
         return Err(if fitting {

@@ -57,8 +57,8 @@ impl Room {
 
 /// The nodes as one pass sees them: their [`Room`] (shared by every pool on them, so a pool's
 /// admissions leave less for the next pool's) and how many of the pool's GPUs each has (free
-/// or not). A node without a room is not limited by CPU or memory (its agent has not reported
-/// its allocatable resources).
+/// or not). A node without a room is not limited by CPU or memory (its Node states no
+/// allocatable resources).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Nodes {
     pub rooms: BTreeMap<String, Room>,
@@ -74,6 +74,13 @@ impl Nodes {
 
 /// Picks the node for a pod among the nodes whose free devices hold it.
 pub trait Placer {
+    /// `pod` is at the gate and these free devices of the pool fit it (per node; before its
+    /// nodes' rooms are checked): a learning policy is shown each such pod once, whether it
+    /// goes or waits for room (one that no free device fits has no share to learn yet).
+    fn arrived(&mut self, pod: &Waiting, fitting: &BTreeMap<String, Vec<FreeDevice>>) {
+        let _ = (pod, fitting);
+    }
+
     /// `candidates`: per node, the free devices that fit the pod (at least its `count`, on one
     /// NVLink domain where it needs one), on nodes with room for its CPU and memory; `free`:
     /// every free device of the pool.
@@ -118,7 +125,8 @@ fn share_of(d: &FreeDevice) -> u32 {
 }
 
 /// The pod as the engine's request: its CPU and memory, and of GPUs whole ones when every
-/// device it could take is a whole GPU, else the share of the smallest.
+/// device it could take is a whole GPU, else the share of the smallest of them (per slice: the
+/// engine's shares are of one GPU; a pod of several slices is scored by the GPUs it takes).
 fn request_of(pod: &Waiting, candidates: &BTreeMap<String, Vec<FreeDevice>>) -> Request {
     let smallest = candidates
         .values()
@@ -138,10 +146,10 @@ fn request_of(pod: &Waiting, candidates: &BTreeMap<String, Vec<FreeDevice>>) -> 
     }
 }
 
-/// The GPU thousandths `request` needs at least.
-fn asked(request: &Request) -> u32 {
+/// The GPU thousandths a pod of `count` slices, as `request`, needs at least.
+fn asked(request: &Request, count: u32) -> u32 {
     match request.gpu {
-        GpuAsk::Share(milli) => milli,
+        GpuAsk::Share(milli) => milli * count.max(1),
         GpuAsk::Whole(n) => n * WHOLE,
         GpuAsk::None | GpuAsk::Mig(_) => 0,
     }
@@ -210,6 +218,15 @@ fn engine_view(
 }
 
 impl Placer for EnginePlacer {
+    fn arrived(&mut self, pod: &Waiting, fitting: &BTreeMap<String, Vec<FreeDevice>>) {
+        if self.shown.len() >= REMEMBERED {
+            self.shown.clear();
+        }
+        if self.shown.insert(pod.key()) {
+            self.policy.observe(&request_of(pod, fitting));
+        }
+    }
+
     fn pick(
         &mut self,
         pod: &Waiting,
@@ -218,12 +235,6 @@ impl Placer for EnginePlacer {
         nodes: &Nodes,
     ) -> String {
         let request = request_of(pod, candidates);
-        if self.shown.len() >= REMEMBERED {
-            self.shown.clear();
-        }
-        if self.shown.insert(pod.key()) {
-            self.policy.observe(&request);
-        }
         let total: u64 = free.iter().map(|d| u64::from(share_of(d))).sum();
         self.policy
             .survey(&BTreeMap::from([(String::new(), total)]));
@@ -244,6 +255,10 @@ impl Placer for EnginePlacer {
             }
             let on_node = free_on.get(name.as_str()).map_or(&[][..], Vec::as_slice);
             let (view, choice) = engine_view(name, &taken, on_node, nodes);
+            if !self.policy.cacheable() {
+                // Scores that are drawn (Random) are drawn per node, not per state.
+                scored.clear();
+            }
             let score = match scored.entry((view, choice.gpus)) {
                 Entry::Occupied(known) => *known.get(),
                 Entry::Vacant(state) => {
@@ -257,7 +272,7 @@ impl Placer for EnginePlacer {
                     // the difference for as long as the pod runs: a certain loss, counted in
                     // the unit of the policy's packing loss (millionths of a GPU).
                     let taken: u32 = gpus.iter().map(|(_, milli)| milli).sum();
-                    let waste = taken.saturating_sub(asked(&request));
+                    let waste = taken.saturating_sub(asked(&request, pod.count));
                     let s = self.policy.score(view, &request, &choice) - f64::from(waste) * 1e3;
                     *state.insert(s)
                 }
